@@ -1,0 +1,53 @@
+"""layeropt: update each layer during backward and free its gradient at once.
+
+Swap ``torch.optim.Adam`` for ``layeropt.Adam`` and call
+``layeropt.attach(model)``; the rest of a training loop keeps working.
+
+Example:
+    >>> import torch, layeropt
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = layeropt.Adam(model.parameters(), lr=1e-3)
+    >>> with layeropt.attach(model, opt):
+    ...     model(torch.randn(3, 4)).sum().backward()  # updated here
+    ...     opt.step()                                  # harmless no-op
+"""
+
+from .attach import Attachment, attach
+from .errors import AttachError, BackwardStateError, LayeroptError
+from .landing import Bucket
+from .optim import (
+    SGD,
+    Adagrad,
+    Adam,
+    AdamW,
+    InBackwardOptimizer,
+    RMSprop,
+    in_backward,
+    is_in_backward,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Adagrad",
+    "RMSprop",
+    "InBackwardOptimizer",
+    "in_backward",
+    "is_in_backward",
+    "attach",
+    "Attachment",
+    "Bucket",
+    "LayeroptError",
+    "AttachError",
+    "BackwardStateError",
+]
+
+try:
+    from .optim import Adafactor  # torch >= 2.5
+
+    __all__.append("Adafactor")
+except ImportError:  # pragma: no cover - old torch
+    pass

@@ -1,0 +1,267 @@
+"""``layeropt.attach``: hook a model's parameters to their layeropt optimizers.
+
+Attaching groups the model's trainable parameters into layer buckets (each
+module's own parameters, optionally merged up to a size cap) and registers one
+post-accumulate-grad hook per parameter. What the hook does is in
+``layeropt/landing.py``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from .errors import AttachError
+from .landing import Bucket
+from .optim import InBackwardOptimizer, live_optimizers
+
+__all__ = ["attach", "Attachment"]
+
+# parameter -> the Attachment whose hook it carries (one hook per parameter)
+_HOOKED: "weakref.WeakKeyDictionary[Tensor, Attachment]" = weakref.WeakKeyDictionary()
+
+_SPARSE_MODULES = (nn.Embedding, nn.EmbeddingBag)
+
+
+def _owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer]:
+    if optimizer is None:
+        params = {p for p in model.parameters()}
+        found = [o for o in live_optimizers() if any(o.owns(p) for p in params)]
+        if not found:
+            raise AttachError(
+                "no layeropt optimizer owns any parameter of this model. Create one "
+                "first, e.g. opt = layeropt.Adam(model.parameters()), then call "
+                "layeropt.attach(model, opt)."
+            )
+        return found
+    optimizers = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
+    for o in optimizers:
+        if not isinstance(o, InBackwardOptimizer):
+            raise AttachError(
+                f"{type(o).__module__}.{type(o).__name__} cannot step in backward. Use "
+                f"the layeropt class of the same name (layeropt.{type(o).__name__}) or "
+                f"layeropt.in_backward({type(o).__name__}) to make one."
+            )
+    return optimizers
+
+
+def _check_param(name: str, p: Tensor, module: nn.Module) -> None:
+    if not p.is_leaf:
+        raise AttachError(
+            f"parameter {name!r} is not a leaf tensor, so autograd never accumulates "
+            "its gradient. Make it an nn.Parameter (or a leaf with requires_grad=True)."
+        )
+    if isinstance(module, _SPARSE_MODULES) and getattr(module, "sparse", False):
+        raise AttachError(
+            f"parameter {name!r} belongs to {type(module).__name__}(sparse=True), whose "
+            "gradients are sparse; layeropt steps dense gradients only. Set "
+            "sparse=False, or give this parameter to a separate plain torch.optim "
+            "optimizer (e.g. torch.optim.SparseAdam)."
+        )
+
+
+def _layer_buckets(
+    model: nn.Module, optimizers: list[InBackwardOptimizer]
+) -> list[tuple[InBackwardOptimizer, Bucket]]:
+    """One bucket per (module, optimizer) of the module's own trainable params.
+
+    A parameter shared by several modules (tied weights) goes to the first
+    module that registers it. Buckets are listed in reverse registration
+    order, the usual order in which gradients land.
+    """
+    seen: set[int] = set()
+    buckets: list[tuple[InBackwardOptimizer, Bucket]] = []
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        own: dict[int, tuple[InBackwardOptimizer, list[Tensor]]] = {}
+        for p_name, p in module.named_parameters(recurse=False):
+            if id(p) in seen or not p.requires_grad:
+                continue
+            owners = [o for o in optimizers if o.owns(p)]
+            if not owners:
+                continue
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            if len(owners) > 1:
+                raise AttachError(
+                    f"parameter {full!r} is owned by {len(owners)} layeropt optimizers, "
+                    "so it would be stepped twice per backward. Give each parameter "
+                    "to one optimizer (use param groups for different settings)."
+                )
+            _check_param(full, p, module)
+            seen.add(id(p))
+            own.setdefault(id(owners[0]), (owners[0], []))[1].append(p)
+        for opt, params in own.values():
+            buckets.append((opt, Bucket(mod_name or type(model).__name__, params)))
+    buckets.reverse()
+    return buckets
+
+
+def _merge(
+    buckets: list[tuple[InBackwardOptimizer, Bucket]], cap_bytes: int
+) -> list[tuple[InBackwardOptimizer, Bucket]]:
+    """Merge consecutive buckets of one optimizer while they fit in ``cap_bytes``."""
+    merged: list[tuple[InBackwardOptimizer, Bucket]] = []
+    for opt, b in buckets:
+        if merged and merged[-1][0] is opt and merged[-1][1].nbytes + b.nbytes <= cap_bytes:
+            last = merged[-1][1]
+            merged[-1] = (opt, Bucket(f"{last.name}+{b.name}", last.params + b.params))
+        else:
+            merged.append((opt, b))
+    return merged
+
+
+class Attachment:
+    """Handle returned by :func:`attach`; ``remove()`` restores plain behaviour.
+
+    Also a context manager: hooks are removed when the ``with`` block exits.
+
+    Attributes:
+        buckets: the layer buckets, in the order gradients usually land.
+        optimizers: the layeropt optimizers whose parameters are hooked.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizers: list[InBackwardOptimizer],
+        bucket_cap_mb: float | None,
+    ) -> None:
+        self._model = weakref.ref(model)
+        self.optimizers = optimizers
+        self._cap = None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
+        self._handles: list[Any] = []
+        self.buckets: list[Bucket] = []
+        self._owners: list[InBackwardOptimizer] = []  # optimizer of each bucket
+        self._removed = False
+        self._hook_all()
+
+    def _hook_all(self) -> None:
+        model = self._model()
+        if model is None:
+            return
+        pairs = _layer_buckets(model, self.optimizers)
+        if self._cap:
+            pairs = _merge(pairs, self._cap)
+        for _, b in pairs:
+            for p in b.params:
+                other = _HOOKED.get(p)
+                if other is not None and other is not self:
+                    raise AttachError(
+                        f"a parameter of {b.name!r} is already attached (by {other!r}). "
+                        "Call .remove() on that attachment before attaching again."
+                    )
+        for opt, b in pairs:
+            engine = opt._lo_engine
+            engine.attachments.add(self)
+            for i, p in enumerate(b.params):
+                self._handles.append(
+                    p.register_post_accumulate_grad_hook(_make_hook(engine, b, i))
+                )
+                _HOOKED[p] = self
+                engine.hook_count += 1
+            self.buckets.append(b)
+            self._owners.append(opt)
+
+    def _rebuild(self) -> None:
+        """Re-hook after the optimizers' param groups changed (add_param_group)."""
+        if not self._removed:
+            self._release()
+            self._hook_all()
+
+    def _release(self) -> None:
+        for h in self._handles:
+            h.remove()
+        for opt, b in zip(self._owners, self.buckets):
+            opt._lo_engine.hook_count -= len(b.params)
+            for p in b.params:
+                if _HOOKED.get(p) is self:
+                    del _HOOKED[p]
+        self._handles.clear()
+        self.buckets.clear()
+        self._owners.clear()
+
+    def remove(self) -> None:
+        """Remove every hook; the optimizers behave like torch.optim again."""
+        if not self._removed:
+            self._release()
+            for opt in self.optimizers:
+                opt._lo_engine.attachments.discard(self)
+            self._removed = True
+
+    def __enter__(self) -> Attachment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else f"{len(self.buckets)} buckets"
+        return f"<layeropt.Attachment {state}>"
+
+
+def _make_hook(engine: Any, bucket: Bucket, index: int) -> Any:
+    on_grad = engine.on_grad
+
+    def hook(param: Tensor) -> None:
+        on_grad(bucket, index, param)
+
+    return hook
+
+
+def attach(
+    model: nn.Module,
+    optimizer: Optimizer | Iterable[Optimizer] | None = None,
+    *,
+    bucket_cap_mb: float | None = None,
+) -> Attachment:
+    """Update ``model``'s parameters during backward, as their gradients complete.
+
+    Each trainable parameter of ``model`` owned by a layeropt optimizer gets a
+    post-accumulate-grad hook. Parameters are grouped into layer buckets (a
+    module's own parameters); a bucket is stepped with torch's own ``step``
+    the moment all its gradients have accumulated, and its ``.grad`` is freed.
+
+    Args:
+        model: the module whose parameters to hook.
+        optimizer: a layeropt optimizer, several, or ``None`` to use every live
+            layeropt optimizer that owns some of the model's parameters.
+        bucket_cap_mb: merge consecutive small layer buckets up to this many MiB
+            of gradient (fewer, larger steps; more gradient memory held).
+            ``None`` (default) keeps one bucket per module.
+
+    Returns:
+        An :class:`Attachment`; call ``.remove()`` (or use it as a context
+        manager) to go back to plain ``backward(); step()`` behaviour.
+
+    Raises:
+        AttachError: the optimizer is not a layeropt optimizer, owns none of
+            the model's parameters, a parameter is owned twice, already
+            attached, not a leaf, or has sparse gradients.
+
+    Example:
+        >>> import torch, layeropt
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        >>> opt = layeropt.Adam(model.parameters(), lr=1e-3)
+        >>> handle = layeropt.attach(model, opt)
+        >>> model(torch.randn(2, 4)).sum().backward()   # steps both layers
+        >>> all(p.grad is None for p in model.parameters())
+        True
+        >>> handle.remove()
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"attach() needs an nn.Module, got {type(model).__name__}")
+    if bucket_cap_mb is not None and bucket_cap_mb < 0:
+        raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+    optimizers = _owners(model, optimizer)
+    if len({id(o) for o in optimizers}) != len(optimizers):
+        raise AttachError("the same optimizer was given twice; pass it once.")
+    owned = [p for p in model.parameters() if any(o.owns(p) for o in optimizers)]
+    if not owned:
+        raise AttachError(
+            "the optimizer owns none of this model's parameters. Build it from "
+            "model.parameters() (or add them with add_param_group) before attaching."
+        )
+    return Attachment(model, optimizers, bucket_cap_mb)

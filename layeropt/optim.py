@@ -1,0 +1,298 @@
+"""The in-backward optimizer family.
+
+Every layeropt optimizer is the ``torch.optim`` class of the same name with one
+extra ability: it can step *any subset* of its parameters with torch's own
+``step`` code. That ability is what the backward hooks use (see
+``layeropt/landing.py``), so the update math is never re-derived here and the
+results equal ``torch.optim`` bit for bit.
+
+Until ``layeropt.attach`` hooks a model, a layeropt optimizer *is* its torch
+counterpart: same constructor, same ``step``, same ``state_dict`` format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .errors import LayeroptError
+from .landing import Engine
+
+__all__ = [
+    "InBackwardOptimizer",
+    "in_backward",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Adagrad",
+    "RMSprop",
+    "is_in_backward",
+]
+
+_O = TypeVar("_O", bound=Optimizer)
+
+# Optimizers whose update of one parameter depends on the others (or that need
+# a closure), so stepping a subset as soon as its gradient lands cannot match
+# stepping all of them at once.
+_NOT_PER_PARAMETER = {"LBFGS": "it needs a closure and keeps one state for all parameters"}
+
+# Every live layeropt optimizer, so ``attach(model)`` can find the owners.
+_LIVE: "weakref.WeakSet[InBackwardOptimizer]" = weakref.WeakSet()
+
+
+def _raw_step(cls: type) -> Callable[..., Any]:
+    """Return ``cls.step`` without torch's profiling/hook wrapper.
+
+    ``Optimizer.__init__`` wraps each class's ``step`` once with
+    ``profile_hook_step`` (record_function + user step hooks). Bucket steps
+    inside backward skip that wrapper: user step hooks run once per
+    ``optimizer.step()`` call, not once per layer.
+    """
+    for klass in cls.__mro__:
+        fn = klass.__dict__.get("step")
+        if fn is not None:
+            return fn.__wrapped__ if getattr(fn, "hooked", False) else fn
+    raise LayeroptError(f"{cls.__name__} has no step() method")
+
+
+class InBackwardOptimizer(Optimizer):
+    """Mixin that gives a ``torch.optim.Optimizer`` subclass in-backward updates.
+
+    Use it through the concrete classes (``layeropt.Adam`` ...) or
+    :func:`in_backward`. It adds:
+
+    * ``no_step()`` - a context in which attached backwards accumulate
+      gradients instead of stepping (gradient accumulation);
+    * ``step()`` - unchanged before ``attach``; after it, steps only the
+      parameters that still hold a gradient the hooks did not consume, and
+      frees those gradients;
+    * ``stepped_in_backward`` - how many parameter updates the hooks made in
+      the last backward (for logging and tests).
+    """
+
+    _torch_step: Callable[..., Any]  # set on each concrete class
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._lo_engine = Engine(self)
+        self._lo_group_index: dict[Tensor, int] | None = None
+        super().__init__(*args, **kwargs)
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------
+    # The one primitive: step a subset of parameters with torch's code.
+    # ------------------------------------------------------------------
+    def _group_index(self) -> dict[Tensor, int]:
+        if self._lo_group_index is None:
+            self._lo_group_index = {
+                p: i for i, g in enumerate(self.param_groups) for p in g["params"]
+            }
+        return self._lo_group_index
+
+    def owns(self, param: Tensor) -> bool:
+        """Whether ``param`` is in one of this optimizer's param groups."""
+        return param in self._group_index()
+
+    def _step_params(self, params: Iterable[Tensor]) -> None:
+        """Update exactly ``params`` (each must hold a ``.grad``) with torch's step.
+
+        Each param group is narrowed to the given members for the duration of
+        one call to the torch class's own ``step``; everything else (hyper-
+        parameters, lazily created state, foreach/fused dispatch) is torch's.
+        """
+        index = self._group_index()
+        by_group: dict[int, list[Tensor]] = {}
+        for p in params:
+            by_group.setdefault(index[p], []).append(p)
+        groups = self.param_groups
+        narrowed = [groups[i] for i in sorted(by_group)]
+        saved = [g["params"] for g in narrowed]
+        try:
+            for g, i in zip(narrowed, sorted(by_group)):
+                g["params"] = by_group[i]
+            self.param_groups = narrowed
+            type(self)._torch_step(self)
+        finally:
+            self.param_groups = groups
+            for g, ps in zip(narrowed, saved):
+                g["params"] = ps
+        self._opt_called = True  # an LR scheduler sees that a step happened
+
+    # ------------------------------------------------------------------
+    # Public surface on top of torch's.
+    # ------------------------------------------------------------------
+    @property
+    def attached(self) -> bool:
+        """Whether backward hooks currently step (some of) these parameters."""
+        return self._lo_engine.hook_count > 0
+
+    @property
+    def stepped_in_backward(self) -> int:
+        """Parameter updates made by hooks in the most recent attached backward."""
+        return self._lo_engine.last_backward_steps
+
+    @contextlib.contextmanager
+    def no_step(self) -> Iterator[None]:
+        """Accumulate gradients in attached backwards instead of stepping.
+
+        Like DDP's ``no_sync()``: inside the context, gradients are summed in
+        ``.grad`` as plain PyTorch would; the first attached backward outside it
+        steps every parameter with its accumulated gradient and frees it.
+
+        Example:
+            >>> model = torch.nn.Linear(4, 2)
+            >>> opt = Adam(model.parameters())
+            >>> handle = layeropt.attach(model, opt)  # doctest: +SKIP
+            >>> for i, batch in enumerate(micro_batches):  # doctest: +SKIP
+            ...     ctx = opt.no_step() if i < len(micro_batches) - 1 else nullcontext()
+            ...     with ctx:
+            ...         (model(batch).sum() / len(micro_batches)).backward()
+        """
+        self._lo_engine.no_step_depth += 1
+        try:
+            yield
+        finally:
+            self._lo_engine.no_step_depth -= 1
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Torch's ``step``; once attached, only for gradients the hooks left.
+
+        Before ``attach`` this is exactly the torch class's ``step``. After it,
+        the hooks have already updated every parameter whose gradient landed in
+        backward and freed its ``.grad``; ``step()`` then updates the parameters
+        that still hold a gradient (assigned by hand, or accumulated under
+        ``no_step()``) and frees those gradients, as ``step(); zero_grad()``
+        would. With no such gradient it does nothing, so existing loops keep
+        working unchanged.
+        """
+        if not self.attached:
+            return type(self)._torch_step(self, closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._lo_engine.flush_leftovers()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Torch's ``zero_grad``; also forgets gradients held by ``no_step()``."""
+        super().zero_grad(set_to_none)
+        self._lo_engine.held.clear()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Torch's ``add_param_group``; attached models hook the new parameters."""
+        super().add_param_group(param_group)
+        self._lo_group_index = None
+        if hasattr(self, "_lo_engine"):
+            self._lo_engine.on_param_groups_changed()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Torch's ``load_state_dict`` (same format both ways)."""
+        super().load_state_dict(state_dict)
+        self._lo_group_index = None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "_lo_engine" not in self.__dict__:
+            self._lo_engine = Engine(self)
+            self._lo_group_index = None
+        _LIVE.add(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        state.pop("_lo_engine", None)
+        state["_lo_group_index"] = None
+        return state
+
+
+_GENERATED: dict[type, type] = {}
+
+
+def in_backward(optimizer_class: type[_O]) -> type[_O]:
+    """Make an in-backward variant of any ``torch.optim.Optimizer`` subclass.
+
+    The new class takes exactly the arguments of ``optimizer_class`` and, until
+    ``layeropt.attach``, behaves exactly like it. The optimizer's state must be
+    per parameter (true of every ``torch.optim`` optimizer except LBFGS, and of
+    most third-party ones), so that updating a layer as soon as its gradient
+    lands equals updating all layers together.
+
+    Args:
+        optimizer_class: a ``torch.optim.Optimizer`` subclass.
+
+    Returns:
+        A subclass of both ``optimizer_class`` and :class:`InBackwardOptimizer`.
+        Calling ``in_backward`` twice on one class returns the same class;
+        ``in_backward(torch.optim.Adam) is layeropt.Adam``.
+
+    Example:
+        >>> NAdam = in_backward(torch.optim.NAdam)
+        >>> opt = NAdam(torch.nn.Linear(2, 2).parameters(), lr=1e-3)
+        >>> isinstance(opt, torch.optim.NAdam)
+        True
+    """
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+        raise TypeError(
+            f"in_backward() needs a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+        )
+    if issubclass(optimizer_class, InBackwardOptimizer):
+        return optimizer_class
+    if optimizer_class in _GENERATED:
+        return _GENERATED[optimizer_class]  # type: ignore[return-value]
+    reason = _NOT_PER_PARAMETER.get(optimizer_class.__name__)
+    if reason is not None:
+        raise TypeError(
+            f"{optimizer_class.__name__} cannot step in backward: {reason}. "
+            "Use it as a plain torch.optim optimizer instead."
+        )
+    cls = type(
+        optimizer_class.__name__,
+        (InBackwardOptimizer, optimizer_class),
+        {
+            "__module__": __name__,
+            "__qualname__": optimizer_class.__name__,
+            "__doc__": (
+                f"In-backward {optimizer_class.__module__}.{optimizer_class.__qualname__}: "
+                "same arguments and math; call ``layeropt.attach(model)`` to update "
+                "each layer as soon as its gradient is complete.\n\n"
+                + (optimizer_class.__doc__ or "")
+            ),
+            "_torch_step": staticmethod(_raw_step(optimizer_class)),
+        },
+    )
+    init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+
+    __init__.__signature__ = inspect.signature(optimizer_class.__init__)  # type: ignore[attr-defined]
+    __init__.__doc__ = optimizer_class.__init__.__doc__
+    cls.__init__ = __init__  # type: ignore[misc]
+    _GENERATED[optimizer_class] = cls
+    return cls  # type: ignore[return-value]
+
+
+def is_in_backward(optimizer: object) -> bool:
+    """Whether ``optimizer`` is a layeropt (in-backward) optimizer."""
+    return isinstance(optimizer, InBackwardOptimizer)
+
+
+SGD = in_backward(torch.optim.SGD)
+Adam = in_backward(torch.optim.Adam)
+AdamW = in_backward(torch.optim.AdamW)
+Adagrad = in_backward(torch.optim.Adagrad)
+RMSprop = in_backward(torch.optim.RMSprop)
+if hasattr(torch.optim, "Adafactor"):  # torch >= 2.5
+    Adafactor = in_backward(torch.optim.Adafactor)
+    __all__.append("Adafactor")
+
+
+def live_optimizers() -> list[InBackwardOptimizer]:
+    """Every layeropt optimizer still alive (used by ``attach(model)``)."""
+    return list(_LIVE)
