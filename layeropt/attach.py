@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import AttachError
 from .landing import Bucket
@@ -22,7 +23,7 @@ from .optim import InBackwardOptimizer, live_optimizers
 __all__ = ["attach", "Attachment"]
 
 # parameter -> the Attachment whose hook it carries (one hook per parameter)
-_HOOKED: "weakref.WeakKeyDictionary[Tensor, Attachment]" = weakref.WeakKeyDictionary()
+_HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 _SPARSE_MODULES = (nn.Embedding, nn.EmbeddingBag)
 

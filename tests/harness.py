@@ -1,0 +1,135 @@
+"""Shared tables and the reference harness (imported by the tests).
+
+Every exactness test trains two copies of a model from the same seed: one with
+plain torch (``loss.backward(); torch_opt.step(); torch_opt.zero_grad()``), one
+with a layeropt optimizer attached, and compares parameters and optimizer state
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import layeropt
+from layeropt.models import make_model
+
+# (name, torch class, kwargs): every option torch offers for each optimizer.
+OPTIMIZER_CONFIGS: list[tuple[str, dict[str, Any]]] = [
+    ("SGD", dict(lr=0.1)),
+    ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True, maximize=True)),
+    ("SGD", dict(lr=0.1, momentum=0.9, foreach=True)),
+    ("SGD", dict(lr=0.1, momentum=0.9, fused=True)),
+    ("Adam", dict(lr=0.01)),
+    ("Adam", dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, amsgrad=True)),
+    ("Adam", dict(lr=0.01, maximize=True, foreach=True)),
+    ("Adam", dict(lr=0.01, fused=True, amsgrad=True, weight_decay=0.1)),
+    ("Adam", dict(lr=torch.tensor(0.01), fused=True)),
+    ("AdamW", dict(lr=0.01)),
+    ("AdamW", dict(lr=0.01, weight_decay=0.3, amsgrad=True, foreach=True)),
+    ("AdamW", dict(lr=0.01, fused=True, maximize=True)),
+    ("Adagrad", dict(lr=0.1)),
+    ("Adagrad", dict(lr=0.1, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1)),
+    ("Adagrad", dict(lr=0.1, foreach=True, maximize=True)),
+    ("Adagrad", dict(lr=0.1, fused=True)),
+    ("RMSprop", dict(lr=0.01)),
+    ("RMSprop", dict(lr=0.01, alpha=0.9, momentum=0.5, centered=True, weight_decay=0.1)),
+    ("RMSprop", dict(lr=0.01, foreach=True, maximize=True, centered=True)),
+]
+if hasattr(torch.optim, "Adafactor"):
+    OPTIMIZER_CONFIGS += [
+        ("Adafactor", dict(lr=0.01)),
+        ("Adafactor", dict(lr=0.01, beta2_decay=-0.5, d=2.0, weight_decay=0.1, foreach=True)),
+        ("Adafactor", dict(lr=0.01, maximize=True, eps=(1e-30, 1e-2))),
+    ]
+if "decoupled_weight_decay" in torch.optim.Adam.__init__.__code__.co_varnames:
+    OPTIMIZER_CONFIGS.append(("Adam", dict(lr=0.01, weight_decay=0.1, decoupled_weight_decay=True)))
+
+MODEL_NAMES = ("mlp", "unet", "gpt", "loop", "frozen")
+
+
+def config_id(cfg: tuple[str, dict[str, Any]]) -> str:
+    name, kw = cfg
+    parts = [f"{k}={v.item() if isinstance(v, torch.Tensor) else v}" for k, v in kw.items()]
+    return f"{name}({','.join(parts)})"
+
+
+def torch_class(name: str) -> type[torch.optim.Optimizer]:
+    return getattr(torch.optim, name)
+
+
+def layeropt_class(name: str) -> type[torch.optim.Optimizer]:
+    return getattr(layeropt, name)
+
+
+def clone_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+
+def param_groups(model: torch.nn.Module, kw: dict[str, Any], split: bool) -> Any:
+    """All params in one group, or two groups with different lr."""
+    params = [p for p in model.parameters()]
+    if not split:
+        return params
+    lr = kw.get("lr", 0.01)
+    lr = float(lr) if isinstance(lr, torch.Tensor) else lr
+    return [{"params": params[::2]}, {"params": params[1::2], "lr": lr * 0.5}]
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    """Bitwise equality of nested tensors/containers (state_dicts, params)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), f"{path}: max diff {(a.double() - b.double()).abs().max()}"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{path}: keys {set(a) ^ set(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def assert_models_equal(m1: torch.nn.Module, m2: torch.nn.Module) -> None:
+    for (n, p), (_, q) in zip(m1.named_parameters(), m2.named_parameters()):
+        assert_same(p.detach(), q.detach(), n)
+
+
+def train_pair(
+    model_name: str,
+    opt_name: str,
+    kw: dict[str, Any],
+    *,
+    steps: int = 3,
+    split_groups: bool = False,
+    model: torch.nn.Module | None = None,
+    batch_fn: Callable[..., Any] | None = None,
+    loss_fn: Callable[..., Any] | None = None,
+) -> tuple[Any, Any, Any, Any]:
+    """Train torch reference and attached layeropt copies; return both."""
+    if model is None:
+        model, batch_fn, loss_fn = make_model(model_name)
+    ref = copy.deepcopy(model)
+    ref_opt = torch_class(opt_name)(param_groups(ref, kw, split_groups), **clone_kwargs(kw))
+    lo_opt = layeropt_class(opt_name)(param_groups(model, kw, split_groups), **clone_kwargs(kw))
+    handle = layeropt.attach(model, lo_opt)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        data = batch_fn(gen)
+        loss_fn(ref, data).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_fn(model, data).backward()
+        assert all(p.grad is None for p in model.parameters()), "a .grad survived backward"
+        lo_opt.step()  # harmless after an attached backward
+        lo_opt.zero_grad()
+    handle.remove()
+    return ref, ref_opt, model, lo_opt
