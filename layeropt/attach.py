@@ -30,22 +30,29 @@ _SPARSE_MODULES = (nn.Embedding, nn.EmbeddingBag)
 
 def _owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer]:
     if optimizer is None:
-        params = {p for p in model.parameters()}
-        found = [o for o in live_optimizers() if any(o.owns(p) for p in params)]
-        if not found:
+        params = list(model.parameters())
+        optimizers = [o for o in live_optimizers() if any(o.owns(p) for p in params)]
+        if not optimizers:
             raise AttachError(
                 "no layeropt optimizer owns any parameter of this model. Create one "
                 "first, e.g. opt = layeropt.Adam(model.parameters()), then call "
                 "layeropt.attach(model, opt)."
             )
-        return found
-    optimizers = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
+    else:
+        optimizers = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
     for o in optimizers:
         if not isinstance(o, InBackwardOptimizer):
             raise AttachError(
                 f"{type(o).__module__}.{type(o).__name__} cannot step in backward. Use "
                 f"the layeropt class of the same name (layeropt.{type(o).__name__}) or "
                 f"layeropt.in_backward({type(o).__name__}) to make one."
+            )
+    for o in optimizers:
+        if any(g.get("differentiable", False) for g in o.param_groups):
+            raise AttachError(
+                f"{type(o).__name__}(differentiable=True) builds a graph through its "
+                "update, which cannot happen inside backward. Use differentiable=False "
+                "to attach, or keep this optimizer un-attached."
             )
     return optimizers
 

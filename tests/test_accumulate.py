@@ -1,0 +1,118 @@
+"""Gradient accumulation with ``no_step()``: k micro-batches == one torch step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import layeropt
+from harness import OPTIMIZER_CONFIGS, assert_models_equal, assert_same, config_id, torch_class
+from layeropt.models import make_model
+
+CONFIGS = [c for c in OPTIMIZER_CONFIGS if "fused" not in c[1]][::2]
+
+
+def _micro(batch, k):
+    if isinstance(batch, tuple):
+        return list(zip(*(t.chunk(k) for t in batch)))
+    return list(batch.chunk(k))
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "gpt", "frozen"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=config_id)
+def test_no_step_equals_torch_accumulation(cfg, model_name):
+    opt_name, kw = cfg
+    model, batch_fn, loss_fn = make_model(model_name)
+    ref = copy.deepcopy(model)
+    ref_opt = torch_class(opt_name)(ref.parameters(), **kw)
+    opt = getattr(layeropt, opt_name)(model.parameters(), **kw)
+    layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(3)
+    k = 2
+    for _ in range(3):
+        micro = _micro(batch_fn(gen), k)
+        for mb in micro:
+            (loss_fn(ref, mb) / k).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for i, mb in enumerate(micro):
+            if i < k - 1:
+                with opt.no_step():
+                    (loss_fn(model, mb) / k).backward()
+                assert any(p.grad is not None for p in model.parameters())
+            else:
+                (loss_fn(model, mb) / k).backward()
+        assert all(p.grad is None for p in model.parameters())
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_accumulation_close_to_big_batch():
+    """k micro-batches of size b approximate one step on k*b (reassociated sums)."""
+    model, batch_fn, loss_fn = make_model("mlp")
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    x, y = batch_fn(torch.Generator().manual_seed(0))
+    loss_fn(ref, (x, y)).backward()
+    ref_opt.step()
+    with opt.no_step():
+        (loss_fn(model, (x[:2], y[:2])) / 2).backward()
+    (loss_fn(model, (x[2:], y[2:])) / 2).backward()
+    for p, q in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_step_after_no_step_backwards_steps_held_gradients():
+    """Ending accumulation with opt.step() (no final attached backward) works too."""
+    model, batch_fn, loss_fn = make_model("mlp")
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    opt = layeropt.Adam(model.parameters(), lr=0.01)
+    layeropt.attach(model, opt)
+    data = batch_fn(torch.Generator().manual_seed(0))
+    for _ in range(2):
+        loss_fn(ref, data).backward()
+        with opt.no_step():
+            loss_fn(model, data).backward()
+    ref_opt.step()
+    opt.step()
+    assert all(p.grad is None for p in model.parameters())
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_param_with_grad_only_in_early_micro_batch_is_stepped():
+    """A held gradient whose parameter gets no gradient in the last backward."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    model = torch.nn.ModuleDict({"a": a, "b": b})
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 3)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = layeropt.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    layeropt.attach(model, opt)
+    ref["a"](x).sum().backward()
+    ref["b"](x).sum().backward()
+    ref_opt.step()
+    with opt.no_step():
+        model["a"](x).sum().backward()
+    model["b"](x).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert_models_equal(ref, model)
+
+
+def test_zero_grad_drops_held_gradients():
+    model, batch_fn, loss_fn = make_model("mlp")
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    with opt.no_step():
+        loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
+    opt.zero_grad()
+    opt.step()
+    for p, q in zip(before, model.parameters()):
+        assert torch.equal(p, q)

@@ -1,0 +1,128 @@
+"""Each misuse raises a clear error that says what to do, and changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import layeropt
+from layeropt.errors import AttachError
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+
+
+def _snapshot(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_attach_twice():
+    m = _mlp()
+    opt = layeropt.Adam(m.parameters())
+    layeropt.attach(m, opt)
+    with pytest.raises(AttachError, match=r"already attached.*remove\(\)"):
+        layeropt.attach(m, opt)
+
+
+def test_parameter_owned_by_two_layeropt_optimizers():
+    m = _mlp()
+    a = layeropt.Adam(m.parameters())  # noqa: F841 - kept alive on purpose
+    b = layeropt.SGD(m[0].parameters(), lr=0.1)  # noqa: F841
+    with pytest.raises(AttachError, match=r"owned by 2 layeropt optimizers.*one optimizer"):
+        layeropt.attach(m)
+    with pytest.raises(AttachError, match="owned by 2"):
+        layeropt.attach(m, [a, b])
+
+
+def test_plain_torch_optimizer_is_refused_with_the_fix():
+    m = _mlp()
+    with pytest.raises(AttachError, match=r"layeropt\.Adam.*in_backward"):
+        layeropt.attach(m, torch.optim.Adam(m.parameters()))
+
+
+def test_optimizer_owning_none_of_the_model():
+    m, other = _mlp(), _mlp()
+    opt = layeropt.Adam(other.parameters())
+    with pytest.raises(AttachError, match="owns none of this model"):
+        layeropt.attach(m, opt)
+
+
+def test_no_optimizer_at_all():
+    with pytest.raises(AttachError, match="no layeropt optimizer owns"):
+        layeropt.attach(torch.nn.Linear(2, 2))
+
+
+def test_sparse_embedding_is_refused():
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = layeropt.SGD(emb.parameters(), lr=0.1)
+    with pytest.raises(AttachError, match=r"sparse=False"):
+        layeropt.attach(emb, opt)
+
+
+def test_non_leaf_tensor_is_refused_by_torch_before_attach():
+    w = torch.randn(3, requires_grad=True) * 2
+    with pytest.raises(ValueError, match="non-leaf"):
+        layeropt.Adam([w])
+
+
+def test_not_a_module():
+    with pytest.raises(TypeError, match="nn.Module"):
+        layeropt.attach([torch.zeros(2, requires_grad=True)])  # type: ignore[arg-type]
+
+
+def test_bad_bucket_cap():
+    m = _mlp()
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        layeropt.attach(m, layeropt.Adam(m.parameters()), bucket_cap_mb=-1)
+
+
+@pytest.mark.parametrize(
+    "cls,reason",
+    [(torch.optim.LBFGS, "closure"), (int, "Optimizer subclass"), ("Adam", "Optimizer subclass")],
+)
+def test_in_backward_refuses_what_cannot_work(cls, reason):
+    with pytest.raises(TypeError, match=reason):
+        layeropt.in_backward(cls)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [(dict(lr=-1.0), "Invalid learning rate"), (dict(betas=(1.5, 0.9)), "beta"),
+     (dict(eps=-1.0), "epsilon"), (dict(weight_decay=-1.0), "weight_decay")],
+)
+def test_invalid_hyperparameters_raise_like_torch(kw, match):
+    m = _mlp()
+    with pytest.raises(ValueError, match=match):
+        torch.optim.Adam(m.parameters(), **kw)
+    with pytest.raises(ValueError, match=match):
+        layeropt.Adam(m.parameters(), **kw)
+
+
+def test_differentiable_optimizer_cannot_attach():
+    m = _mlp()
+    opt = layeropt.Adam(m.parameters(), differentiable=True)
+    with pytest.raises(AttachError, match="differentiable"):
+        layeropt.attach(m, opt)
+
+
+def test_failing_bucket_step_leaves_parameters_untouched():
+    """torch raises inside a step (capturable on CPU): the error surfaces, no update."""
+    m = _mlp()
+    opt = layeropt.Adam(m.parameters(), capturable=True)
+    ref = torch.optim.Adam(_mlp().parameters(), capturable=True)
+    with pytest.raises(Exception) as torch_err:
+        ref.param_groups[0]["params"][0].grad = torch.zeros(4, 3)
+        ref.step()
+    layeropt.attach(m, opt)
+    before = _snapshot(m)
+    with pytest.raises(type(torch_err.value)):
+        m(torch.randn(2, 3)).sum().backward()
+    for p, q in zip(before, m.parameters()):
+        assert torch.equal(p, q)
+    # after the failed backward, the optimizer is usable again
+    opt.param_groups[0]["capturable"] = False
+    opt.zero_grad()
+    m(torch.randn(2, 3)).sum().backward()
+    assert all(p.grad is None for p in m.parameters())
+    assert any(not torch.equal(p, q) for p, q in zip(before, m.parameters()))

@@ -1,0 +1,273 @@
+"""state_dict both ways, resume, LR schedulers, add_param_group, remove, in_backward."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import warnings
+
+import pytest
+import torch
+
+import layeropt
+from harness import assert_models_equal, assert_same
+from layeropt.models import make_model
+
+FAMILY = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop"] + (
+    ["Adafactor"] if hasattr(torch.optim, "Adafactor") else []
+)
+KW = {"SGD": dict(lr=0.1, momentum=0.9), "Adagrad": dict(lr=0.1)}
+
+
+def _kw(name):
+    return KW.get(name, dict(lr=0.01))
+
+
+def _steps(model, opt, batch_fn, loss_fn, gen, n):
+    for _ in range(n):
+        loss_fn(model, batch_fn(gen)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("name", FAMILY)
+def test_same_class_hierarchy_and_signature(name):
+    lo, th = getattr(layeropt, name), getattr(torch.optim, name)
+    assert issubclass(lo, th) and issubclass(lo, layeropt.InBackwardOptimizer)
+    assert inspect.signature(lo) == inspect.signature(th)
+    assert layeropt.in_backward(th) is lo
+
+
+@pytest.mark.parametrize("direction", ["torch->layeropt", "layeropt->torch"])
+@pytest.mark.parametrize("name", FAMILY)
+def test_state_dict_moves_both_ways_and_resumes_bitwise(name, direction):
+    model, batch_fn, loss_fn = make_model("gpt")
+    uninterrupted = copy.deepcopy(model)
+    ref_opt = getattr(torch.optim, name)(uninterrupted.parameters(), **_kw(name))
+    gen_ref = torch.Generator().manual_seed(5)
+    _steps(uninterrupted, ref_opt, batch_fn, loss_fn, gen_ref, 4)
+
+    src_cls, dst_cls = getattr(torch.optim, name), getattr(layeropt, name)
+    if direction == "layeropt->torch":
+        src_cls, dst_cls = dst_cls, src_cls
+    gen = torch.Generator().manual_seed(5)
+    first = copy.deepcopy(model)
+    src = src_cls(first.parameters(), **_kw(name))
+    if layeropt.is_in_backward(src):
+        layeropt.attach(first, src)
+    _steps(first, src, batch_fn, loss_fn, gen, 2)
+    buf = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": src.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf)
+
+    second = copy.deepcopy(model)
+    second.load_state_dict(ckpt["model"])
+    dst = dst_cls(second.parameters(), **_kw(name))
+    dst.load_state_dict(ckpt["opt"])
+    if layeropt.is_in_backward(dst):
+        layeropt.attach(second, dst)
+    _steps(second, dst, batch_fn, loss_fn, gen, 2)
+    assert_models_equal(uninterrupted, second)
+    assert_same(ref_opt.state_dict(), dst.state_dict())
+
+
+def _lr_run(opt_cls, model, batch_fn, loss_fn, attach, resume_at=None):
+    opt = opt_cls(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    if attach:
+        layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(2)
+    lrs = []
+    for i in range(4):
+        if resume_at is not None and i == resume_at:
+            state = (copy.deepcopy(opt.state_dict()), copy.deepcopy(sched.state_dict()))
+            opt2 = opt_cls(model.parameters(), lr=123.0, momentum=0.9)  # lr overwritten by load
+            for h in list(opt._lo_engine.attachments):
+                h.remove()
+            opt2.load_state_dict(state[0])
+            sched = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
+            sched.load_state_dict(state[1])
+            opt = opt2
+            layeropt.attach(model, opt)
+        loss_fn(model, batch_fn(gen)).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    return lrs
+
+
+@pytest.mark.parametrize("resume_at", [None, 2])
+def test_lr_scheduler_takes_effect_next_backward_without_warnings(resume_at):
+    model, batch_fn, loss_fn = make_model("mlp")
+    ref = copy.deepcopy(model)
+    ref_lrs = _lr_run(torch.optim.SGD, ref, batch_fn, loss_fn, attach=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lrs = _lr_run(layeropt.SGD, model, batch_fn, loss_fn, attach=True, resume_at=resume_at)
+    assert lrs == ref_lrs
+    assert_models_equal(ref, model)
+
+
+def test_scheduler_without_explicit_step_call_does_not_warn():
+    model, batch_fn, loss_fn = make_model("mlp")
+    opt = layeropt.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.9**i)
+    layeropt.attach(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
+            sched.step()  # no opt.step(): the hooks stepped
+
+
+def test_add_param_group_after_attach_hooks_new_params():
+    model, batch_fn, loss_fn = make_model("mlp")
+    ref = copy.deepcopy(model)
+    head = list(model.head.parameters())
+    body = [p for p in model.parameters() if all(p is not h for h in head)]
+    opt = layeropt.Adam(body, lr=0.01)
+    handle = layeropt.attach(model, opt)
+    opt.add_param_group({"params": head, "lr": 0.001})
+    ref_head = list(ref.head.parameters())
+    ref_opt = torch.optim.Adam([p for p in ref.parameters() if all(p is not h for h in ref_head)], lr=0.01)
+    ref_opt.add_param_group({"params": ref_head, "lr": 0.001})
+    gen, gen2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    for _ in range(2):
+        loss_fn(model, batch_fn(gen)).backward()
+        assert all(p.grad is None for p in model.parameters())
+        loss_fn(ref, batch_fn(gen2)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert sum(len(b.params) for b in handle.buckets) == len(list(model.parameters()))
+    assert_models_equal(ref, model)
+
+
+def test_remove_restores_plain_torch_behaviour():
+    model, batch_fn, loss_fn = make_model("mlp")
+    ref = copy.deepcopy(model)
+    opt = layeropt.Adam(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    with layeropt.attach(model, opt) as handle:
+        assert opt.attached and len(handle.buckets) == 4
+    assert not opt.attached and handle.buckets == []
+    data = batch_fn(torch.Generator().manual_seed(0))
+    loss_fn(model, data).backward()
+    assert all(p.grad is not None for p in model.parameters())  # hooks gone
+    loss_fn(ref, data).backward()
+    for o in (opt, ref_opt):
+        o.step()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+    layeropt.attach(model, opt).remove()  # re-attaching after remove is allowed
+
+
+def test_unattached_layeropt_optimizer_is_torch():
+    model, batch_fn, loss_fn = make_model("unet")
+    ref = copy.deepcopy(model)
+    opt = layeropt.AdamW(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        data = batch_fn(gen)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss_fn(m, data).backward()
+            o.step()
+            o.zero_grad()
+    assert_models_equal(ref, model)
+
+
+def test_step_after_attach_updates_hand_assigned_gradients():
+    model = torch.nn.Linear(3, 2)
+    ref = copy.deepcopy(model)
+    opt = layeropt.SGD(model.parameters(), lr=0.5)
+    layeropt.attach(model, opt)
+    g = torch.randn(2, 3)
+    model.weight.grad = g.clone()
+    ref.weight.grad = g.clone()
+    opt.step()
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    assert model.weight.grad is None
+    assert_models_equal(ref, model)
+
+
+def test_step_hooks_fire_once_per_step_call_not_per_bucket():
+    model, batch_fn, loss_fn = make_model("mlp")
+    opt = layeropt.Adam(model.parameters())
+    calls = []
+    opt.register_step_post_hook(lambda *a: calls.append(1))
+    layeropt.attach(model, opt)
+    loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
+    assert calls == []
+    opt.step()
+    assert calls == [1]
+
+
+class Lion(torch.optim.Optimizer):
+    """A minimal third-party optimizer with per-parameter state."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99)):
+        super().__init__(params, dict(lr=lr, betas=betas))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                p.add_(torch.sign(m * b1 + p.grad * (1 - b1)), alpha=-group["lr"])
+                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+
+
+GENERIC = [
+    (torch.optim.NAdam, dict(lr=0.01)),
+    (torch.optim.RAdam, dict(lr=0.01, decoupled_weight_decay=True, weight_decay=0.1)),
+    (torch.optim.Adamax, dict(lr=0.01)),
+    (torch.optim.Adadelta, dict(lr=0.5)),
+    (torch.optim.ASGD, dict(lr=0.01)),
+    (torch.optim.Rprop, dict(lr=0.01)),
+    (Lion, dict(lr=0.01)),
+]
+
+
+@pytest.mark.parametrize("cls,kw", GENERIC, ids=[c.__name__ for c, _ in GENERIC])
+def test_in_backward_wraps_any_per_parameter_optimizer(cls, kw):
+    lo_cls = layeropt.in_backward(cls)
+    assert issubclass(lo_cls, cls) and layeropt.in_backward(cls) is lo_cls
+    model, batch_fn, loss_fn = make_model("unet")
+    ref = copy.deepcopy(model)
+    ref_opt, opt = cls(ref.parameters(), **kw), lo_cls(model.parameters(), **kw)
+    layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        data = batch_fn(gen)
+        loss_fn(ref, data).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_fn(model, data).backward()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_bucket_cap_merges_small_layers_and_stays_exact():
+    model, batch_fn, loss_fn = make_model("gpt")
+    ref = copy.deepcopy(model)
+    opt = layeropt.Adam(model.parameters(), lr=0.01)
+    handle = layeropt.attach(model, opt, bucket_cap_mb=0.05)
+    n_modules = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
+    assert len(handle.buckets) < n_modules
+    largest_param = max(p.numel() * 4 for p in model.parameters())
+    assert max(b.nbytes for b in handle.buckets) <= max(0.05 * 2**20, largest_param)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        data = batch_fn(gen)
+        loss_fn(ref, data).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_fn(model, data).backward()
+    assert_models_equal(ref, model)
