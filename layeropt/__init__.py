@@ -13,6 +13,7 @@ Example:
 """
 
 from .attach import Attachment, attach
+from .backward import backward
 from .errors import AttachError, BackwardStateError, LayeroptError
 from .landing import Bucket
 from .optim import (
@@ -38,6 +39,7 @@ __all__ = [
     "in_backward",
     "is_in_backward",
     "attach",
+    "backward",
     "Attachment",
     "Bucket",
     "LayeroptError",

@@ -224,6 +224,10 @@ def attach(
     optimizer: Optimizer | Iterable[Optimizer] | None = None,
     *,
     bucket_cap_mb: float | None = None,
+    max_grad_norm: float | None = None,
+    norm_type: float = 2.0,
+    clip_value: float | None = None,
+    bucket_max_norm: float | None = None,
 ) -> Attachment:
     """Update ``model``'s parameters during backward, as their gradients complete.
 
@@ -239,6 +243,16 @@ def attach(
         bucket_cap_mb: merge consecutive small layer buckets up to this many MiB
             of gradient (fewer, larger steps; more gradient memory held).
             ``None`` (default) keeps one bucket per module.
+        max_grad_norm: clip the *global* gradient norm (as
+            ``torch.nn.utils.clip_grad_norm_`` before ``step()``). It needs the
+            norm before the first update, so backward must then go through
+            :func:`layeropt.backward` (two passes); a plain ``loss.backward()``
+            raises instead of clipping wrongly.
+        norm_type: the p-norm for ``max_grad_norm`` and ``bucket_max_norm``.
+        clip_value: clip each gradient element to ``[-clip_value, clip_value]``
+            (``clip_grad_value_``) before its bucket is stepped. No extra cost.
+        bucket_max_norm: clip each bucket's gradient norm
+            (``clip_grad_norm_(bucket.params, bucket_max_norm)``). No extra cost.
 
     Returns:
         An :class:`Attachment`; call ``.remove()`` (or use it as a context
@@ -261,8 +275,10 @@ def attach(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach() needs an nn.Module, got {type(model).__name__}")
-    if bucket_cap_mb is not None and bucket_cap_mb < 0:
-        raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("max_grad_norm", max_grad_norm),
+                        ("clip_value", clip_value), ("bucket_max_norm", bucket_max_norm)):
+        if value is not None and not value >= 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
     optimizers = _owners(model, optimizer)
     if len({id(o) for o in optimizers}) != len(optimizers):
         raise AttachError("the same optimizer was given twice; pass it once.")
@@ -272,4 +288,12 @@ def attach(
             "the optimizer owns none of this model's parameters. Build it from "
             "model.parameters() (or add them with add_param_group) before attaching."
         )
-    return Attachment(model, optimizers, bucket_cap_mb)
+    handle = Attachment(model, optimizers, bucket_cap_mb)
+    for opt in optimizers:
+        opt._lo_engine.configure_clipping(
+            max_grad_norm=max_grad_norm,
+            norm_type=norm_type,
+            clip_value=clip_value,
+            bucket_max_norm=bucket_max_norm,
+        )
+    return handle

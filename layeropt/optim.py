@@ -82,6 +82,7 @@ class InBackwardOptimizer(Optimizer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._lo_engine = Engine(self)
         self._lo_group_index: dict[Tensor, int] | None = None
+        self.last_grad_norm: Tensor | None = None  # set by layeropt.backward(max_norm=...)
         super().__init__(*args, **kwargs)
         _LIVE.add(self)
 

@@ -1,0 +1,193 @@
+"""Global/bucket clipping and GradScaler with in-backward updates, vs plain torch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import layeropt
+from harness import assert_models_equal, assert_same
+from layeropt.errors import LayeroptError
+from layeropt.models import make_model
+
+OPTS = [("SGD", dict(lr=0.1, momentum=0.9)), ("Adam", dict(lr=0.01)), ("AdamW", dict(lr=0.01, weight_decay=0.1)),
+        ("Adam", dict(lr=0.01, fused=True))]
+
+
+def _pair(model_name, opt_name, kw, **attach_kw):
+    model, batch_fn, loss_fn = make_model(model_name)
+    ref = copy.deepcopy(model)
+    ref_opt = getattr(torch.optim, opt_name)(ref.parameters(), **kw)
+    opt = getattr(layeropt, opt_name)(model.parameters(), **kw)
+    handle = layeropt.attach(model, opt, **attach_kw)
+    return model, ref, opt, ref_opt, handle, batch_fn, loss_fn
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["active", "inactive"])
+@pytest.mark.parametrize("opt_name,kw", OPTS, ids=[f"{n}{kw}" for n, kw in OPTS])
+def test_global_clipping_equals_clip_grad_norm(opt_name, kw, max_norm):
+    model, ref, opt, ref_opt, _, batch_fn, loss_fn = _pair("gpt", opt_name, kw)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        data = batch_fn(gen)
+        loss_fn(ref, data).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        norm = layeropt.backward(loss_fn(model, data), max_norm=max_norm)
+        assert torch.equal(norm, ref_norm) and opt.last_grad_norm is norm
+        assert all(p.grad is None for p in model.parameters())
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_clipping_configured_at_attach_refuses_plain_backward_before_any_update():
+    model, ref, opt, _, _, batch_fn, loss_fn = _pair("mlp", "Adam", dict(lr=0.01), max_grad_norm=1.0)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(LayeroptError, match=r"layeropt\.backward"):
+        loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
+    assert_same(before, model.state_dict())
+    assert len(opt.state) == 0
+    opt.zero_grad()
+    layeropt.backward(loss_fn(model, batch_fn(torch.Generator().manual_seed(0))))  # uses the config
+    assert opt.last_grad_norm is not None
+
+
+def test_global_clipping_with_accumulation():
+    model, ref, opt, ref_opt, _, batch_fn, loss_fn = _pair("mlp", "SGD", dict(lr=0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        a, b = batch_fn(gen), batch_fn(gen)
+        (loss_fn(ref, a) / 2).backward()
+        (loss_fn(ref, b) / 2).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with opt.no_step():
+            (loss_fn(model, a) / 2).backward()
+        norm = layeropt.backward(loss_fn(model, b) / 2, max_norm=0.1)
+        assert torch.equal(norm, ref_norm)
+    assert_models_equal(ref, model)
+
+
+@pytest.mark.parametrize("mode", ["clip_value", "bucket_max_norm"])
+def test_per_bucket_clipping_equals_torch_per_bucket(mode):
+    model, ref, opt, ref_opt, handle, batch_fn, loss_fn = _pair("unet", "Adam", dict(lr=0.01), **{mode: 0.01})
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref_params = dict(ref.named_parameters())
+    groups = [[ref_params[names[id(p)]] for p in b.params] for b in handle.buckets]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        data = batch_fn(gen)
+        loss_fn(ref, data).backward()
+        for g in groups:
+            if mode == "clip_value":
+                torch.nn.utils.clip_grad_value_(g, 0.01)
+            else:
+                torch.nn.utils.clip_grad_norm_(g, 0.01)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_fn(model, data).backward()  # no extra pass needed
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def _scaler(**kw):
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, **kw)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+@pytest.mark.parametrize("opt_name,kw", OPTS, ids=[f"{n}{kw}" for n, kw in OPTS])
+def test_grad_scaler_finite_run_equals_torch(opt_name, kw, clip):
+    model, ref, opt, ref_opt, _, batch_fn, loss_fn = _pair("mlp", opt_name, kw)
+    ref_scaler, scaler = _scaler(), _scaler()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        data = batch_fn(gen)
+        ref_scaler.scale(loss_fn(ref, data)).backward()
+        ref_scaler.unscale_(ref_opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        layeropt.backward(scaler.scale(loss_fn(model, data)), max_norm=clip, scaler=scaler)
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == ref_scaler.get_scale()
+    assert scaler.get_scale() > 2.0**10  # the scale grew on schedule
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+class _InjectInf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.full_like(g, float("inf"))
+
+
+@pytest.mark.parametrize("opt_name,kw", OPTS, ids=[f"{n}{kw}" for n, kw in OPTS])
+def test_inf_in_one_layer_skips_every_update_and_halves_scale(opt_name, kw):
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+    opt = getattr(layeropt, opt_name)(layers.parameters(), **kw)
+    layeropt.attach(layers, opt)
+    scaler = _scaler()
+    x = torch.randn(2, 4)
+    for _ in range(1):  # one clean step so the state exists
+        h = x
+        for layer in layers:
+            h = layer(h)
+        layeropt.backward(scaler.scale(h.sum()), scaler=scaler)
+        scaler.update()
+    params = copy.deepcopy(layers.state_dict())
+    state = copy.deepcopy(opt.state_dict())
+    scale = scaler.get_scale()
+    h = x
+    for i, layer in enumerate(layers):
+        h = layer(_InjectInf.apply(h) if i == 1 else h)  # inf reaches layer 0 only
+    layeropt.backward(scaler.scale(h.sum()), scaler=scaler)
+    scaler.step(opt)
+    scaler.update()
+    assert_same(params, layers.state_dict())
+    assert_same(state, opt.state_dict())
+    assert scaler.get_scale() == scale * 0.5
+    assert all(p.grad is None for p in layers.parameters())
+
+
+def test_bf16_autocast_matches_torch():
+    model, ref, opt, ref_opt, _, batch_fn, loss_fn = _pair("gpt", "AdamW", dict(lr=0.01))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        data = batch_fn(gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref_loss = loss_fn(ref, data)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(model, data)
+        loss.backward()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_bf16_parameters_match_torch():
+    """bf16 params: torch keeps optimizer state in the param dtype, and so does layeropt."""
+    model, ref, opt, ref_opt, _, batch_fn, loss_fn = _pair("mlp", "AdamW", dict(lr=0.01))
+    model.to(torch.bfloat16)
+    ref.to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, y = batch_fn(gen)
+        loss_fn(ref, (x.bfloat16(), y.bfloat16())).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_fn(model, (x.bfloat16(), y.bfloat16())).backward()
+    assert_models_equal(ref, model)
