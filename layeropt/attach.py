@@ -8,6 +8,7 @@ post-accumulate-grad hook per parameter. What the hook does is in
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -125,10 +126,11 @@ class Attachment:
     """Handle returned by :func:`attach`; ``remove()`` restores plain behaviour.
 
     Also a context manager: hooks are removed when the ``with`` block exits.
+    The handle refers to the optimizers weakly: deleting an optimizer removes
+    its hooks, so nothing keeps it (or its state) alive.
 
     Attributes:
         buckets: the layer buckets, in the order gradients usually land.
-        optimizers: the layeropt optimizers whose parameters are hooked.
     """
 
     def __init__(
@@ -138,13 +140,21 @@ class Attachment:
         bucket_cap_mb: float | None,
     ) -> None:
         self._model = weakref.ref(model)
-        self.optimizers = optimizers
+        self._optimizers = [weakref.ref(o) for o in optimizers]
         self._cap = None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
         self._handles: list[Any] = []
         self.buckets: list[Bucket] = []
-        self._owners: list[InBackwardOptimizer] = []  # optimizer of each bucket
+        self._engines: list[Any] = []  # the engine that steps each bucket
         self._removed = False
         self._hook_all()
+        me = weakref.ref(self)
+        for o in optimizers:
+            weakref.finalize(o, _on_optimizer_deleted, me)
+
+    @property
+    def optimizers(self) -> list[InBackwardOptimizer]:
+        """The (still alive) layeropt optimizers whose parameters are hooked."""
+        return [o for o in (r() for r in self._optimizers) if o is not None]
 
     def _hook_all(self) -> None:
         model = self._model()
@@ -171,7 +181,7 @@ class Attachment:
                 _HOOKED[p] = self
                 engine.hook_count += 1
             self.buckets.append(b)
-            self._owners.append(opt)
+            self._engines.append(engine)
 
     def _rebuild(self) -> None:
         """Re-hook after the optimizers' param groups changed (add_param_group)."""
@@ -182,21 +192,22 @@ class Attachment:
     def _release(self) -> None:
         for h in self._handles:
             h.remove()
-        for opt, b in zip(self._owners, self.buckets):
-            opt._lo_engine.hook_count -= len(b.params)
+        for engine, b in zip(self._engines, self.buckets):
+            engine.hook_count -= len(b.params)
             for p in b.params:
                 if _HOOKED.get(p) is self:
                     del _HOOKED[p]
         self._handles.clear()
         self.buckets.clear()
-        self._owners.clear()
+        self._engines.clear()
 
     def remove(self) -> None:
         """Remove every hook; the optimizers behave like torch.optim again."""
         if not self._removed:
+            engines = set(self._engines)
             self._release()
-            for opt in self.optimizers:
-                opt._lo_engine.attachments.discard(self)
+            for engine in engines:
+                engine.attachments.discard(self)
             self._removed = True
 
     def __enter__(self) -> Attachment:
@@ -208,6 +219,19 @@ class Attachment:
     def __repr__(self) -> str:
         state = "removed" if self._removed else f"{len(self.buckets)} buckets"
         return f"<layeropt.Attachment {state}>"
+
+
+def _on_optimizer_deleted(attachment_ref: Any) -> None:
+    attachment = attachment_ref()
+    if attachment is not None and not attachment._removed:
+        attachment.remove()
+        warnings.warn(
+            "a layeropt optimizer was deleted while attached, so its backward hooks "
+            "were removed and its parameters are no longer updated. Keep a reference "
+            "to the optimizer for as long as you train (opt = layeropt.Adam(...)).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def _make_hook(engine: Any, bucket: Bucket, index: int) -> Any:
