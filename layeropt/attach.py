@@ -149,7 +149,7 @@ class Attachment:
         self._hook_all()
         me = weakref.ref(self)
         for o in optimizers:
-            weakref.finalize(o, _on_optimizer_deleted, me)
+            weakref.finalize(o, _on_optimizer_deleted, me).atexit = False
 
     @property
     def optimizers(self) -> list[InBackwardOptimizer]:

@@ -18,11 +18,36 @@ one post-accumulate-grad hook per parameter; the hook calls
    gradient this time - and gradients held from ``no_step()`` are stepped
    together, and freed.
 
+5. activation checkpointing (``layeropt/checkpoint.py``) keeps this exact:
+
+   * ``layeropt.checkpoint(..., use_reentrant=True)`` makes every parameter a
+     segment reads an input of the segment's autograd node, so autograd itself
+     fires each hook once, after the recomputation: nothing changes here;
+   * a parameter that a non-reentrant ``layeropt.checkpoint`` segment read in
+     forward is *pinned* until the segment has been recomputed: a gradient
+     that lands while pinned waits, and enters rule 3 when the pin is
+     released (so no recomputation sees an updated weight);
+   * ``torch.utils.checkpoint(..., use_reentrant=True)`` runs a nested
+     backward per segment, in which shared parameters land once per segment
+     with partial gradients. Its segments are watched from forward on; a
+     backward that will run one *defers*: every gradient is held and all are
+     stepped together when the outermost backward ends (exact, but without
+     the memory saving; a warning says so);
+   * any other backward nested inside an autograd Function's backward raises
+     :class:`BackwardStateError`.
+
+If a backward raises, autograd drops it; its end callback is then finalized
+without running, and the partial gradients it left (arrived but not
+stepped) are freed and the bookkeeping reset, before the exception reaches
+the caller. Gradients held by ``no_step()`` are kept.
+
 Parameters that receive no gradient are never stepped, as in torch.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -34,13 +59,123 @@ from .errors import AttachError, BackwardStateError, LayeroptError
 if TYPE_CHECKING:
     from .optim import InBackwardOptimizer
 
-__all__ = ["Bucket", "Engine"]
+__all__ = ["Bucket", "Engine", "Pin"]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def _queue_callback(fn: Any) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+_IDLE = -2  # no backward in progress
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+# Segments of torch.utils.checkpoint(use_reentrant=True) recorded with grad and
+# still alive (their autograd nodes), and how many run their nested backward now.
+_TORCH_SEGMENTS: weakref.WeakSet[Any] = weakref.WeakSet()
+_segment_depth = 0
+_PINS: dict[Tensor, int] = {}  # parameter -> segments still to be recomputed with it
+
+
+class Pin:
+    """Holds the gradients of ``params`` back until :meth:`release` (rule 5).
+
+    Created by a non-reentrant ``layeropt.checkpoint`` segment in forward and
+    released when backward has recomputed it (or when its graph is freed).
+    """
+
+    def __init__(self, params: list[Tensor]) -> None:
+        params = list(dict.fromkeys(params))
+        for p in params:
+            _PINS[p] = _PINS.get(p, 0) + 1
+        self._release = weakref.finalize(self, _unpin, params)
+
+    def release(self) -> None:
+        """Unpin; gradients that waited for this segment are stepped now."""
+        self._release()
+
+
+def _unpin(params: list[Tensor]) -> None:
+    for p in params:
+        left = _PINS.pop(p, 1) - 1
+        if left > 0:
+            _PINS[p] = left
+    for engine in list(_ENGINES):
+        if engine._gated:
+            engine._ungate()
+
+
+def watch_torch_checkpoint() -> None:
+    """Watch ``torch.utils.checkpoint``'s reentrant segments (rule 5).
+
+    Wraps ``CheckpointFunction.forward`` once per process: after torch's own
+    forward, the segment's autograd node is recorded and gets a pre-hook and a
+    hook around its nested backward. Nothing else changes.
+    """
+    from torch.utils import checkpoint as tc
+
+    cls = getattr(tc, "CheckpointFunction", None)
+    if cls is None or getattr(cls.forward, "_layeropt_watch", False):
+        return
+    original = cls.forward
+
+    def forward(ctx: Any, *args: Any) -> Any:
+        out = original(ctx, *args)
+        _TORCH_SEGMENTS.add(ctx)
+        ctx.register_prehook(_segment_enter)
+        ctx.register_hook(_segment_exit)
+        return out
+
+    forward._layeropt_watch = True  # type: ignore[attr-defined]
+    cls.forward = staticmethod(forward)
+
+
+def _segment_enter(grad_outputs: Any) -> None:
+    global _segment_depth
+    _segment_depth += 1
+    task = _graph_task_id()
+    for engine in list(_ENGINES):
+        engine._enter_torch_segment(task)
+
+
+def _segment_exit(grad_inputs: Any, grad_outputs: Any) -> None:
+    global _segment_depth
+    _segment_depth = max(0, _segment_depth - 1)
+
+
+_FUNCTION_BACKWARD_CODES = {
+    getattr(torch.autograd.function.BackwardCFunction, name).__code__
+    for name in ("apply", "apply_boxed")
+    if hasattr(torch.autograd.function.BackwardCFunction, name)
+}
+
+
+def _nested_in_function_backward() -> bool:
+    """Whether this hook runs in a backward started by an autograd Function's backward."""
+    node = torch._C._current_autograd_node()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _FUNCTION_BACKWARD_CODES and frame.f_locals.get("self") is not node:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_NESTED_ERROR = (
+    "a gradient landed in a backward nested inside the backward of an autograd "
+    "Function (a reentrant activation checkpoint other than torch's, e.g. DeepSpeed's "
+    "or a custom one), so parameters would be stepped on partial gradients. Use "
+    "layeropt.checkpoint(fn, *args) (either mode) or torch.utils.checkpoint.checkpoint("
+    "fn, *args, use_reentrant=False) instead."
+)
+_DEFER_WARNING = (
+    "torch.utils.checkpoint(..., use_reentrant=True) runs a nested backward per "
+    "segment; to stay exact, layeropt holds every gradient of this backward and steps "
+    "them all when it ends, so in-backward updates save no memory here. Use "
+    "layeropt.checkpoint(fn, *args) or use_reentrant=False (Hugging Face: "
+    "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+    "False})) to update layers during backward again."
+)
 
 
 class Bucket:
@@ -83,10 +218,11 @@ class Engine:
         self.hook_count = 0
         self.attachments: weakref.WeakSet[Any] = weakref.WeakSet()
         self._pending: dict[Bucket, None] = {}  # buckets with some arrivals
-        self._active_task = -2  # autograd graph task of the backward in progress
+        self._active_task = _IDLE  # autograd graph task of the backward in progress
         self._serial = 0  # counts attached backwards
         self._steps = 0
         self.last_backward_steps = 0
+        self.stepped: list[Tensor] = []  # parameters updated in the latest backward
         # Clipping / scaling (set by attach(...) and layeropt.backward).
         self.max_grad_norm: float | None = None
         self.norm_type = 2.0
@@ -95,6 +231,12 @@ class Engine:
         self.entered = False  # inside layeropt.backward
         self.measure: _Measure | None = None  # the measure pass of layeropt.backward
         self.transform: tuple[Tensor | None, Tensor | None] | None = None  # (inv_scale, coef)
+        # Checkpointing (rule 5): gradients waiting for a pin, or deferred to the end.
+        self._gated: dict[Tensor, tuple[Bucket, int]] = {}
+        self._defer = False
+        self._deferred: dict[Tensor, None] = {}
+        _ENGINES.add(self)
+        watch_torch_checkpoint()
 
     def configure_clipping(
         self,
@@ -116,8 +258,8 @@ class Engine:
         if optimizer is None:
             return
         task = _graph_task_id()
-        if task != self._active_task or self._active_task == -2:
-            self._begin(task)
+        if task != self._active_task:
+            self._enter(task, param)
         grad = param.grad
         if grad is None:  # another hook freed it; nothing to do
             return
@@ -129,7 +271,10 @@ class Engine:
                 "torch.optim optimizer."
             )
         if self.measure is not None:
-            self.measure.take(param)
+            if self._defer:
+                self._deferred[param] = None
+            else:
+                self.measure.take(param)
             return
         if self.max_grad_norm is not None and not self.entered:
             raise LayeroptError(
@@ -140,13 +285,24 @@ class Engine:
         if self.no_step_depth:
             self.held[param] = None
             return
+        if self._defer:
+            self._deferred[param] = None
+            return
+        if _PINS and param in _PINS:
+            self._gated[param] = (bucket, index)
+            return
+        self._arrive(optimizer, bucket, index, param)
+
+    def _arrive(
+        self, optimizer: InBackwardOptimizer, bucket: Bucket, index: int, param: Tensor
+    ) -> None:
         if bucket.arrived[index] or bucket.stepped_serial == self._serial:
+            param.grad = None  # a partial gradient: drop it, as an aborted backward would
             raise BackwardStateError(
                 f"a parameter of {bucket.name!r} received a second gradient in the "
-                "same backward pass, so it would be stepped on a partial gradient. "
-                "This happens with reentrant activation checkpointing "
-                "(torch.utils.checkpoint(..., use_reentrant=True)): use "
-                "use_reentrant=False."
+                "same backward pass, so it would be stepped on a partial gradient (a "
+                "custom autograd Function or hook that delivers it twice?). For "
+                "activation checkpointing use layeropt.checkpoint(fn, *args)."
             )
         bucket.arrived[index] = True
         bucket.count += 1
@@ -159,24 +315,69 @@ class Engine:
             self._step(optimizer, bucket.params)
 
     # -- backward boundaries ---------------------------------------------
-    def _begin(self, task: int) -> None:
-        if self._active_task != -2:
-            # The previous backward never reached its end callback (it raised):
-            # forget its half-filled buckets; their gradients stay in .grad.
-            self._reset()
+    def _enter(self, task: int, param: Tensor) -> None:
+        """A gradient landed in a graph task other than the active backward's."""
+        if self._active_task != _IDLE and _segment_depth:
+            return  # the nested backward of a torch reentrant segment (deferring)
+        if _nested_in_function_backward():
+            if param not in self.held:
+                param.grad = None  # a partial gradient: drop it (the abort drops the rest)
+            raise BackwardStateError(_NESTED_ERROR)
+        if self._active_task != _IDLE:
+            self._abort()  # the previous backward died without being finalized
+        self._begin(task)
+
+    def _enter_torch_segment(self, task: int) -> None:
+        """A torch reentrant segment is about to run its nested backward (rule 5)."""
+        if self.hook_count and self._active_task == _IDLE:
+            self._begin(task, defer=True)
+        elif self._active_task != _IDLE and not self._defer:
+            self._defer = True  # a segment recorded during this backward
+            warnings.warn(_DEFER_WARNING, stacklevel=2)
+
+    def _begin(self, task: int, defer: bool = False) -> None:
+        global _segment_depth
+        if not defer:
+            _segment_depth = 0  # a first hook outside any segment: nothing is nested
         self._active_task = task
         self._serial += 1
         self._steps = 0
-        _queue_callback(self._end)
+        self.stepped = []
+        will_run = torch._C._will_engine_execute_node
+        self._defer = defer or any(will_run(n) for n in list(_TORCH_SEGMENTS))
+        if self._defer:
+            warnings.warn(_DEFER_WARNING, stacklevel=3)
+        # The end callback lives in autograd's graph task. If the backward raises,
+        # the task is dropped with the callback uncalled: its finalizer aborts.
+        called = [False]
+
+        def end() -> None:
+            called[0] = True
+            self._end()
+
+        weakref.finalize(end, self._dropped, called, self._serial).atexit = False
+        _queue_callback(end)
+
+    def _dropped(self, called: list[bool], serial: int) -> None:
+        if not called[0] and serial == self._serial and self._active_task != _IDLE:
+            self._abort()
 
     def _end(self) -> None:
         optimizer = self._optimizer()
         try:
-            if optimizer is not None and not self.no_step_depth and self.measure is None:
+            if optimizer is None:
+                pass
+            elif self.measure is not None:
+                for p in self._deferred:
+                    if p.grad is not None:
+                        self.measure.take(p)
+            elif not self.no_step_depth:
                 leftovers = [
                     p for b in self._pending for p, a in zip(b.params, b.arrived) if a
                 ]
+                leftovers += list(self._gated) + list(self._deferred)
                 leftovers += [p for p in self.held if p.grad is not None]
+                leftovers = [p for p in leftovers if p.grad is not None]
                 if leftovers:
                     self._step(optimizer, list(dict.fromkeys(leftovers)))
                 self.held.clear()
@@ -184,11 +385,33 @@ class Engine:
             self.last_backward_steps = self._steps
             self._reset()
 
+    def _abort(self) -> None:
+        """The backward raised: free the partial gradients it left, keep no_step()'s."""
+        global _segment_depth
+        partial = [p for b in self._pending for p, a in zip(b.params, b.arrived) if a]
+        for p in partial + list(self._gated) + list(self._deferred):
+            if p not in self.held:
+                p.grad = None
+        _segment_depth = 0
+        self.last_backward_steps = self._steps
+        self._reset()
+
     def _reset(self) -> None:
         for bucket in self._pending:
             bucket.reset()
         self._pending.clear()
-        self._active_task = -2
+        self._gated.clear()
+        self._deferred.clear()
+        self._defer = False
+        self._active_task = _IDLE
+
+    def _ungate(self) -> None:
+        """Pins were released: gradients no longer pinned enter rule 3."""
+        optimizer = self._optimizer()
+        for p in [p for p in self._gated if p not in _PINS]:
+            bucket, index = self._gated.pop(p)
+            if optimizer is not None and p.grad is not None:
+                self._arrive(optimizer, bucket, index, p)
 
     # -- stepping ---------------------------------------------------------
     def _step(self, optimizer: InBackwardOptimizer, params: list[Tensor]) -> None:
@@ -198,6 +421,7 @@ class Engine:
             p.grad = None
             self.held.pop(p, None)
         self._steps += len(params)
+        self.stepped.extend(params)
 
     def _prepare_grads(self, params: list[Tensor]) -> None:
         """Unscale, then clip (global coefficient, by value, per bucket) in place."""

@@ -138,6 +138,16 @@ class InBackwardOptimizer(Optimizer):
         """Parameter updates made by hooks in the most recent attached backward."""
         return self._lo_engine.last_backward_steps
 
+    @property
+    def stepped_params(self) -> list[Tensor]:
+        """The parameters updated during the latest attached backward.
+
+        After a backward that raised part-way (an error in a custom autograd
+        Function, a ``KeyboardInterrupt``), these were fully stepped - their
+        optimizer state too - and every other parameter was not touched.
+        """
+        return list(self._lo_engine.stepped)
+
     @contextlib.contextmanager
     def no_step(self) -> Iterator[None]:
         """Accumulate gradients in attached backwards instead of stepping.

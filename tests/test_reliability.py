@@ -1,0 +1,329 @@
+"""Faults, resume, lifecycle, long runs and other autograd features."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import subprocess
+import sys
+import textwrap
+import weakref
+
+import pytest
+import torch
+
+import layeropt
+from harness import assert_models_equal, assert_same
+from layeropt.memory import PeakMemory
+from layeropt.models import make_model
+
+
+class _Boom(torch.autograd.Function):
+    """Raises in the middle of backward, after the layers above were stepped."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("boom")
+
+
+def _chain(n=4):
+    torch.manual_seed(0)
+    return torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(n))
+
+
+def _run(layers, x, boom_at=None):
+    h = x
+    for i, layer in enumerate(layers):
+        h = layer(_Boom.apply(h) if i == boom_at else h)
+    return h.square().mean()
+
+
+@pytest.mark.parametrize("opt_name", ["SGD", "Adam"])
+def test_exception_mid_backward_each_param_fully_stepped_or_untouched(opt_name):
+    kw = dict(lr=0.1, momentum=0.9) if opt_name == "SGD" else dict(lr=0.1)
+    layers = _chain()
+    ref = copy.deepcopy(layers)
+    opt = getattr(layeropt, opt_name)(layers.parameters(), **kw)
+    ref_opt = getattr(torch.optim, opt_name)(ref.parameters(), **kw)
+    layeropt.attach(layers, opt)
+    x = torch.randn(2, 4)
+    _run(layers, x).backward()  # one good step: state exists
+    _run(ref, x).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    before = copy.deepcopy(layers.state_dict())
+    with pytest.raises(ValueError, match="boom"):
+        _run(layers, x, boom_at=2).backward()
+    # layers 3 and 2 were complete before the fault: stepped; 0 and 1 never got a gradient.
+    stepped = {id(p) for p in opt.stepped_params}
+    for i, layer in enumerate(layers):
+        for n, p in layer.named_parameters():
+            changed = not torch.equal(before[f"{i}.{n}"], p)
+            assert changed == (id(p) in stepped) == (i >= 2)
+            if "step" in opt.state[p]:
+                assert opt.state[p]["step"].item() == (2 if i >= 2 else 1)
+    # The reference takes the same partial step: update layers 2-3 only.
+    ref_out = _run(ref, x)
+    ref_out.backward()
+    for i in (0, 1):
+        for p in ref[i].parameters():
+            p.grad = None
+    ref_opt.step()
+    ref_opt.zero_grad()
+    assert_models_equal(ref, layers)
+    # No stale "inside backward" state: the next step matches torch.
+    opt.zero_grad()
+    _run(layers, x).backward()
+    _run(ref, x).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    assert all(p.grad is None for p in layers.parameters())
+    assert_models_equal(ref, layers)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_non_finite_gradients_behave_like_torch_by_default():
+    layers, ref = _chain(2), None
+    ref = copy.deepcopy(layers)
+    opt = layeropt.SGD(layers.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    layeropt.attach(layers, opt)
+    x = torch.tensor([[float("nan"), 1.0, 2.0, 3.0]])
+    _run(layers, x).backward()
+    _run(ref, x).backward()
+    ref_opt.step()
+    for p, q in zip(ref.parameters(), layers.parameters()):
+        assert torch.equal(p.isnan(), q.isnan())
+        assert torch.equal(p.nan_to_num(), q.nan_to_num())
+
+
+def test_autograd_grad_and_backward_inputs_step_nothing_unexpected():
+    model, batch_fn, loss_fn = make_model("mlp")
+    opt = layeropt.Adam(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    data = batch_fn(torch.Generator().manual_seed(0))
+    before = copy.deepcopy(model.state_dict())
+    x = data[0].clone().requires_grad_(True)
+    (gx,) = torch.autograd.grad(loss_fn(model, (x, data[1])), x, create_graph=True)
+    assert_same(before, model.state_dict())  # a gradient penalty computes, steps nothing
+    # backward(inputs=...) steps only the parameters it accumulates into
+    head = list(model.head.parameters())
+    loss_fn(model, data).backward(inputs=head)
+    for n, p in model.named_parameters():
+        assert torch.equal(before[n], p) == (not n.startswith("head"))
+    assert len(opt.state) == 2
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_retain_graph_double_backward_follows_the_documented_rule(accumulate):
+    """Each attached backward is one step; no_step() sums backwards into one step."""
+    model = torch.nn.Linear(3, 1)
+    ref = copy.deepcopy(model)
+    opt = layeropt.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    layeropt.attach(model, opt)
+    x = torch.randn(2, 3)
+    loss, ref_loss = (model(x) ** 2).sum(), (ref(x) ** 2).sum()
+    if accumulate:
+        with opt.no_step():
+            loss.backward(retain_graph=True)
+        ref_loss.backward(retain_graph=True)
+    else:
+        loss.backward(retain_graph=True)
+        ref_loss.backward(retain_graph=True)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    loss.backward()
+    ref_loss.backward()
+    ref_opt.step()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_double_backward_through_a_saved_weight_is_refused_by_autograd():
+    """When the graph saved a weight the first backward updated, autograd raises."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    loss = model(torch.randn(2, 3)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_long_run_has_no_growth():
+    model, batch_fn, loss_fn = make_model("mlp")
+    opt = layeropt.Adam(model.parameters(), lr=1e-3, fused=True)
+    handle = layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(0)
+    data = batch_fn(gen)
+    engine = opt._lo_engine
+
+    def live_bytes():
+        with PeakMemory() as mem:
+            loss_fn(model, data).backward()
+        return mem.end
+
+    for step in range(1000):
+        loss_fn(model, data).backward()
+        if step == 9:
+            at_10 = (live_bytes(), len(engine.held), len(engine._pending), len(handle.buckets))
+    at_1000 = (live_bytes(), len(engine.held), len(engine._pending), len(handle.buckets))
+    assert at_10 == at_1000
+    assert at_1000[0] == 0  # a step leaves no new live tensors behind
+
+
+def test_deepcopy_and_pickle_of_attached_model_are_plain_copies():
+    model, batch_fn, loss_fn = make_model("mlp")
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        before = copy.deepcopy(model.state_dict())
+        loss_fn(clone, batch_fn(torch.Generator().manual_seed(0))).backward()
+        assert all(p.grad is not None for p in clone.parameters())  # no hooks copied
+        assert_same(before, model.state_dict())  # the original is untouched
+
+
+def test_deleting_optimizer_or_model_leaves_nothing_behind():
+    model, batch_fn, loss_fn = make_model("mlp")
+    opt = layeropt.Adam(model.parameters())
+    handle = layeropt.attach(model, opt)
+    opt_ref, model_ref = weakref.ref(opt), weakref.ref(model)
+    with pytest.warns(RuntimeWarning, match="Keep a reference"):
+        del opt
+        gc.collect()
+    assert opt_ref() is None
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    assert repr(handle) == "<layeropt.Attachment removed>"
+    opt = layeropt.Adam(model.parameters())
+    layeropt.attach(model, opt)
+    del model, opt
+    gc.collect()
+    assert model_ref() is None
+
+
+RESUME = textwrap.dedent(
+    """
+    import sys, torch, layeropt
+    from layeropt.models import make_model
+    torch.set_num_threads(1)
+    mode, path = sys.argv[1], sys.argv[2]
+    model, batch_fn, loss_fn = make_model("gpt")
+    opt = layeropt.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(0)
+    batches = [batch_fn(gen) for _ in range(8)]
+
+    def train(i):
+        if i % 2 == 0:
+            with opt.no_step():
+                (loss_fn(model, batches[i]) / 2).backward()
+        else:
+            (loss_fn(model, batches[i]) / 2).backward()
+            sched.step()
+
+    if mode == "resume":
+        ck = torch.load(path, weights_only=False)
+        model.load_state_dict(ck["model"]); opt.load_state_dict(ck["opt"])
+        sched.load_state_dict(ck["sched"])
+        for p, g in zip(model.parameters(), ck["grads"]):
+            p.grad = g
+        opt._lo_engine.held.update(dict.fromkeys(p for p in model.parameters() if p.grad is not None))
+        start = ck["i"]
+    else:
+        start = 0
+    for i in range(start, 8):
+        if mode == "save" and i == 5:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "sched": sched.state_dict(), "i": i,
+                        "grads": [p.grad for p in model.parameters()]}, path)
+            break
+        train(i)
+    if mode != "save":
+        torch.save([p.detach() for p in model.parameters()], path + "." + mode)
+    """
+)
+
+
+def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME)
+    ck = str(tmp_path / "ck.pt")
+    for mode in ("full", "save", "resume"):
+        subprocess.run([sys.executable, str(script), mode, ck], check=True, timeout=120)
+    full = torch.load(ck + ".full")
+    resumed = torch.load(ck + ".resume")
+    for a, b in zip(full, resumed):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64])
+def test_complex_parameters_match_torch(dtype):
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, dtype=dtype, requires_grad=True)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(w.detach().clone())
+    ref_w = torch.nn.Parameter(w.detach().clone())
+    opt = layeropt.Adam([model.w], lr=0.1)
+    ref_opt = torch.optim.Adam([ref_w], lr=0.1)
+    layeropt.attach(model, opt)
+    x = torch.randn(3, dtype=dtype)
+    for _ in range(3):
+        (model.w @ x).abs().sum().backward()
+        (ref_w @ x).abs().sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert torch.equal(model.w, ref_w)
+
+
+def test_mixed_dtypes_in_one_optimizer_match_torch():
+    model, batch_fn, loss_fn = make_model("mlp")
+    model.head.double()
+    ref = copy.deepcopy(model)
+    opt = layeropt.Adam(model.parameters(), lr=0.01, foreach=True)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, foreach=True)
+    layeropt.attach(model, opt)
+
+    def loss(m, data):
+        x, y = data
+        h = x
+        for layer in m.layers:
+            h = torch.nn.functional.gelu(layer(h))
+        return torch.nn.functional.mse_loss(m.head(h.double()), y.double())
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        data = batch_fn(gen)
+        loss(ref, data).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss(model, data).backward()
+    assert_models_equal(ref, model)
+
+
+@pytest.mark.parametrize(
+    "params,match",
+    [([], "empty parameter list"), ("dup", "more than one parameter group")],
+)
+def test_bad_parameter_lists_raise_like_torch(params, match):
+    lin = torch.nn.Linear(2, 2)
+    if params == "dup":
+        params = [{"params": [lin.weight]}, {"params": [lin.weight]}]
+    with pytest.raises(ValueError, match=match):
+        torch.optim.Adam(params)
+    with pytest.raises(ValueError, match=match):
+        layeropt.Adam(params)
+
+
+def test_parameters_that_do_not_require_grad_are_not_hooked():
+    model, _, _ = make_model("frozen")
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    handle = layeropt.attach(model, opt)
+    hooked = {id(p) for b in handle.buckets for p in b.params}
+    assert id(model.frozen.weight) not in hooked and id(model.body.weight) in hooked
