@@ -252,6 +252,7 @@ RESUME = textwrap.dedent(
 )
 
 
+@pytest.mark.filterwarnings("ignore:a layeropt optimizer was deleted")
 def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
     script = tmp_path / "resume.py"
     script.write_text(RESUME)
