@@ -12,6 +12,7 @@ Example:
     ...     opt.step()                                  # harmless no-op
 """
 
+from . import losses
 from .attach import Attachment, attach
 from .backward import backward
 from .errors import AttachError, BackwardStateError, LayeroptError
@@ -45,6 +46,7 @@ __all__ = [
     "LayeroptError",
     "AttachError",
     "BackwardStateError",
+    "losses",
 ]
 
 try:
