@@ -17,6 +17,7 @@ from .attach import Attachment, attach
 from .backward import backward
 from .errors import AttachError, BackwardStateError, LayeroptError
 from .landing import Bucket
+from .loop import LoopAccumulator, LoopStateError, loop_recurrent, loop_stack
 from .optim import (
     SGD,
     Adagrad,
@@ -47,6 +48,10 @@ __all__ = [
     "AttachError",
     "BackwardStateError",
     "losses",
+    "LoopAccumulator",
+    "LoopStateError",
+    "loop_stack",
+    "loop_recurrent",
 ]
 
 try:

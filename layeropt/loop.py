@@ -1,0 +1,410 @@
+"""Looped forwards with the memory of one iteration.
+
+A forward that runs the same sub-network ``n`` times in a Python loop keeps
+every iteration's activations until ``backward``, so memory grows with ``n``
+(``seeds/000``). Gradients add up, so the loop can be trained with the memory
+of one iteration. This module covers the three shapes such a loop takes:
+
+1. **independent iterations, one loss each** - :class:`LoopAccumulator`:
+   backward each iteration's ``loss_i / n`` at once (freeing its graph) and
+   step the optimizer once, after the n-th backward;
+2. **a head on the stack of all outputs** - :func:`loop_stack`: each
+   iteration is checkpointed (non-reentrant) and written into one
+   preallocated stack, so forward holds the stack and one iteration; backward
+   recomputes one iteration at a time;
+3. **recurrent loops** (iteration ``i`` reads iteration ``i-1``'s output) -
+   :func:`loop_recurrent`: checkpoint every ``k`` iterations, so memory grows
+   with the small carried state, not with the iterations' activations.
+
+All three give the gradient of the plain full-graph loop and work with
+``torch.optim`` optimizers and with attached layeropt optimizers (each
+parameter, shared by all iterations, is stepped once per training step).
+See ``docs/loops.md`` for measurements.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.checkpoint import checkpoint
+
+from .errors import LayeroptError
+from .optim import InBackwardOptimizer, live_optimizers
+
+__all__ = ["LoopAccumulator", "LoopStateError", "loop_recurrent", "loop_stack"]
+
+S = TypeVar("S", Tensor, tuple[Tensor, ...])
+
+
+class LoopStateError(LayeroptError):
+    """A :class:`LoopAccumulator` was used out of order (see the message)."""
+
+
+class LoopAccumulator:
+    """Backward each loop iteration at once; step the optimizer once per n.
+
+    ``backward(loss_i)`` runs ``(loss_i / n).backward()`` immediately, so the
+    iteration's graph is freed before the next one is built; the gradients
+    add up in ``.grad`` to the gradient of the full-graph
+    ``(loss_0 + ... + loss_{n-1}) / n``. The optimizer steps once:
+
+    * attached layeropt optimizers: backwards 1..n-1 run inside
+      ``optimizer.no_step()`` (gradients accumulate), the n-th backward steps
+      each layer in backward and frees its gradient. Every attached layeropt
+      optimizer is deferred, so ``optimizer`` may be left ``None``;
+    * ``torch.optim`` optimizers (or layeropt ones not attached): call
+      ``acc.step()`` (or ``optimizer.step()``) after the loop.
+
+    One accumulator counts one training step at a time. ``acc.step()`` or
+    ``acc.reset()`` starts the next one; as a context manager, leaving the
+    ``with`` block checks that exactly ``n`` backwards ran and starts the next.
+
+    Args:
+        n: number of backward calls (loop iterations) per training step.
+        optimizer: optimizer(s) that ``step()`` steps and zeroes; ``None``
+            when the only optimizers are attached layeropt ones.
+        reduction: ``"mean"`` scales each loss by ``1/n`` (the full-graph loss
+            is the mean of the iteration losses); ``"sum"`` does not scale.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> acc = LoopAccumulator(3, opt)
+        >>> for i in range(3):
+        ...     acc.backward(model(torch.randn(2, 4)).square().mean())
+        >>> acc.step()  # opt.step(); opt.zero_grad(); ready for the next step
+    """
+
+    def __init__(
+        self,
+        n: int,
+        optimizer: Optimizer | Iterable[Optimizer] | None = None,
+        *,
+        reduction: Literal["mean", "sum"] = "mean",
+    ) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive int (backwards per step), got {n!r}")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if optimizer is None:
+            self.optimizers: list[Optimizer] = []
+        elif isinstance(optimizer, Optimizer):
+            self.optimizers = [optimizer]
+        else:
+            self.optimizers = list(optimizer)
+        for o in self.optimizers:
+            if not isinstance(o, Optimizer):
+                raise TypeError(
+                    f"optimizer must be a torch.optim.Optimizer, got {type(o).__name__}"
+                )
+        self.n = n
+        self.reduction = reduction
+        self.count = 0
+        self._total: Tensor | None = None
+        self._deferred: dict[InBackwardOptimizer, None] = {}
+
+    @property
+    def done(self) -> bool:
+        """Whether all ``n`` backwards of the current step have run."""
+        return self.count == self.n
+
+    @property
+    def loss(self) -> float:
+        """Sum of the scaled losses so far (after n calls: the full-graph loss)."""
+        return 0.0 if self._total is None else float(self._total)
+
+    def backward(self, loss: Tensor) -> None:
+        """Scale ``loss`` and backpropagate it now; step only on the n-th call.
+
+        Args:
+            loss: the scalar loss of one iteration.
+
+        Raises:
+            LoopStateError: ``n`` backwards already ran in this step.
+        """
+        if self.count >= self.n:
+            raise LoopStateError(
+                f"backward() called {self.count + 1} times but n={self.n}. Call "
+                "acc.step() or acc.reset() to start the next training step (or "
+                "create the accumulator with the right n)."
+            )
+        scaled = loss / self.n if self.reduction == "mean" else loss
+        last = self.count == self.n - 1
+        with contextlib.ExitStack() as stack:
+            if not last:
+                for opt in self._attached():
+                    stack.enter_context(opt.no_step())
+                    self._deferred[opt] = None
+            scaled.backward()
+        self.count += 1
+        value = scaled.detach()
+        self._total = value if self._total is None else self._total + value
+        if last:
+            self._flush_deferred()
+
+    def _flush_deferred(self) -> None:
+        """Step gradients held in calls 1..n-1 that the n-th backward did not reach.
+
+        The hooks step held gradients at the end of the next attached backward
+        that reaches the optimizer's parameters; if the last iteration's loss
+        reaches none of them, step them here (unless an outer ``no_step()``
+        is still accumulating).
+        """
+        for opt in self._deferred:
+            engine = opt._lo_engine
+            if not engine.no_step_depth and any(p.grad is not None for p in engine.held):
+                opt.step()  # attached: steps and frees exactly the leftover gradients
+        self._deferred.clear()
+
+    def _attached(self) -> list[InBackwardOptimizer]:
+        given = [o for o in self.optimizers if isinstance(o, InBackwardOptimizer)]
+        return list(dict.fromkeys(given + [o for o in live_optimizers() if o.attached]))
+
+    def step(self) -> None:
+        """After the n-th backward: step and zero the optimizers, then reset.
+
+        For attached layeropt optimizers the update already happened in the
+        n-th backward and their ``step()`` is a no-op, so calling ``acc.step()``
+        is right for both optimizer kinds.
+
+        Raises:
+            LoopStateError: fewer than ``n`` backwards ran in this step.
+        """
+        if self.count != self.n:
+            raise LoopStateError(
+                f"step() after {self.count} of n={self.n} backward() calls would use "
+                "a partial gradient. Run all n iterations first, or call acc.reset() "
+                "to drop this step (then optimizer.zero_grad())."
+            )
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad()
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new training step (count and logged loss back to zero).
+
+        Gradients already accumulated stay in ``.grad``; call
+        ``optimizer.zero_grad()`` to drop them too.
+        """
+        self.count = 0
+        self._total = None
+        self._deferred.clear()
+
+    def __enter__(self) -> LoopAccumulator:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None and 0 < self.count < self.n:
+            count = self.count
+            self.reset()
+            raise LoopStateError(
+                f"the loop ended after {count} of n={self.n} backward() calls, so the "
+                "optimizer never stepped. Give LoopAccumulator the loop's real length, "
+                "e.g. n=len(range(0, nb_elements, decimation_factor))."
+            )
+        self.reset()
+
+    def __repr__(self) -> str:
+        return f"LoopAccumulator(n={self.n}, count={self.count}, reduction={self.reduction!r})"
+
+
+class _Place(torch.autograd.Function):
+    """``buf.select(dim, i).copy_(y)`` in place, with a copy-free backward.
+
+    ``torch.stack`` needs every output alive at once (two stacks of memory);
+    writing each output into one buffer as it is made holds one. The
+    gradient of ``y`` is a view of the buffer's gradient, and the buffer's
+    gradient passes through unchanged: slot ``i`` of the incoming buffer was
+    never written by anything differentiable before, so nothing reads it.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, buf: Tensor, y: Tensor, i: int, dim: int) -> Tensor:
+        buf.select(dim, i).copy_(y)
+        ctx.mark_dirty(buf)
+        ctx.i, ctx.dim = i, dim
+        return buf
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
+        return grad, grad.select(ctx.dim, ctx.i), None, None
+
+
+def _rng_anchors() -> tuple[Tensor, ...]:
+    """Zero-size tensors on every initialised CUDA device, for ``checkpoint``'s args.
+
+    ``checkpoint`` saves and restores the RNG state of the devices of its
+    *tensor arguments* only. An iteration called with an int (``tx_id``) and
+    closing over CUDA tensors would recompute with fresh dropout masks: a
+    wrong gradient (measured on an H200: parameters off by 4e-3 after two
+    Adam steps). Passing these anchors makes it replay every CUDA device's RNG.
+    """
+    if not torch.cuda.is_initialized():
+        return ()
+    return tuple(torch.empty(0, device=f"cuda:{i}") for i in range(torch.cuda.device_count()))
+
+
+def _call(fn: Callable[[Any], Tensor], x: Any, anchors: tuple[Tensor, ...]) -> Tensor:
+    return fn(x)
+
+
+def _items(inputs: int | Iterable[Any], name: str) -> list[Any]:
+    if isinstance(inputs, bool):
+        raise TypeError(f"{name}: inputs must be an int or an iterable, got a bool")
+    if isinstance(inputs, int):
+        if inputs < 0:
+            raise ValueError(f"{name}: the number of iterations must be >= 0, got {inputs}")
+        return list(range(inputs))
+    return list(inputs)
+
+
+def loop_stack(
+    fn: Callable[[Any], Tensor],
+    inputs: int | Iterable[Any],
+    dim: int = 0,
+    *,
+    recompute: bool = True,
+    preserve_rng_state: bool = True,
+) -> Tensor:
+    """``torch.stack([fn(x) for x in inputs], dim)`` with one iteration's activations.
+
+    Each ``fn(x)`` runs under non-reentrant ``torch.utils.checkpoint`` (its
+    activations are dropped and recomputed in backward, one iteration at a
+    time, with the RNG state of the forward, so dropout is replayed) and its
+    output is written straight into a preallocated stack. Memory: the stack,
+    one iteration, and the CPU RNG state (5 KiB) per iteration; backward adds
+    the stack's gradient. The gradient is the full-graph loop's, bit for bit.
+
+    Args:
+        fn: one iteration; takes one item of ``inputs`` and returns a tensor
+            of the same shape every time. Parameters it uses (closures
+            included) receive gradients.
+        inputs: the items to loop over, or an int ``n`` for ``range(n)``.
+        dim: where the new axis goes, as in ``torch.stack``.
+        recompute: ``False`` keeps activations (the plain loop, no recompute)
+            but still builds the stack in place.
+        preserve_rng_state: passed to ``checkpoint``; ``False`` saves the 5 KiB
+            RNG state per iteration when ``fn`` draws no random numbers.
+
+    Returns:
+        The stacked outputs, shape ``fn(x).shape`` with ``len(inputs)`` at ``dim``.
+
+    Example:
+        >>> conv = torch.nn.Conv1d(1, 4, 3, padding=1)
+        >>> sino = torch.randn(2, 8, 32)  # (batch, elements, samples)
+        >>> stack = loop_stack(lambda tx: conv(sino[:, tx : tx + 1]), range(0, 8, 2), dim=1)
+        >>> stack.shape
+        torch.Size([2, 4, 4, 32])
+    """
+    items = _items(inputs, "loop_stack")
+    if not items:
+        raise ValueError("loop_stack: inputs is empty; there is nothing to stack")
+    buf: Tensor | None = None
+    anchors = _rng_anchors() if recompute and preserve_rng_state else ()
+    for i, x in enumerate(items):
+        if recompute:
+            y = checkpoint(
+                _call, fn, x, anchors, use_reentrant=False, preserve_rng_state=preserve_rng_state
+            )
+        else:
+            y = fn(x)
+        if not isinstance(y, Tensor):
+            raise TypeError(f"loop_stack: fn must return a Tensor, got {type(y).__name__}")
+        if buf is None:
+            if not -y.dim() - 1 <= dim <= y.dim():
+                raise ValueError(
+                    f"loop_stack: dim={dim} is out of range for a {y.dim() + 1}-d stack"
+                )
+            dim = dim % (y.dim() + 1)
+            shape = y.shape[:dim] + (len(items),) + y.shape[dim:]
+            buf = y.new_empty(shape)
+            first_shape = y.shape
+        elif y.shape != first_shape:
+            raise ValueError(
+                f"loop_stack: iteration {i} returned shape {tuple(y.shape)} but iteration 0 "
+                f"returned {tuple(first_shape)}; every iteration must return the same shape."
+            )
+        buf = _Place.apply(buf, y, i, dim)
+        del y  # the stack holds the values; free the output now
+    assert buf is not None
+    return buf
+
+
+def _segment(
+    fn: Callable[[Any, Any], Any], items: list[Any], single: bool, anchors: tuple[Tensor, ...],
+    *state: Tensor,
+) -> Any:
+    s: Any = state[0] if single else tuple(state)
+    for x in items:
+        s = fn(s, x)
+        if single and not isinstance(s, Tensor):
+            raise TypeError(
+                f"loop_recurrent: the state is a Tensor, but fn returned {type(s).__name__}"
+            )
+        if not single and not (isinstance(s, (tuple, list)) and len(s) == len(state)):
+            raise TypeError(
+                f"loop_recurrent: the state is a tuple of {len(state)} tensors; fn must "
+                "return a tuple of the same length"
+            )
+    return s
+
+
+def loop_recurrent(
+    fn: Callable[[S, Any], S],
+    state: S,
+    inputs: int | Iterable[Any],
+    *,
+    every: int = 1,
+    preserve_rng_state: bool = True,
+) -> S:
+    """``for x in inputs: state = fn(state, x)``, checkpointed every ``every`` steps.
+
+    Only the carried state at each segment boundary is kept (plus 5 KiB of RNG
+    state per segment); backward recomputes one segment of ``every``
+    iterations at a time. Memory: ``len(inputs)/every`` states plus the
+    activations of ``every`` iterations. ``every=1`` is the least memory when
+    the state is small next to one iteration's activations; a larger
+    ``every`` keeps fewer states. The gradient is the full-graph loop's, bit
+    for bit.
+
+    Args:
+        fn: one step; ``fn(state, x)`` returns the next state (same structure).
+        state: the initial state: a Tensor or a tuple of Tensors.
+        inputs: the items to loop over, or an int ``n`` for ``range(n)``.
+        every: iterations per checkpointed segment (>= 1).
+        preserve_rng_state: passed to ``checkpoint`` (dropout replay).
+
+    Returns:
+        The final state.
+
+    Example:
+        >>> cell = torch.nn.Linear(8, 8)
+        >>> xs = torch.randn(16, 2, 8)
+        >>> h = loop_recurrent(lambda h, x: torch.tanh(cell(h) + x), torch.zeros(2, 8), xs)
+        >>> h.shape
+        torch.Size([2, 8])
+    """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"loop_recurrent: every must be a positive int, got {every!r}")
+    single = isinstance(state, Tensor)
+    if not single and not (
+        isinstance(state, (tuple, list)) and all(isinstance(t, Tensor) for t in state)
+    ):
+        raise TypeError("loop_recurrent: state must be a Tensor or a tuple of Tensors")
+    items = _items(inputs, "loop_recurrent")
+    anchors = _rng_anchors() if preserve_rng_state else ()
+    s: Any = state
+    for start in range(0, len(items), every):
+        args = (s,) if single else tuple(s)
+        s = checkpoint(
+            _segment, fn, items[start : start + every], single, anchors, *args,
+            use_reentrant=False, preserve_rng_state=preserve_rng_state,
+        )
+    return s
