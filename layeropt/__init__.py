@@ -15,6 +15,7 @@ Example:
 from . import losses
 from .attach import Attachment, attach
 from .backward import backward
+from .checkpoint import CheckpointHandle, checkpoint, checkpoint_modules
 from .errors import AttachError, BackwardStateError, LayeroptError
 from .landing import Bucket
 from .loop import LoopAccumulator, LoopStateError, loop_recurrent, loop_stack
@@ -52,6 +53,9 @@ __all__ = [
     "LoopStateError",
     "loop_stack",
     "loop_recurrent",
+    "checkpoint",
+    "checkpoint_modules",
+    "CheckpointHandle",
 ]
 
 try:

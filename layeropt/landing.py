@@ -16,17 +16,16 @@ one post-accumulate-grad hook per parameter; the hook calls
 4. when the backward ends (an autograd engine callback queued at the first
    arrival), buckets that only partly arrived - some parameters got no
    gradient this time - and gradients held from ``no_step()`` are stepped
-   together, and freed.
-
+   together, and freed;
 5. activation checkpointing (``layeropt/checkpoint.py``) keeps this exact:
 
    * ``layeropt.checkpoint(..., use_reentrant=True)`` makes every parameter a
      segment reads an input of the segment's autograd node, so autograd itself
      fires each hook once, after the recomputation: nothing changes here;
    * a parameter that a non-reentrant ``layeropt.checkpoint`` segment read in
-     forward is *pinned* until the segment has been recomputed: a gradient
-     that lands while pinned waits, and enters rule 3 when the pin is
-     released (so no recomputation sees an updated weight);
+     forward is *pinned* until this backward has recomputed the segment: a
+     gradient that lands while pinned waits, and enters rule 3 when the pin
+     is released (so no recomputation sees an updated weight);
    * ``torch.utils.checkpoint(..., use_reentrant=True)`` runs a nested
      backward per segment, in which shared parameters land once per segment
      with partial gradients. Its segments are watched from forward on; a
@@ -74,32 +73,47 @@ _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 # still alive (their autograd nodes), and how many run their nested backward now.
 _TORCH_SEGMENTS: weakref.WeakSet[Any] = weakref.WeakSet()
 _segment_depth = 0
-_PINS: dict[Tensor, int] = {}  # parameter -> segments still to be recomputed with it
+# parameter -> for each live pin on it, the graph tasks that recomputed its segment
+_PINS: dict[Tensor, list[set[int]]] = {}
 
 
 class Pin:
     """Holds the gradients of ``params`` back until :meth:`release` (rule 5).
 
     Created by a non-reentrant ``layeropt.checkpoint`` segment in forward and
-    released when backward has recomputed it (or when its graph is freed).
+    released by each backward that recomputes it; dropped with its graph.
     """
 
     def __init__(self, params: list[Tensor]) -> None:
         params = list(dict.fromkeys(params))
+        self._done: set[int] = set()  # graph tasks that recomputed the segment
         for p in params:
-            _PINS[p] = _PINS.get(p, 0) + 1
-        self._release = weakref.finalize(self, _unpin, params)
+            _PINS.setdefault(p, []).append(self._done)
+        weakref.finalize(self, _unpin, params, self._done).atexit = False
 
     def release(self) -> None:
-        """Unpin; gradients that waited for this segment are stepped now."""
-        self._release()
+        """The running backward recomputed the segment: gradients waiting for it go on."""
+        self._done.add(_graph_task_id())
+        _ungate_all()
 
 
-def _unpin(params: list[Tensor]) -> None:
+def _pinned(param: Tensor) -> bool:
+    """Whether a segment reading ``param`` is still to be recomputed in this backward."""
+    task = _graph_task_id()
+    return any(task not in done for done in _PINS.get(param, ()))
+
+
+def _unpin(params: list[Tensor], done: set[int]) -> None:
     for p in params:
-        left = _PINS.pop(p, 1) - 1
-        if left > 0:
+        left = [d for d in _PINS.get(p, ()) if d is not done]
+        if left:
             _PINS[p] = left
+        else:
+            _PINS.pop(p, None)
+    _ungate_all()
+
+
+def _ungate_all() -> None:
     for engine in list(_ENGINES):
         if engine._gated:
             engine._ungate()
@@ -288,7 +302,7 @@ class Engine:
         if self._defer:
             self._deferred[param] = None
             return
-        if _PINS and param in _PINS:
+        if _PINS and _pinned(param):
             self._gated[param] = (bucket, index)
             return
         self._arrive(optimizer, bucket, index, param)
@@ -408,7 +422,7 @@ class Engine:
     def _ungate(self) -> None:
         """Pins were released: gradients no longer pinned enter rule 3."""
         optimizer = self._optimizer()
-        for p in [p for p in self._gated if p not in _PINS]:
+        for p in [p for p in self._gated if not _pinned(p)]:
             bucket, index = self._gated.pop(p)
             if optimizer is not None and p.grad is not None:
                 self._arrive(optimizer, bucket, index, p)

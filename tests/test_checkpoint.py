@@ -1,0 +1,658 @@
+"""layeropt.checkpoint: exact in-backward updates under activation checkpointing.
+
+Every model is trained twice from the same seed: plain torch without any
+checkpointing (the reference), and a layeropt optimizer attached to a copy
+that checkpoints some of its parts. Parameters and optimizer state must match
+bit for bit, with one stated exception: a reentrant segment sums the gradient
+contributions a tensor receives inside it before adding those from outside
+(torch's reentrant checkpoint does the same), and float addition is not
+associative, so models where that happens match within 1e-6 relative.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as tc
+from harness import assert_models_equal, assert_same
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import layeropt
+from layeropt import landing
+from layeropt.checkpoint import checkpoint, checkpoint_modules
+from layeropt.errors import BackwardStateError
+from layeropt.memory import PeakMemory
+from layeropt.models import make_model
+
+MODES = ("non-reentrant", "reentrant")
+OPTIMIZERS = [
+    ("SGD", dict(lr=0.1, momentum=0.9)),
+    ("Adam", dict(lr=0.01)),
+    ("AdamW", dict(lr=0.01)),
+]
+
+
+def _plain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+def _checkpointer(mode: str) -> Callable[..., Any]:
+    if mode == "torch-reentrant":
+        return functools.partial(tc.checkpoint, use_reentrant=True)
+    return functools.partial(checkpoint, use_reentrant=mode == "reentrant")
+
+
+# -- models that call a checkpointer in forward ---------------------------------
+class SharedLoop(nn.Module):
+    """One extractor shared by three checkpointed iterations and used after them (seed 000)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.extractor = nn.Linear(d, d)
+        self.mix = nn.Linear(d, d)
+        self.head = nn.Linear(d, 2)
+        self.ck = _plain
+
+    def step(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.extractor(h)) + self.mix(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mix(x)
+        for _ in range(3):
+            h = self.ck(self.step, h, x)
+        return self.head(torch.tanh(self.extractor(h)))  # the shared weight, outside
+
+
+class Nested(nn.Module):
+    """A checkpointed loop of checkpointed steps; the inner ones read a captured activation."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.head = nn.Linear(d, 2)
+        self.ck = _plain
+
+    def inner(self, z: torch.Tensor) -> torch.Tensor:
+        c = self.a(z)  # read by the closure below, not passed to it
+        return self.ck(lambda u: torch.tanh(self.b(u) + c), z)
+
+    def outer(self, z: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            z = self.inner(z)
+        return z
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.a(self.ck(self.outer, self.b(x))))
+
+
+class Captured(nn.Module):
+    """The segment reads an activation made outside it and the weight that made it."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.head = nn.Linear(d, 2)
+        self.ck = _plain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = torch.tanh(self.a(x))
+        h = self.ck(lambda z: torch.tanh(self.a(z) * c), c)
+        return self.head(h + c)
+
+
+def _regression(model: nn.Module, d_in: int, d_out: int):
+    def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(4, d_in, generator=gen), torch.randn(4, d_out, generator=gen)
+
+    def loss(m: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.mse_loss(m(data[0]), data[1])
+
+    return batch, loss
+
+
+def _custom(cls: type) -> Callable[[], tuple[nn.Module, Any, Any]]:
+    def make() -> tuple[nn.Module, Any, Any]:
+        torch.manual_seed(0)
+        model = cls()
+        return model, *_regression(model, 8, 2)
+
+    return make
+
+
+def _dropout_mlp() -> tuple[nn.Module, Any, Any]:
+    torch.manual_seed(0)
+    block = lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Dropout(0.3))  # noqa: E731
+    model = nn.Sequential(
+        nn.Linear(8, 8), nn.Sequential(*(block() for _ in range(3))), nn.Linear(8, 2)
+    )
+    return model, *_regression(model, 8, 2)
+
+
+def _sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    keep = op in (torch.ops.aten.gelu.default, torch.ops.aten.addmm.default)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SAC = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
+
+
+@dataclass
+class Scenario:
+    name: str
+    make: Callable[[], tuple[nn.Module, Any, Any]]
+    modules: Any = None  # checkpoint_modules(names=...); None: the model calls model.ck
+    options: dict[str, Any] | None = None  # extra checkpoint options
+    regrouped: bool = False  # reentrant: a segment pre-sums a tensor's gradient contributions
+
+    def install(self, model: nn.Module, mode: str) -> None:
+        if self.modules is None:  # the model calls model.ck itself
+            model.ck = functools.partial(_checkpointer(mode), **(self.options or {}))
+            return
+        names = self.modules
+        if mode != "torch-reentrant":
+            use_reentrant = mode == "reentrant"
+            checkpoint_modules(
+                model, names=names, use_reentrant=use_reentrant, **(self.options or {})
+            )
+            return
+        patterns = [names] if isinstance(names, str) else names
+        chosen: list[str] = []  # outermost matches only, as checkpoint_modules does
+        for name, module in model.named_modules():
+            if not any(name.startswith(c + ".") for c in chosen):
+                if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+                    chosen.append(name)
+                    module.forward = functools.partial(_checkpointer(mode), module.forward)
+
+
+SCENARIOS = [
+    Scenario("shared_loop", _custom(SharedLoop)),
+    Scenario("nested", _custom(Nested), regrouped=True),
+    Scenario("captured", _custom(Captured), regrouped=True),
+    Scenario("unet_encoder", lambda: make_model("unet"), modules=["enc1", "enc2"]),
+    Scenario("gpt_tied_blocks", lambda: make_model("gpt"), modules="blocks.*"),
+    Scenario(
+        "gpt_selective",
+        lambda: make_model("gpt"),
+        modules="blocks.*",
+        options=dict(context_fn=_SAC),
+    ),
+    Scenario("dropout_blocks", _dropout_mlp, modules="1.*"),
+]
+
+
+# Models torch's own reentrant checkpoint cannot train correctly, layeropt or not.
+TORCH_REENTRANT_CANNOT = {
+    "unet_encoder": "no input of enc1 requires grad, so torch gives its weights no gradient",
+    "gpt_selective": "torch's reentrant checkpoint rejects context_fn",
+    "captured": "its nested backward runs into the outer graph and frees it",
+    "nested": "its nested backward runs into the outer graph and frees it",
+}
+
+
+def _assert_close_rel(a: Any, b: Any, rel: float = 1e-6) -> None:
+    if isinstance(a, torch.Tensor):
+        scale = b.detach().abs().max().item() if b.numel() else 0.0
+        assert (a.detach() - b.detach()).abs().max().item() <= rel * max(scale, 1e-12)
+    elif isinstance(a, dict):
+        for k in a:
+            _assert_close_rel(a[k], b[k], rel)
+    elif isinstance(a, (list, tuple)):
+        for x, y in zip(a, b):
+            _assert_close_rel(x, y, rel)
+    else:
+        assert a == b
+
+
+def _train(scenario: Scenario, mode: str, opt_name: str, kw: dict[str, Any], steps: int = 3):
+    """Reference (plain torch, no checkpointing) and checkpointed attached layeropt copy."""
+    model, batch_fn, loss_fn = scenario.make()
+    ref = copy.deepcopy(model)
+    scenario.install(model, mode)
+    ref_opt = getattr(torch.optim, opt_name)(ref.parameters(), **kw)
+    opt = getattr(layeropt, opt_name)(model.parameters(), **kw)
+    handle = layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        data = batch_fn(gen)
+        torch.manual_seed(100 + step)  # the same dropout masks for both
+        loss_fn(ref, data).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.manual_seed(100 + step)
+        loss_fn(model, data).backward()
+        assert all(p.grad is None for p in model.parameters()), "a .grad survived backward"
+    handle.remove()
+    return ref, ref_opt, model, opt
+
+
+@pytest.mark.parametrize("opt_name,kw", OPTIMIZERS, ids=[o for o, _ in OPTIMIZERS])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_matches_plain_torch_without_checkpointing(scenario, mode, opt_name, kw):
+    ref, ref_opt, model, opt = _train(scenario, mode, opt_name, kw)
+    if scenario.regrouped and mode == "reentrant":
+        _assert_close_rel(list(ref.parameters()), list(model.parameters()))
+        _assert_close_rel(ref_opt.state_dict(), opt.state_dict())
+    else:
+        assert_models_equal(ref, model)
+        assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def _count_steps(opt: Any) -> list[int]:
+    calls: list[int] = []
+    original = opt._step_params
+
+    def counting(params: Any) -> None:
+        calls.extend(id(p) for p in params)
+        original(params)
+
+    opt._step_params = counting
+    return calls
+
+
+@pytest.mark.parametrize("mode", MODES + ("torch-reentrant",))
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_each_parameter_stepped_once_per_backward(scenario, mode):
+    if mode == "torch-reentrant" and scenario.name in TORCH_REENTRANT_CANNOT:
+        pytest.skip(TORCH_REENTRANT_CANNOT[scenario.name])
+    model, batch_fn, loss_fn = scenario.make()
+    ref = copy.deepcopy(model)
+    scenario.install(model, mode)
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    handle = layeropt.attach(model, opt)
+    calls = _count_steps(opt)
+    data = batch_fn(torch.Generator().manual_seed(0))
+    loss_fn(ref, data).backward()
+    expected = sorted(
+        id(p) for p, q in zip(model.parameters(), ref.parameters()) if q.grad is not None
+    )
+    for _ in range(2):
+        calls.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss_fn(model, data).backward()
+        assert sorted(calls) == expected
+        assert opt.stepped_in_backward == len(expected)
+    handle.remove()
+
+
+# -- torch's own reentrant checkpoint ---------------------------------------------
+def _sequential_all_inside() -> tuple[nn.Module, Any, Any]:
+    """Every parameter inside torch's checkpoint_sequential: the first gradient lands nested."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)))
+    model.ck = None
+
+    def loss(m: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = data[0].requires_grad_()
+        y = m(x) if m.ck is None else tc.checkpoint_sequential(m, 2, x, use_reentrant=True)
+        return F.mse_loss(y, data[1])
+
+    return model, _regression(model, 8, 8)[0], loss
+
+
+TORCH_SCENARIOS = [s for s in SCENARIOS if s.name not in TORCH_REENTRANT_CANNOT] + [
+    Scenario("sequential_all_inside", _sequential_all_inside)
+]
+
+
+@pytest.mark.parametrize("opt_name,kw", OPTIMIZERS, ids=[o for o, _ in OPTIMIZERS])
+@pytest.mark.parametrize("scenario", TORCH_SCENARIOS, ids=lambda s: s.name)
+def test_torch_reentrant_checkpoint_is_exact_and_warns(scenario, opt_name, kw):
+    """Its nested backwards defer every step to the end of the outer backward."""
+    with pytest.warns(UserWarning, match="use_reentrant=True.*layeropt.checkpoint"):
+        ref, ref_opt, model, opt = _train(scenario, "torch-reentrant", opt_name, kw)
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+    assert opt.stepped_in_backward == sum(1 for _ in model.parameters())
+    assert landing._segment_depth == 0 and not landing._PINS
+
+
+class _OtherReentrant(torch.autograd.Function):
+    """A reentrant checkpoint that is not torch's (as DeepSpeed's or fairscale's)."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.fn = fn
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            y = ctx.fn(x)
+        torch.autograd.backward(y, g)
+        return None, x.grad
+
+
+def test_other_reentrant_checkpoint_raises_before_any_update():
+    model, batch_fn, loss_fn = _sequential_all_inside()
+    opt = layeropt.Adam(model.parameters(), lr=0.1)
+    handle = layeropt.attach(model, opt)
+    data = batch_fn(torch.Generator().manual_seed(0))
+    loss_fn(model, data).backward()  # one plain step, so optimizer state exists
+    before, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    y = _OtherReentrant.apply(model, data[0].requires_grad_())
+    with pytest.raises(BackwardStateError, match="layeropt.checkpoint"):
+        F.mse_loss(y, data[1]).backward()
+    assert_same(before, model.state_dict())
+    assert_same(state, opt.state_dict())
+    assert all(p.grad is None for p in model.parameters())
+    loss_fn(model, data).backward()  # the engine was reset: a normal step follows
+    assert opt.stepped_in_backward == 8
+    handle.remove()
+
+
+# -- pins: no recomputation sees an updated weight --------------------------------
+class MaskedByWeight(nn.Module):
+    """``w`` reaches the segment only through a mask (no gradient); its gradient,
+    from outside, is complete before the segment is recomputed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8) * 0.1)
+        self.head = nn.Linear(8, 2)
+        self.ck = _plain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ck(lambda z: torch.tanh(z) * (self.w > 0), self.a(x))
+        return self.head(h) + self.w.sum()
+
+
+@pytest.mark.parametrize("mode", MODES + ("torch-non-reentrant",))
+def test_no_recomputation_sees_an_updated_weight(mode):
+    scenario = Scenario("masked", _custom(MaskedByWeight))
+    kw = dict(lr=0.1)
+    if mode == "torch-non-reentrant":  # without pins, w is stepped before the recomputation
+        scenario.install = lambda m, _: setattr(
+            m, "ck", functools.partial(tc.checkpoint, use_reentrant=False)
+        )
+        ref, _, model, _ = _train(scenario, mode, "SGD", kw)
+        assert not torch.equal(ref.a.weight, model.a.weight)
+        return
+    ref, ref_opt, model, opt = _train(scenario, mode, "SGD", kw)
+    assert_models_equal(ref, model)
+    assert not landing._PINS
+
+
+@pytest.mark.parametrize("mode", (*MODES, "torch-reentrant"))
+@pytest.mark.parametrize("model_cls", [SharedLoop, MaskedByWeight], ids=lambda c: c.__name__)
+def test_two_pass_clipping_backward_stays_exact(model_cls, mode):
+    """layeropt.backward runs two backwards over the graph: pins hold in both."""
+    model, batch_fn, loss_fn = _custom(model_cls)()
+    ref = copy.deepcopy(model)
+    model.ck = _checkpointer(mode)
+    opt, ref_opt = (
+        layeropt.SGD(model.parameters(), lr=0.1),
+        torch.optim.SGD(ref.parameters(), lr=0.1),
+    )
+    gen = torch.Generator().manual_seed(1)
+    with layeropt.attach(model, opt), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            data = batch_fn(gen)
+            loss_fn(ref, data).backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            norm = layeropt.backward(loss_fn(model, data), opt, max_norm=0.5)
+            assert torch.equal(norm, ref_norm)
+    assert_models_equal(ref, model)
+
+
+class _CountOp(TorchDispatchMode):
+    def __init__(self, op: Any) -> None:
+        super().__init__()
+        self.op, self.count = op, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func is self.op
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("selective", [True, False], ids=["selective", "full"])
+@pytest.mark.parametrize("mode", MODES)
+def test_context_fn_reaches_the_recomputation(mode, selective):
+    """gelu's output is saved by the policy: backward must not recompute it."""
+    model, batch_fn, loss_fn = make_model("gpt")
+    options = dict(context_fn=_SAC) if selective else {}
+    checkpoint_modules(model, names="blocks.*", use_reentrant=mode == "reentrant", **options)
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    loss = loss_fn(model, batch_fn(torch.Generator().manual_seed(0)))
+    with layeropt.attach(model, opt), _CountOp(torch.ops.aten.gelu.default) as counter:
+        loss.backward()
+    assert counter.count == (0 if selective else len(model.blocks))
+    assert opt.stepped_in_backward == sum(1 for _ in model.parameters())
+
+
+# -- an exception in the middle of a checkpointed backward --------------------------
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("boom")
+
+
+class BoomLoop(SharedLoop):
+    """SharedLoop whose second checkpointed iteration raises in backward."""
+
+    boom = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mix(x)
+        for i in range(3):
+            fn = (lambda z, x: self.step(_Boom.apply(z), x)) if self.boom and i == 1 else self.step
+            h = self.ck(fn, h, x)
+        return self.head(torch.tanh(self.extractor(h)))
+
+
+@pytest.mark.parametrize("mode", MODES + ("torch-reentrant",))
+def test_exception_mid_backward_leaves_no_partial_step_and_no_stale_state(mode):
+    scenario = Scenario("boom", _custom(BoomLoop))
+    model, batch_fn, loss_fn = scenario.make()
+    ref = copy.deepcopy(model)
+    scenario.install(model, mode)
+    opt, ref_opt = (
+        layeropt.Adam(model.parameters(), lr=0.1),
+        torch.optim.Adam(ref.parameters(), lr=0.1),
+    )
+    data = batch_fn(torch.Generator().manual_seed(0))
+    before = copy.deepcopy(model.state_dict())
+    with layeropt.attach(model, opt), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="boom"):
+            loss_fn(model, data).backward()
+        # Only the head (outside every segment, complete before the fault) was stepped:
+        # torch's reentrant checkpoint defers every step, so it stepped nothing.
+        stepped = {id(p) for p in opt.stepped_params}
+        head = {id(p) for p in model.head.parameters()}
+        assert stepped == (set() if mode == "torch-reentrant" else head)
+        ref.boom = False
+        loss_fn(ref, data).backward()
+        ref_opt.step()
+        for name, p in model.named_parameters():
+            want = dict(ref.named_parameters())[name] if id(p) in stepped else before[name]
+            assert torch.equal(p, want), name
+            assert p.grad is None, name  # partial gradients were dropped
+        assert not landing._PINS and landing._segment_depth == 0
+        assert opt._lo_engine._active_task == landing._IDLE
+        model.boom = False
+        loss_fn(model, data).backward()  # a normal step follows
+        assert opt.stepped_in_backward == sum(1 for _ in model.parameters())
+
+
+# -- memory ------------------------------------------------------------------
+GPT = dict(vocab=128, d=64, layers=4, heads=4, seq=64)
+
+
+def _peak(setup: str, optimizer: str) -> int:
+    """Peak bytes of forward + backward + step (after a warm-up step), TinyGPT."""
+    model, batch_fn, loss_fn = make_model("gpt", **GPT)
+    if setup == "torch-reentrant":
+        for block in model.blocks:
+            block.forward = functools.partial(tc.checkpoint, block.forward, use_reentrant=True)
+    elif setup != "none":
+        checkpoint_modules(model, names="blocks.*", use_reentrant=setup == "reentrant")
+    if optimizer == "layeropt":
+        opt = layeropt.Adam(model.parameters(), lr=1e-3)
+        handle = layeropt.attach(model, opt)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data = batch_fn(torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):  # the second step is measured (optimizer state exists)
+            with PeakMemory() as mem:
+                loss_fn(model, data).backward()
+                opt.step()
+                opt.zero_grad()
+    if optimizer == "layeropt":
+        handle.remove()
+    return mem.peak
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpointing_with_layeropt_peaks_lowest(mode):
+    checkpointed = _peak(mode, "layeropt")
+    assert checkpointed < _peak("none", "layeropt")  # checkpointing saves activations
+    assert checkpointed < _peak(mode, "torch")  # and in-backward steps save gradients
+    # torch's reentrant checkpoint defers every step: no gradient memory saved.
+    assert checkpointed < _peak("torch-reentrant", "layeropt") == _peak("torch-reentrant", "torch")
+
+
+# -- checkpoint_modules ---------------------------------------------------------
+def _gpt() -> nn.Module:
+    return make_model("gpt")[0]
+
+
+def _seq() -> nn.Module:
+    return nn.Sequential(*(nn.Linear(4, 4) for _ in range(5)))
+
+
+BLOCK = type(_gpt().blocks[0])
+SELECTIONS = [
+    (_gpt, dict(types=BLOCK), ["blocks.0", "blocks.1"]),
+    (_gpt, dict(names="blocks.*"), ["blocks.0", "blocks.1"]),
+    (_gpt, dict(types=(BLOCK, nn.Linear)), ["blocks.0", "blocks.1"]),  # outermost only
+    (_gpt, dict(types=nn.Linear, every=3), ["blocks.0.qkv", "blocks.0.fc_out", "blocks.1.fc"]),
+    (lambda: make_model("unet")[0], dict(names=["enc1", "enc2"]), ["enc1", "enc2"]),
+    (_seq, dict(), ["0", "1", "2", "3", "4"]),
+    (_seq, dict(every=2), ["0", "2", "4"]),
+]
+
+
+@pytest.mark.parametrize("make,kwargs,expected", SELECTIONS)
+def test_checkpoint_modules_selects(make, kwargs, expected):
+    with checkpoint_modules(make(), **kwargs) as handle:
+        assert handle.modules == expected
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_modules_recomputes_and_is_reversible(mode):
+    model, batch_fn, loss_fn = make_model("gpt")
+    keys = list(model.state_dict())
+    calls = []
+    block = model.blocks[0]
+    original = block.forward
+    block.forward = lambda *a, **k: calls.append(1) or original(*a, **k)  # an instance forward
+    counting = block.forward
+    data = batch_fn(torch.Generator().manual_seed(0))
+    handle = checkpoint_modules(model, names="blocks.*", use_reentrant=mode == "reentrant")
+    loss_fn(model, data).backward()
+    assert len(calls) == 2  # forward, then recomputed in backward
+    with pytest.raises(ValueError, match="already checkpointed"):
+        checkpoint_modules(model, names="blocks.0")
+    handle.remove()
+    handle.remove()  # idempotent
+    assert block.forward is counting and "forward" not in model.blocks[1].__dict__
+    calls.clear()
+    loss_fn(model, data).backward()
+    assert len(calls) == 1 and list(model.state_dict()) == keys
+
+
+@pytest.mark.parametrize(
+    "make,kwargs,match",
+    [
+        (_gpt, dict(), "say which submodules"),
+        (_gpt, dict(names="nothing.*"), "no submodule matched"),
+        (_seq, dict(every=0), "every must be >= 1"),
+    ],
+)
+def test_checkpoint_modules_errors(make, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        checkpoint_modules(make(), **kwargs)
+
+
+# -- arguments, outputs, errors ---------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_kwargs_and_nested_outputs(mode):
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x, y = torch.randn(2, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
+
+    def fn(x, scale, extra):
+        h = lin(x) * scale
+        return {"h": h, "pair": (h * extra["y"], 3), "tag": "ok"}
+
+    def loss(out):
+        return (out["h"].square().sum() + out["pair"][0].sum()) * out["pair"][1]
+
+    loss(fn(x, scale=2.0, extra={"y": y})).backward()
+    want = [t.grad.clone() for t in (x, y, lin.weight, lin.bias)]
+    for t in (x, y, lin.weight, lin.bias):
+        t.grad = None
+    out = checkpoint(fn, x, use_reentrant=mode == "reentrant", scale=2.0, extra={"y": y})
+    assert out["tag"] == "ok"
+    loss(out).backward()
+    for t, w in zip((x, y, lin.weight, lin.bias), want):
+        assert torch.equal(t.grad, w)
+
+
+class _Hidden(torch.autograd.Function):
+    """Reads its weight where no __torch_function__ mode can see it."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        with torch._C.DisableTorchFunction():
+            return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+def test_reentrant_refuses_to_lose_an_invisible_gradient():
+    w = nn.Parameter(torch.randn(4))
+    x = torch.randn(2, 4, requires_grad=True)
+    y = checkpoint(lambda z: _Hidden.apply(z, w), x, use_reentrant=True)
+    with pytest.raises(BackwardStateError, match="bypasses __torch_function__"):
+        y.sum().backward()
+
+
+def test_debug_needs_non_reentrant_and_no_grad_runs_plainly():
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="use_reentrant=False"):
+        checkpoint(torch.tanh, x, use_reentrant=True, debug=True)
+    with torch.no_grad():
+        assert checkpoint(torch.tanh, x, use_reentrant=True).grad_fn is None
