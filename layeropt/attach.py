@@ -108,20 +108,6 @@ def _layer_buckets(
     return buckets
 
 
-def _merge(
-    buckets: list[tuple[InBackwardOptimizer, Bucket]], cap_bytes: int
-) -> list[tuple[InBackwardOptimizer, Bucket]]:
-    """Merge consecutive buckets of one optimizer while they fit in ``cap_bytes``."""
-    merged: list[tuple[InBackwardOptimizer, Bucket]] = []
-    for opt, b in buckets:
-        if merged and merged[-1][0] is opt and merged[-1][1].nbytes + b.nbytes <= cap_bytes:
-            last = merged[-1][1]
-            merged[-1] = (opt, Bucket(f"{last.name}+{b.name}", last.params + b.params))
-        else:
-            merged.append((opt, b))
-    return merged
-
-
 class Attachment:
     """Handle returned by :func:`attach`; ``remove()`` restores plain behaviour.
 
@@ -137,11 +123,9 @@ class Attachment:
         self,
         model: nn.Module,
         optimizers: list[InBackwardOptimizer],
-        bucket_cap_mb: float | None,
     ) -> None:
         self._model = weakref.ref(model)
         self._optimizers = [weakref.ref(o) for o in optimizers]
-        self._cap = None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
         self._handles: list[Any] = []
         self.buckets: list[Bucket] = []
         self._engines: list[Any] = []  # the engine that steps each bucket
@@ -161,8 +145,6 @@ class Attachment:
         if model is None:
             return
         pairs = _layer_buckets(model, self.optimizers)
-        if self._cap:
-            pairs = _merge(pairs, self._cap)
         for _, b in pairs:
             for p in b.params:
                 other = _HOOKED.get(p)
@@ -247,7 +229,7 @@ def attach(
     model: nn.Module,
     optimizer: Optimizer | Iterable[Optimizer] | None = None,
     *,
-    bucket_cap_mb: float | None = None,
+    bucket_cap_mb: float = 0.0,
     max_grad_norm: float | None = None,
     norm_type: float = 2.0,
     clip_value: float | None = None,
@@ -264,9 +246,10 @@ def attach(
         model: the module whose parameters to hook.
         optimizer: a layeropt optimizer, several, or ``None`` to use every live
             layeropt optimizer that owns some of the model's parameters.
-        bucket_cap_mb: merge consecutive small layer buckets up to this many MiB
-            of gradient (fewer, larger steps; more gradient memory held).
-            ``None`` (default) keeps one bucket per module.
+        bucket_cap_mb: buckets whose gradients are complete wait, in arrival
+            order, until together they hold this many MiB, and are then stepped
+            with one call (fewer, larger steps; at most this much more
+            gradient memory held). ``0`` steps each layer bucket at once.
         max_grad_norm: clip the *global* gradient norm (as
             ``torch.nn.utils.clip_grad_norm_`` before ``step()``). It needs the
             norm before the first update, so backward must then go through
@@ -312,8 +295,9 @@ def attach(
             "the optimizer owns none of this model's parameters. Build it from "
             "model.parameters() (or add them with add_param_group) before attaching."
         )
-    handle = Attachment(model, optimizers, bucket_cap_mb)
+    handle = Attachment(model, optimizers)
     for opt in optimizers:
+        opt._lo_engine.cap_bytes = int(bucket_cap_mb * 2**20)
         opt._lo_engine.configure_clipping(
             max_grad_norm=max_grad_norm,
             norm_type=norm_type,

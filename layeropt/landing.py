@@ -45,7 +45,6 @@ Parameters that receive no gradient are never stepped, as in torch.
 
 from __future__ import annotations
 
-import sys
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -53,143 +52,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from . import _nesting as nesting
+from ._nesting import Pin, _graph_task_id, watch_torch_checkpoint
+from ._transforms import Measure, prepare_grads
 from .errors import AttachError, BackwardStateError, LayeroptError
 
 if TYPE_CHECKING:
     from .optim import InBackwardOptimizer
 
-__all__ = ["Bucket", "Engine", "Pin"]
+__all__ = ["Bucket", "Engine", "Pin", "watch_torch_checkpoint"]
 
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_IDLE = -2  # no backward in progress
 
 
 def _queue_callback(fn: Any) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
-
-
-_IDLE = -2  # no backward in progress
-_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
-# Segments of torch.utils.checkpoint(use_reentrant=True) recorded with grad and
-# still alive (their autograd nodes), and how many run their nested backward now.
-_TORCH_SEGMENTS: weakref.WeakSet[Any] = weakref.WeakSet()
-_segment_depth = 0
-# parameter -> for each live pin on it, the graph tasks that recomputed its segment
-_PINS: dict[Tensor, list[set[int]]] = {}
-
-
-class Pin:
-    """Holds the gradients of ``params`` back until :meth:`release` (rule 5).
-
-    Created by a non-reentrant ``layeropt.checkpoint`` segment in forward and
-    released by each backward that recomputes it; dropped with its graph.
-    """
-
-    def __init__(self, params: list[Tensor]) -> None:
-        params = list(dict.fromkeys(params))
-        self._done: set[int] = set()  # graph tasks that recomputed the segment
-        for p in params:
-            _PINS.setdefault(p, []).append(self._done)
-        weakref.finalize(self, _unpin, params, self._done).atexit = False
-
-    def release(self) -> None:
-        """The running backward recomputed the segment: gradients waiting for it go on."""
-        self._done.add(_graph_task_id())
-        _ungate_all()
-
-
-def _pinned(param: Tensor) -> bool:
-    """Whether a segment reading ``param`` is still to be recomputed in this backward."""
-    task = _graph_task_id()
-    return any(task not in done for done in _PINS.get(param, ()))
-
-
-def _unpin(params: list[Tensor], done: set[int]) -> None:
-    for p in params:
-        left = [d for d in _PINS.get(p, ()) if d is not done]
-        if left:
-            _PINS[p] = left
-        else:
-            _PINS.pop(p, None)
-    _ungate_all()
-
-
-def _ungate_all() -> None:
-    for engine in list(_ENGINES):
-        if engine._gated:
-            engine._ungate()
-
-
-def watch_torch_checkpoint() -> None:
-    """Watch ``torch.utils.checkpoint``'s reentrant segments (rule 5).
-
-    Wraps ``CheckpointFunction.forward`` once per process: after torch's own
-    forward, the segment's autograd node is recorded and gets a pre-hook and a
-    hook around its nested backward. Nothing else changes.
-    """
-    from torch.utils import checkpoint as tc
-
-    cls = getattr(tc, "CheckpointFunction", None)
-    if cls is None or getattr(cls.forward, "_layeropt_watch", False):
-        return
-    original = cls.forward
-
-    def forward(ctx: Any, *args: Any) -> Any:
-        out = original(ctx, *args)
-        _TORCH_SEGMENTS.add(ctx)
-        ctx.register_prehook(_segment_enter)
-        ctx.register_hook(_segment_exit)
-        return out
-
-    forward._layeropt_watch = True  # type: ignore[attr-defined]
-    cls.forward = staticmethod(forward)
-
-
-def _segment_enter(grad_outputs: Any) -> None:
-    global _segment_depth
-    _segment_depth += 1
-    task = _graph_task_id()
-    for engine in list(_ENGINES):
-        engine._enter_torch_segment(task)
-
-
-def _segment_exit(grad_inputs: Any, grad_outputs: Any) -> None:
-    global _segment_depth
-    _segment_depth = max(0, _segment_depth - 1)
-
-
-_FUNCTION_BACKWARD_CODES = {
-    getattr(torch.autograd.function.BackwardCFunction, name).__code__
-    for name in ("apply", "apply_boxed")
-    if hasattr(torch.autograd.function.BackwardCFunction, name)
-}
-
-
-def _nested_in_function_backward() -> bool:
-    """Whether this hook runs in a backward started by an autograd Function's backward."""
-    node = torch._C._current_autograd_node()
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in _FUNCTION_BACKWARD_CODES and frame.f_locals.get("self") is not node:
-            return True
-        frame = frame.f_back
-    return False
-
-
-_NESTED_ERROR = (
-    "a gradient landed in a backward nested inside the backward of an autograd "
-    "Function (a reentrant activation checkpoint other than torch's, e.g. DeepSpeed's "
-    "or a custom one), so parameters would be stepped on partial gradients. Use "
-    "layeropt.checkpoint(fn, *args) (either mode) or torch.utils.checkpoint.checkpoint("
-    "fn, *args, use_reentrant=False) instead."
-)
-_DEFER_WARNING = (
-    "torch.utils.checkpoint(..., use_reentrant=True) runs a nested backward per "
-    "segment; to stay exact, layeropt holds every gradient of this backward and steps "
-    "them all when it ends, so in-backward updates save no memory here. Use "
-    "layeropt.checkpoint(fn, *args) or use_reentrant=False (Hugging Face: "
-    "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
-    "False})) to update layers during backward again."
-)
 
 
 class Bucket:
@@ -200,19 +77,15 @@ class Bucket:
         params: the parameters, in module registration order.
     """
 
-    __slots__ = ("name", "params", "arrived", "count", "stepped_serial", "__weakref__")
+    __slots__ = ("name", "params", "nbytes", "arrived", "count", "stepped_serial", "__weakref__")
 
     def __init__(self, name: str, params: list[Tensor]) -> None:
         self.name = name
         self.params = params
+        self.nbytes = sum(p.numel() * p.element_size() for p in params)  # its gradients
         self.arrived = [False] * len(params)
         self.count = 0
         self.stepped_serial = -1  # the backward serial in which it was last stepped
-
-    @property
-    def nbytes(self) -> int:
-        """Gradient bytes of the bucket (what it holds while waiting)."""
-        return sum(p.numel() * p.element_size() for p in self.params)
 
     def reset(self) -> None:
         self.arrived = [False] * len(self.params)
@@ -228,7 +101,11 @@ class Engine:
     def __init__(self, optimizer: InBackwardOptimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
         self.no_step_depth = 0
-        self.held: dict[Tensor, None] = {}  # gradients accumulated under no_step()
+        # gradients accumulated under no_step(), with their bucket
+        self.held: dict[Tensor, Bucket | None] = {}
+        self.cap_bytes = 0  # complete buckets are stepped together up to this size
+        self._ready: list[list[Tensor]] = []  # complete buckets not yet stepped
+        self._ready_bytes = 0
         self.hook_count = 0
         self.attachments: weakref.WeakSet[Any] = weakref.WeakSet()
         self._pending: dict[Bucket, None] = {}  # buckets with some arrivals
@@ -243,13 +120,13 @@ class Engine:
         self.clip_value: float | None = None
         self.bucket_max_norm: float | None = None
         self.entered = False  # inside layeropt.backward
-        self.measure: _Measure | None = None  # the measure pass of layeropt.backward
+        self.measure: Measure | None = None  # the measure pass of layeropt.backward
         self.transform: tuple[Tensor | None, Tensor | None] | None = None  # (inv_scale, coef)
         # Checkpointing (rule 5): gradients waiting for a pin, or deferred to the end.
         self._gated: dict[Tensor, tuple[Bucket, int]] = {}
         self._defer = False
-        self._deferred: dict[Tensor, None] = {}
-        _ENGINES.add(self)
+        self._deferred: dict[Tensor, Bucket] = {}
+        nesting._ENGINES.add(self)
         watch_torch_checkpoint()
 
     def configure_clipping(
@@ -286,7 +163,7 @@ class Engine:
             )
         if self.measure is not None:
             if self._defer:
-                self._deferred[param] = None
+                self._deferred[param] = bucket
             else:
                 self.measure.take(param)
             return
@@ -297,12 +174,12 @@ class Engine:
                 "instead of loss.backward(). Nothing was updated."
             )
         if self.no_step_depth:
-            self.held[param] = None
+            self.held[param] = bucket
             return
         if self._defer:
-            self._deferred[param] = None
+            self._deferred[param] = bucket
             return
-        if _PINS and _pinned(param):
+        if nesting._PINS and nesting.pinned(param):
             self._gated[param] = (bucket, index)
             return
         self._arrive(optimizer, bucket, index, param)
@@ -326,17 +203,20 @@ class Engine:
             del self._pending[bucket]
             bucket.reset()
             bucket.stepped_serial = self._serial
-            self._step(optimizer, bucket.params)
+            self._ready.append(bucket.params)
+            self._ready_bytes += bucket.nbytes
+            if self._ready_bytes >= self.cap_bytes:
+                self._flush_ready(optimizer)
 
     # -- backward boundaries ---------------------------------------------
     def _enter(self, task: int, param: Tensor) -> None:
         """A gradient landed in a graph task other than the active backward's."""
-        if self._active_task != _IDLE and _segment_depth:
+        if self._active_task != _IDLE and nesting.segment_depth.value:
             return  # the nested backward of a torch reentrant segment (deferring)
-        if _nested_in_function_backward():
+        if nesting.nested_in_function_backward():
             if param not in self.held:
                 param.grad = None  # a partial gradient: drop it (the abort drops the rest)
-            raise BackwardStateError(_NESTED_ERROR)
+            raise BackwardStateError(nesting.NESTED_ERROR)
         if self._active_task != _IDLE:
             self._abort()  # the previous backward died without being finalized
         self._begin(task)
@@ -347,20 +227,19 @@ class Engine:
             self._begin(task, defer=True)
         elif self._active_task != _IDLE and not self._defer:
             self._defer = True  # a segment recorded during this backward
-            warnings.warn(_DEFER_WARNING, stacklevel=2)
+            warnings.warn(nesting.DEFER_WARNING, stacklevel=2)
 
     def _begin(self, task: int, defer: bool = False) -> None:
-        global _segment_depth
         if not defer:
-            _segment_depth = 0  # a first hook outside any segment: nothing is nested
+            nesting.segment_depth.value = 0  # a first hook outside any segment: nothing is nested
         self._active_task = task
         self._serial += 1
         self._steps = 0
         self.stepped = []
         will_run = torch._C._will_engine_execute_node
-        self._defer = defer or any(will_run(n) for n in list(_TORCH_SEGMENTS))
+        self._defer = defer or any(will_run(n) for n in list(nesting._TORCH_SEGMENTS))
         if self._defer:
-            warnings.warn(_DEFER_WARNING, stacklevel=3)
+            warnings.warn(nesting.DEFER_WARNING, stacklevel=3)
         # The end callback lives in autograd's graph task. If the backward raises,
         # the task is dropped with the callback uncalled: its finalizer aborts.
         called = [False]
@@ -386,27 +265,37 @@ class Engine:
                     if p.grad is not None:
                         self.measure.take(p)
             elif not self.no_step_depth:
-                leftovers = [
-                    p for b in self._pending for p, a in zip(b.params, b.arrived) if a
-                ]
-                leftovers += list(self._gated) + list(self._deferred)
-                leftovers += [p for p in self.held if p.grad is not None]
-                leftovers = [p for p in leftovers if p.grad is not None]
-                if leftovers:
-                    self._step(optimizer, list(dict.fromkeys(leftovers)))
+                self._step(optimizer, self._ready + self._leftovers())
                 self.held.clear()
         finally:
             self.last_backward_steps = self._steps
             self._reset()
 
+    def _leftovers(self) -> list[list[Tensor]]:
+        """Gradients that landed but were not stepped, grouped by bucket."""
+        groups: dict[int, list[Tensor]] = {}
+        for b in self._pending:
+            groups[id(b)] = [p for p, a in zip(b.params, b.arrived) if a]
+        for p, (b, _) in self._gated.items():
+            groups.setdefault(id(b), []).append(p)
+        for source in (self._deferred, self.held):
+            for p, b in source.items():
+                groups.setdefault(id(b), []).append(p)
+        seen: set[int] = set()
+        out = []
+        for g in groups.values():
+            g = [p for p in g if p.grad is not None and id(p) not in seen and not seen.add(id(p))]
+            if g:
+                out.append(g)
+        return out
+
     def _abort(self) -> None:
-        """The backward raised: free the partial gradients it left, keep no_step()'s."""
-        global _segment_depth
-        partial = [p for b in self._pending for p, a in zip(b.params, b.arrived) if a]
-        for p in partial + list(self._gated) + list(self._deferred):
-            if p not in self.held:
-                p.grad = None
-        _segment_depth = 0
+        """The backward raised: free the gradients it left unstepped, keep no_step()'s."""
+        for group in self._ready + self._leftovers():
+            for p in group:
+                if p not in self.held:
+                    p.grad = None
+        nesting.segment_depth.value = 0
         self.last_backward_steps = self._steps
         self._reset()
 
@@ -414,6 +303,8 @@ class Engine:
         for bucket in self._pending:
             bucket.reset()
         self._pending.clear()
+        self._ready = []
+        self._ready_bytes = 0
         self._gated.clear()
         self._deferred.clear()
         self._defer = False
@@ -422,39 +313,31 @@ class Engine:
     def _ungate(self) -> None:
         """Pins were released: gradients no longer pinned enter rule 3."""
         optimizer = self._optimizer()
-        for p in [p for p in self._gated if not _pinned(p)]:
+        for p in [p for p in self._gated if not nesting.pinned(p)]:
             bucket, index = self._gated.pop(p)
             if optimizer is not None and p.grad is not None:
                 self._arrive(optimizer, bucket, index, p)
 
     # -- stepping ---------------------------------------------------------
-    def _step(self, optimizer: InBackwardOptimizer, params: list[Tensor]) -> None:
-        self._prepare_grads(params)
+    def _flush_ready(self, optimizer: InBackwardOptimizer) -> None:
+        groups, self._ready, self._ready_bytes = self._ready, [], 0
+        self._step(optimizer, groups)
+
+    def _step(self, optimizer: InBackwardOptimizer, groups: list[list[Tensor]]) -> None:
+        """Step several buckets' parameters with one call of torch's step, free grads."""
+        if not groups:
+            return
+        for group in groups:  # clipping is per bucket
+            prepare_grads(
+                group, self.transform, self.clip_value, self.bucket_max_norm, self.norm_type
+            )
+        params = groups[0] if len(groups) == 1 else [p for g in groups for p in g]
         optimizer._step_params(params)
         for p in params:
             p.grad = None
             self.held.pop(p, None)
         self._steps += len(params)
         self.stepped.extend(params)
-
-    def _prepare_grads(self, params: list[Tensor]) -> None:
-        """Unscale, then clip (global coefficient, by value, per bucket) in place."""
-        if self.transform is not None:
-            inv_scale, coef = self.transform
-            grads = [p.grad for p in params]
-            if inv_scale is not None:
-                for device_grads in _by_device_dtype(grads):
-                    found = torch.zeros((), device=device_grads[0].device)
-                    torch._amp_foreach_non_finite_check_and_unscale_(
-                        device_grads, found, inv_scale.to(device_grads[0].device)
-                    )
-            if coef is not None:
-                for device_grads in _by_device_dtype(grads):
-                    torch._foreach_mul_(device_grads, coef.to(device_grads[0].device))
-        if self.clip_value is not None:
-            torch.nn.utils.clip_grad_value_(params, self.clip_value)
-        if self.bucket_max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, self.bucket_max_norm, self.norm_type)
 
     # -- layeropt.backward's measure pass ------------------------------------
     def start_measure(
@@ -464,7 +347,7 @@ class Engine:
         inv_scale: Tensor | None,
         found_inf: Tensor | None,
     ) -> None:
-        self.measure = _Measure(measured, norm_type, inv_scale, found_inf)
+        self.measure = Measure(measured, norm_type, inv_scale, found_inf)
         for p in self.held:  # set accumulated gradients aside; restored afterwards
             if p.grad is not None:
                 self.measure.stash[p] = p.grad
@@ -492,60 +375,9 @@ class Engine:
         params = [
             p for g in optimizer.param_groups for p in g["params"] if p.grad is not None
         ]
-        if params:
-            self._step(optimizer, params)
+        self._step(optimizer, [params] if params else [])
         self.held.clear()
 
     def on_param_groups_changed(self) -> None:
         for attachment in list(self.attachments):
             attachment._rebuild()
-
-
-def _by_device_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:
-    groups: dict[tuple[Any, Any], list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return list(groups.values())
-
-
-class _Measure:
-    """Reduces each gradient of the measure pass to its norm / inf flag, then frees it."""
-
-    def __init__(
-        self,
-        measured: dict[Tensor, Tensor],
-        norm_type: float | None,
-        inv_scale: Tensor | None,
-        found_inf: Tensor | None,
-    ) -> None:
-        self.measured = measured
-        self.norm_type = norm_type
-        self.inv_scale = inv_scale
-        self.found_inf = found_inf
-        self.stash: dict[Tensor, Tensor] = {}  # gradients held by no_step()
-        self.seen: set[int] = set()
-
-    def take(self, param: Tensor) -> None:
-        grad = param.grad
-        param.grad = None
-        held = self.stash.get(param)
-        # AccumulateGrad would compute held + grad; addition commutes bitwise.
-        self.reduce(param, grad if held is None else held + grad)
-        self.seen.add(id(param))
-
-    def reduce(self, param: Tensor, grad: Tensor) -> None:
-        if self.inv_scale is not None and self.found_inf is not None:
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                [grad], self.found_inf, self.inv_scale.to(grad.device)
-            )
-        if self.norm_type is not None:
-            self.measured[param] = _norm(grad, self.norm_type)
-
-
-def _norm(grad: Tensor, norm_type: float) -> Tensor:
-    """The per-tensor norm exactly as torch.nn.utils.clip_grad_norm_ computes it."""
-    from torch.utils._foreach_utils import _has_foreach_support
-
-    if _has_foreach_support([grad], grad.device):
-        return torch._foreach_norm([grad], norm_type)[0]
-    return torch.linalg.vector_norm(grad, norm_type)

@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import layeropt
+from layeropt import _nesting as nesting
 from layeropt import landing
 from layeropt.checkpoint import checkpoint, checkpoint_modules
 from layeropt.errors import BackwardStateError
@@ -317,7 +318,7 @@ def test_torch_reentrant_checkpoint_is_exact_and_warns(scenario, opt_name, kw):
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), opt.state_dict())
     assert opt.stepped_in_backward == sum(1 for _ in model.parameters())
-    assert landing._segment_depth == 0 and not landing._PINS
+    assert nesting.segment_depth.value == 0 and not nesting._PINS
 
 
 class _OtherReentrant(torch.autograd.Function):
@@ -388,7 +389,7 @@ def test_no_recomputation_sees_an_updated_weight(mode):
         return
     ref, ref_opt, model, opt = _train(scenario, mode, "SGD", kw)
     assert_models_equal(ref, model)
-    assert not landing._PINS
+    assert not nesting._PINS
 
 
 @pytest.mark.parametrize("mode", (*MODES, "torch-reentrant"))
@@ -493,7 +494,7 @@ def test_exception_mid_backward_leaves_no_partial_step_and_no_stale_state(mode):
             want = dict(ref.named_parameters())[name] if id(p) in stepped else before[name]
             assert torch.equal(p, want), name
             assert p.grad is None, name  # partial gradients were dropped
-        assert not landing._PINS and landing._segment_depth == 0
+        assert not nesting._PINS and nesting.segment_depth.value == 0
         assert opt._lo_engine._active_task == landing._IDLE
         model.boom = False
         loss_fn(model, data).backward()  # a normal step follows

@@ -253,15 +253,15 @@ def test_in_backward_wraps_any_per_parameter_optimizer(cls, kw):
     assert_same(ref_opt.state_dict(), opt.state_dict())
 
 
-def test_bucket_cap_merges_small_layers_and_stays_exact():
+@pytest.mark.parametrize("cap_mb", [0.0, 0.05, 100.0])
+def test_bucket_cap_steps_complete_buckets_together_and_stays_exact(cap_mb):
     model, batch_fn, loss_fn = make_model("gpt")
     ref = copy.deepcopy(model)
     opt = layeropt.Adam(model.parameters(), lr=0.01)
-    handle = layeropt.attach(model, opt, bucket_cap_mb=0.05)
-    n_modules = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
-    assert len(handle.buckets) < n_modules
-    largest_param = max(p.numel() * 4 for p in model.parameters())
-    assert max(b.nbytes for b in handle.buckets) <= max(0.05 * 2**20, largest_param)
+    handle = layeropt.attach(model, opt, bucket_cap_mb=cap_mb)
+    calls = []
+    original = opt._step_params
+    opt._step_params = lambda params: (calls.append(len(params)), original(params))
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(0)
     for _ in range(2):
@@ -270,4 +270,13 @@ def test_bucket_cap_merges_small_layers_and_stays_exact():
         ref_opt.step()
         ref_opt.zero_grad()
         loss_fn(model, data).backward()
+    n_params = sum(1 for _ in model.parameters())
+    assert sum(calls) == 2 * n_params
+    if cap_mb == 0.0:  # one call per layer bucket
+        assert len(calls) == 2 * len(handle.buckets)
+    elif cap_mb == 100.0:  # everything waits for the end of backward: one call
+        assert calls == [n_params, n_params]
+    else:
+        assert 2 < len(calls) < 2 * len(handle.buckets)
     assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())

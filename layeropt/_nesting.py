@@ -1,0 +1,158 @@
+"""Nested backwards and pinned parameters: what keeps checkpointing exact.
+
+Rule 5 of ``layeropt/landing.py`` in detail. Three situations make a
+parameter's hook fire before its gradient (or its use) is complete:
+
+* a non-reentrant ``layeropt.checkpoint`` segment will *recompute* with the
+  weight later in this backward: the segment's parameters are pinned
+  (:class:`Pin`) until the recompute ran, and a gradient that lands while
+  pinned waits (``Engine._gated``);
+* ``torch.utils.checkpoint(use_reentrant=True)`` runs a nested backward per
+  segment: its segments are watched from forward on, and a backward that will
+  run one defers every step to its end;
+* any other backward nested in an autograd Function's backward cannot be made
+  exact and raises ``BackwardStateError`` (:data:`NESTED_ERROR`).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Pin", "watch_torch_checkpoint"]
+
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
+# Segments of torch.utils.checkpoint(use_reentrant=True) recorded with grad and
+# still alive (their autograd nodes), and how many run their nested backward now.
+_TORCH_SEGMENTS: weakref.WeakSet[Any] = weakref.WeakSet()
+# parameter -> for each live pin on it, the graph tasks that recomputed its segment
+_PINS: dict[Tensor, list[set[int]]] = {}
+
+
+class Pin:
+    """Holds the gradients of ``params`` back until :meth:`release` (rule 5).
+
+    Created by a non-reentrant ``layeropt.checkpoint`` segment in forward and
+    released by each backward that recomputes it; dropped with its graph.
+    """
+
+    def __init__(self, params: list[Tensor]) -> None:
+        params = list(dict.fromkeys(params))
+        self._done: set[int] = set()  # graph tasks that recomputed the segment
+        for p in params:
+            _PINS.setdefault(p, []).append(self._done)
+        weakref.finalize(self, _unpin, params, self._done).atexit = False
+
+    def release(self) -> None:
+        """The running backward recomputed the segment: gradients waiting for it go on."""
+        self._done.add(_graph_task_id())
+        _ungate_all()
+
+
+def pinned(param: Tensor) -> bool:
+    """Whether a segment reading ``param`` is still to be recomputed in this backward."""
+    task = _graph_task_id()
+    return any(task not in done for done in _PINS.get(param, ()))
+
+
+def _unpin(params: list[Tensor], done: set[int]) -> None:
+    for p in params:
+        left = [d for d in _PINS.get(p, ()) if d is not done]
+        if left:
+            _PINS[p] = left
+        else:
+            _PINS.pop(p, None)
+    _ungate_all()
+
+
+def _ungate_all() -> None:
+    for engine in list(_ENGINES):
+        if engine._gated:
+            engine._ungate()
+
+
+def watch_torch_checkpoint() -> None:
+    """Watch ``torch.utils.checkpoint``'s reentrant segments (rule 5).
+
+    Wraps ``CheckpointFunction.forward`` once per process: after torch's own
+    forward, the segment's autograd node is recorded and gets a pre-hook and a
+    hook around its nested backward. Nothing else changes.
+    """
+    from torch.utils import checkpoint as tc
+
+    cls = getattr(tc, "CheckpointFunction", None)
+    if cls is None or getattr(cls.forward, "_layeropt_watch", False):
+        return
+    original = cls.forward
+
+    def forward(ctx: Any, *args: Any) -> Any:
+        out = original(ctx, *args)
+        _TORCH_SEGMENTS.add(ctx)
+        ctx.register_prehook(_segment_enter)
+        ctx.register_hook(_segment_exit)
+        return out
+
+    forward._layeropt_watch = True  # type: ignore[attr-defined]
+    cls.forward = staticmethod(forward)
+
+
+class _Depth:
+    """How many torch reentrant segments run their nested backward right now."""
+
+    value = 0
+
+
+segment_depth = _Depth()
+
+
+def _segment_enter(grad_outputs: Any) -> None:
+    segment_depth.value += 1
+    task = _graph_task_id()
+    for engine in list(_ENGINES):
+        engine._enter_torch_segment(task)
+
+
+def _segment_exit(grad_inputs: Any, grad_outputs: Any) -> None:
+    segment_depth.value = max(0, segment_depth.value - 1)
+
+
+_FUNCTION_BACKWARD_CODES = {
+    getattr(torch.autograd.function.BackwardCFunction, name).__code__
+    for name in ("apply", "apply_boxed")
+    if hasattr(torch.autograd.function.BackwardCFunction, name)
+}
+
+
+def nested_in_function_backward() -> bool:
+    """Whether this hook runs in a backward started by an autograd Function's backward."""
+    node = torch._C._current_autograd_node()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _FUNCTION_BACKWARD_CODES and frame.f_locals.get("self") is not node:
+            return True
+        frame = frame.f_back
+    return False
+
+
+NESTED_ERROR = (
+    "a gradient landed in a backward nested inside the backward of an autograd "
+    "Function (a reentrant activation checkpoint other than torch's, e.g. DeepSpeed's "
+    "or a custom one), so parameters would be stepped on partial gradients. Use "
+    "layeropt.checkpoint(fn, *args) (either mode) or torch.utils.checkpoint.checkpoint("
+    "fn, *args, use_reentrant=False) instead."
+)
+DEFER_WARNING = (
+    "torch.utils.checkpoint(..., use_reentrant=True) runs a nested backward per "
+    "segment; to stay exact, layeropt holds every gradient of this backward and steps "
+    "them all when it ends, so in-backward updates save no memory here. Use "
+    "layeropt.checkpoint(fn, *args) or use_reentrant=False (Hugging Face: "
+    "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+    "False})) to update layers during backward again."
+)

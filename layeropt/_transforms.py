@@ -1,0 +1,89 @@
+"""Gradient transforms around a bucket step: unscale, clip, and the measure pass.
+
+Used by ``Engine._step`` (before each step) and by ``layeropt.backward``'s
+measure pass. Every op is the one torch itself uses
+(``GradScaler.unscale_``, ``clip_grad_norm_``, ``clip_grad_value_``), so the
+results stay bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+def by_device_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:
+    groups: dict[tuple[Any, Any], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+class Measure:
+    """Reduces each gradient of the measure pass to its norm / inf flag, then frees it."""
+
+    def __init__(
+        self,
+        measured: dict[Tensor, Tensor],
+        norm_type: float | None,
+        inv_scale: Tensor | None,
+        found_inf: Tensor | None,
+    ) -> None:
+        self.measured = measured
+        self.norm_type = norm_type
+        self.inv_scale = inv_scale
+        self.found_inf = found_inf
+        self.stash: dict[Tensor, Tensor] = {}  # gradients held by no_step()
+        self.seen: set[int] = set()
+
+    def take(self, param: Tensor) -> None:
+        grad = param.grad
+        param.grad = None
+        held = self.stash.get(param)
+        # AccumulateGrad would compute held + grad; addition commutes bitwise.
+        self.reduce(param, grad if held is None else held + grad)
+        self.seen.add(id(param))
+
+    def reduce(self, param: Tensor, grad: Tensor) -> None:
+        if self.inv_scale is not None and self.found_inf is not None:
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                [grad], self.found_inf, self.inv_scale.to(grad.device)
+            )
+        if self.norm_type is not None:
+            self.measured[param] = _norm(grad, self.norm_type)
+
+
+def _norm(grad: Tensor, norm_type: float) -> Tensor:
+    """The per-tensor norm exactly as torch.nn.utils.clip_grad_norm_ computes it."""
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    if _has_foreach_support([grad], grad.device):
+        return torch._foreach_norm([grad], norm_type)[0]
+    return torch.linalg.vector_norm(grad, norm_type)
+
+
+def prepare_grads(
+    params: list[Tensor],
+    transform: tuple[Tensor | None, Tensor | None] | None,
+    clip_value: float | None,
+    bucket_max_norm: float | None,
+    norm_type: float,
+) -> None:
+    """Unscale, then clip (global coefficient, by value, per bucket) in place."""
+    if transform is not None:
+        inv_scale, coef = transform
+        grads = [p.grad for p in params]
+        if inv_scale is not None:
+            for device_grads in by_device_dtype(grads):
+                found = torch.zeros((), device=device_grads[0].device)
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    device_grads, found, inv_scale.to(device_grads[0].device)
+                )
+        if coef is not None:
+            for device_grads in by_device_dtype(grads):
+                torch._foreach_mul_(device_grads, coef.to(device_grads[0].device))
+    if clip_value is not None:
+        torch.nn.utils.clip_grad_value_(params, clip_value)
+    if bucket_max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(params, bucket_max_norm, norm_type)
