@@ -229,7 +229,7 @@ def attach(
     model: nn.Module,
     optimizer: Optimizer | Iterable[Optimizer] | None = None,
     *,
-    bucket_cap_mb: float = 0.0,
+    bucket_cap_mb: float = 0.25,
     max_grad_norm: float | None = None,
     norm_type: float = 2.0,
     clip_value: float | None = None,
@@ -249,7 +249,9 @@ def attach(
         bucket_cap_mb: buckets whose gradients are complete wait, in arrival
             order, until together they hold this many MiB, and are then stepped
             with one call (fewer, larger steps; at most this much more
-            gradient memory held). ``0`` steps each layer bucket at once.
+            gradient memory held). ``0`` steps each layer bucket at once; the
+            default 0.25 MiB lets small layers (norms, biases) share a step
+            while every large layer is stepped the moment it completes.
         max_grad_norm: clip the *global* gradient norm (as
             ``torch.nn.utils.clip_grad_norm_`` before ``step()``). It needs the
             norm before the first update, so backward must then go through

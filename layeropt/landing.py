@@ -203,6 +203,8 @@ class Engine:
             del self._pending[bucket]
             bucket.reset()
             bucket.stepped_serial = self._serial
+            for p in bucket.params:
+                self.held.pop(p, None)  # its accumulated gradient is in the bucket now
             self._ready.append(bucket.params)
             self._ready_bytes += bucket.nbytes
             if self._ready_bytes >= self.cap_bytes:

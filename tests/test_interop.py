@@ -253,7 +253,7 @@ def test_in_backward_wraps_any_per_parameter_optimizer(cls, kw):
     assert_same(ref_opt.state_dict(), opt.state_dict())
 
 
-@pytest.mark.parametrize("cap_mb", [0.0, 0.05, 100.0])
+@pytest.mark.parametrize("cap_mb", [0.0, 0.05, 0.25, 100.0])
 def test_bucket_cap_steps_complete_buckets_together_and_stays_exact(cap_mb):
     model, batch_fn, loss_fn = make_model("gpt")
     ref = copy.deepcopy(model)
@@ -274,7 +274,7 @@ def test_bucket_cap_steps_complete_buckets_together_and_stays_exact(cap_mb):
     assert sum(calls) == 2 * n_params
     if cap_mb == 0.0:  # one call per layer bucket
         assert len(calls) == 2 * len(handle.buckets)
-    elif cap_mb == 100.0:  # everything waits for the end of backward: one call
+    elif cap_mb >= 0.25:  # the whole tiny model waits for the end of backward: one call
         assert calls == [n_params, n_params]
     else:
         assert 2 < len(calls) < 2 * len(handle.buckets)

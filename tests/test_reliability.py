@@ -51,7 +51,7 @@ def test_exception_mid_backward_each_param_fully_stepped_or_untouched(opt_name):
     ref = copy.deepcopy(layers)
     opt = getattr(layeropt, opt_name)(layers.parameters(), **kw)
     ref_opt = getattr(torch.optim, opt_name)(ref.parameters(), **kw)
-    layeropt.attach(layers, opt)
+    layeropt.attach(layers, opt, bucket_cap_mb=0)  # each layer stepped at once
     x = torch.randn(2, 4)
     _run(layers, x).backward()  # one good step: state exists
     _run(ref, x).backward()
