@@ -12,7 +12,7 @@ Example:
     ...     opt.step()                                  # harmless no-op
 """
 
-from . import losses
+from . import distributed, losses
 from .attach import Attachment, attach
 from .backward import backward
 from .checkpoint import CheckpointHandle, checkpoint, checkpoint_modules
@@ -49,6 +49,7 @@ __all__ = [
     "AttachError",
     "BackwardStateError",
     "losses",
+    "distributed",
     "LoopAccumulator",
     "LoopStateError",
     "loop_stack",

@@ -284,6 +284,17 @@ def attach(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach() needs an nn.Module, got {type(model).__name__}")
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        if max_grad_norm is not None or clip_value is not None or bucket_max_norm is not None:
+            raise AttachError(
+                "gradient clipping is not supported on a DistributedDataParallel model "
+                "yet: attach without max_grad_norm/clip_value/bucket_max_norm."
+            )
+        from .distributed import attach_ddp
+
+        return attach_ddp(model, optimizer)  # type: ignore[return-value]
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("max_grad_norm", max_grad_norm),
                         ("clip_value", clip_value), ("bucket_max_norm", bucket_max_norm)):
         if value is not None and not value >= 0:

@@ -55,6 +55,7 @@ from torch import Tensor
 from . import _nesting as nesting
 from ._nesting import Pin, _graph_task_id, watch_torch_checkpoint
 from ._transforms import Measure, prepare_grads
+from .distributed import check_local_hooks_allowed
 from .errors import AttachError, BackwardStateError, LayeroptError
 
 if TYPE_CHECKING:
@@ -145,6 +146,7 @@ class Engine:
     # -- the hook -------------------------------------------------------
     def on_grad(self, bucket: Bucket, index: int, param: Tensor) -> None:
         """Called by autograd once ``param``'s gradient has fully accumulated."""
+        check_local_hooks_allowed(param)  # never step a DDP replica's local gradient
         optimizer = self._optimizer()
         if optimizer is None:
             return

@@ -19,7 +19,8 @@ from layeropt.models import make_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-CUDA_CONFIGS = OPTIMIZER_CONFIGS + [
+# torch has no fused Adagrad on CUDA (both raise the same error at construction)
+CUDA_CONFIGS = [c for c in OPTIMIZER_CONFIGS if not (c[0] == "Adagrad" and c[1].get("fused"))] + [
     ("Adam", dict(lr=0.01, capturable=True)),
     ("AdamW", dict(lr=0.01, capturable=True, foreach=True)),
     ("RMSprop", dict(lr=0.01, capturable=True, foreach=True)),

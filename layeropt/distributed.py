@@ -1,0 +1,415 @@
+"""Distributed training: in-backward updates on DDP and FSDP2, never on local gradients.
+
+A data-parallel replica may only be updated with the gradient averaged over
+all processes, so layeropt steps where torch's engines finish averaging:
+
+* **DDP** (:func:`attach_ddp`): a communication hook all-reduces each bucket
+  and, in the future's ``.then()``, steps exactly that bucket's parameters on
+  the averaged gradient and frees their ``.grad``; the reducer is told an
+  optimizer ran in backward, so it leaves ``.grad`` alone afterwards.
+* **FSDP2**: ``fully_shard`` calls the sharded parameters' post-accumulate-grad
+  hooks itself right after each reduce-scatter, so ``layeropt.attach`` works.
+* :func:`check_local_hooks_allowed`: the plain hooks' guard against stepping
+  a replica on its local gradient.
+
+See ``docs/distributed.md`` for accumulation, checkpointing and memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .errors import AttachError
+
+__all__ = [
+    "DDPAttachment",
+    "attach_ddp",
+    "check_local_hooks_allowed",
+    "allow_local_updates",
+]
+
+# Parameters whose owners declared that local updates are intended.
+_LOCAL_OK: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# DDP instance -> its comm-hook state (DDP accepts one comm hook, for good).
+_DDP_STATES: "weakref.WeakKeyDictionary[nn.Module, _HookState]" = weakref.WeakKeyDictionary()
+
+
+def _world_size() -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def check_local_hooks_allowed(param: Tensor) -> None:
+    """Refuse to step ``param`` from a plain hook when that would use a local gradient.
+
+    Called by layeropt's post-accumulate-grad hook before it touches the
+    gradient. Allowed: no process group or a world size of 1; DTensor
+    parameters (FSDP2 calls their hooks with the reduced, sharded gradient);
+    parameters passed to :func:`allow_local_updates`.
+
+    Args:
+        param: the parameter whose hook fired.
+
+    Returns:
+        None.
+
+    Raises:
+        AttachError: ``torch.distributed`` runs with more than one process and
+            ``param`` is a plain tensor, so its gradient is this process's
+            local, un-averaged one.
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> check_local_hooks_allowed(p)  # no process group: nothing to check
+    """
+    world = _world_size()
+    if world <= 1 or _is_dtensor(param) or param in _LOCAL_OK:
+        return
+    raise AttachError(
+        f"a layeropt hook was about to step a parameter of shape {tuple(param.shape)} "
+        f"with this process's local gradient, but torch.distributed runs {world} "
+        "processes: the replicas would drift apart. Under DistributedDataParallel, "
+        "attach to the wrapper after wrapping (handle.remove(); "
+        "layeropt.attach(ddp_model, opt), i.e. layeropt.distributed.attach_ddp), so "
+        "each bucket is stepped after its all-reduce. Under FSDP2, call fully_shard "
+        "first, then build the optimizer and attach. If every process deliberately "
+        "trains its own model, call layeropt.distributed.allow_local_updates(model)."
+    )
+
+
+def allow_local_updates(params: nn.Module | Iterable[Tensor]) -> None:
+    """Declare that these parameters are meant to be updated from local gradients.
+
+    For models that are not data parallel although ``torch.distributed`` is
+    running (each process trains its own model, pipeline stages, ...).
+
+    Args:
+        params: a module (all its parameters) or an iterable of parameters.
+
+    Returns:
+        None.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 2)
+        >>> allow_local_updates(model)
+    """
+    for p in params.parameters() if isinstance(params, nn.Module) else params:
+        _LOCAL_OK[p] = True
+
+
+class _HookState:
+    """What the DDP comm hook needs; the reducer keeps it alive with the DDP."""
+
+    def __init__(self, ddp: nn.Module, overlap: bool) -> None:
+        self.group = ddp.process_group
+        self.world = self.group.size()
+        self.overlap = overlap
+        self.owner: dict[Tensor, weakref.ref] = {}  # param -> its optimizer (weakly)
+        self.attachment: DDPAttachment | None = None  # lives as long as the DDP model
+        self.active = False
+        self.lock = threading.Lock()  # bucket steps may land on comm threads
+        self.task = -2  # autograd graph task of the current backward
+        self.steps: dict[int, int] = {}  # id(optimizer) -> updates this backward
+
+    def begin(self) -> None:
+        from .landing import _graph_task_id
+
+        task = _graph_task_id()
+        if task != self.task:  # first bucket of a new backward
+            with self.lock:
+                self.task = task
+                for ref in set(self.owner.values()) if self.active else ():
+                    opt = ref()
+                    if opt is not None:
+                        _check_engine(opt._lo_engine)
+                        opt._lo_engine.last_backward_steps = 0
+                self.steps = {}
+
+
+# Engine settings the DDP hook does not apply: (attribute, what sets it).
+_NOT_UNDER_DDP = (
+    ("measure", "layeropt.backward(loss, max_norm=... or scaler=...)"),
+    ("transform", "layeropt.backward(loss, max_norm=... or scaler=...)"),
+    ("max_grad_norm", "attach(..., max_grad_norm=...)"),
+    ("clip_value", "attach(..., clip_value=...)"),
+    ("bucket_max_norm", "attach(..., bucket_max_norm=...)"),
+)
+
+
+def _check_engine(engine: Any) -> None:
+    for name, what in _NOT_UNDER_DDP:
+        if getattr(engine, name, None) is not None:
+            raise AttachError(
+                f"{what} is not supported with attach_ddp yet: the DDP hook steps each "
+                "bucket on its averaged gradient without clipping or unscaling. Use "
+                "loss.backward(), or train this DDP model with a plain torch.optim "
+                "optimizer to clip or scale."
+            )
+
+
+def _grad_view(p: Tensor, g: Tensor) -> Tensor:
+    """The bucket slice of ``p`` with ``p``'s strides (the reducer's layout)."""
+    return g if p.is_contiguous() else g.as_strided(p.size(), p.stride())
+
+
+def _write_back(p: Tensor, view: Tensor) -> None:
+    """Leave the averaged gradient in ``p.grad`` as DDP's reducer would."""
+    if p.grad is None:
+        return  # unused (static_graph): DDP leaves a globally unused grad alone
+    if p.grad.data_ptr() != view.data_ptr():  # gradient_as_bucket_view: already there
+        p.grad.copy_(view)
+
+
+_UNUSED = (
+    "a parameter DDP synchronises got no gradient in this backward (an unused "
+    "parameter under static_graph=True); layeropt cannot tell whether other "
+    "processes used it, so it would step on a wrong gradient. Use every parameter "
+    "in every forward, or leave the unused ones to a plain torch.optim optimizer."
+)
+
+
+def _allreduce_then_step(state, bucket):  # no annotations: DDP inspects them
+    """DDP comm hook: average the bucket, then step its parameters (``.then``)."""
+    state.begin()
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / state.world)  # what the built-in reducer does, bit for bit
+    fut = dist.all_reduce(buffer, group=state.group, async_op=True).get_future()
+    if not state.overlap:
+        fut.wait()  # the .then below then runs here, on the autograd thread
+    return fut.then(partial(_land_bucket, state, bucket))
+
+
+def _land_bucket(state: _HookState, bucket: Any, fut: Any) -> Tensor:
+    """Averaged gradients have landed: step owned parameters, write back the rest."""
+    fut.value()  # re-raise a failed all-reduce
+    with state.lock, torch.no_grad():  # grad mode is not inherited by comm threads
+        todo: dict[Any, list[Tensor]] = {}
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            view = _grad_view(p, g)
+            ref = state.owner.get(p) if state.active else None
+            opt = None if ref is None else ref()
+            if opt is None or opt._lo_engine.no_step_depth:
+                _write_back(p, view)
+            elif p.grad is None:
+                raise AttachError(_UNUSED)
+            else:
+                p.grad = view
+                todo.setdefault(opt, []).append(p)
+        for opt, params in todo.items():
+            opt._step_params(params)
+            for p in params:
+                p.grad = None
+            n = state.steps[id(opt)] = state.steps.get(id(opt), 0) + len(params)
+            opt._lo_engine.last_backward_steps = n
+    return bucket.buffer()
+
+
+class DDPAttachment:
+    """Handle returned by :func:`attach_ddp`; ``remove()`` restores plain DDP.
+
+    DDP cannot unregister a communication hook, so after ``remove()`` the
+    hook stays and does exactly DDP's own job (average, leave the result in
+    ``.grad``); attaching the same DDP model again re-activates it.
+
+    The handle refers to the optimizers weakly (as :class:`layeropt.Attachment`
+    does); a deleted optimizer's parameters are then only averaged, as by DDP.
+
+    Attributes:
+        params: the DDP-managed parameters stepped in backward.
+    """
+
+    def __init__(self, ddp: nn.Module, optimizers: list[Any], state: _HookState) -> None:
+        self._ddp = weakref.ref(ddp)
+        self._optimizers = [weakref.ref(o) for o in optimizers]
+        self._state = state
+        self.params: list[Tensor] = []
+        self._removed = False
+        self._hook_all()
+
+    def _hook_all(self) -> None:
+        from .attach import _layer_buckets
+
+        ddp = self._ddp()
+        if ddp is None:
+            return
+        managed = {id(p) for p in ddp.parameters() if not hasattr(p, "_ddp_ignored")}
+        owner = {}
+        for opt, b in _layer_buckets(ddp.module, self.optimizers):
+            for p in b.params:
+                if id(p) in managed:
+                    owner[p] = opt
+        if not owner:
+            raise AttachError(
+                "the optimizer owns none of the parameters DDP synchronises. Build it "
+                "from ddp_model.parameters() before attaching."
+            )
+        self.params = list(owner)
+        for opt in owner.values():
+            opt._lo_engine.hook_count += 1  # opt.attached is True
+        for opt in self.optimizers:
+            opt._lo_engine.attachments.add(self)  # add_param_group -> _rebuild
+        with self._state.lock:
+            self._state.owner = {p: weakref.ref(o) for p, o in owner.items()}
+            self._state.attachment = self
+            self._state.active = True
+
+    @property
+    def optimizers(self) -> list[Any]:
+        """The (still alive) layeropt optimizers whose parameters are stepped."""
+        return [o for o in (r() for r in self._optimizers) if o is not None]
+
+    def _release(self) -> None:
+        with self._state.lock:
+            owner, self._state.owner = self._state.owner, {}
+            self._state.active = False
+        for ref in owner.values():
+            opt = ref()
+            if opt is not None:
+                opt._lo_engine.hook_count -= 1
+        self.params = []
+
+    def _rebuild(self) -> None:
+        """Re-read the optimizers' param groups (called on add_param_group)."""
+        if not self._removed:
+            self._release()
+            self._hook_all()
+
+    @property
+    def stepped_in_backward(self) -> int:
+        """Parameter updates made in the last synchronised backward."""
+        return sum(self._state.steps.values())
+
+    def remove(self) -> None:
+        """Stop stepping in backward; DDP then averages into ``.grad`` as usual."""
+        if not self._removed:
+            self._release()
+            for opt in self.optimizers:
+                opt._lo_engine.attachments.discard(self)
+            self._removed = True
+
+    def __enter__(self) -> "DDPAttachment":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else f"{len(self.params)} params"
+        return f"<layeropt.DDPAttachment {state}>"
+
+
+def _check_ddp(ddp: nn.Module) -> None:
+    from .attach import _HOOKED
+
+    problems = {
+        "find_unused_parameters=True": ddp.find_unused_parameters,
+        "mixed_precision": getattr(ddp, "mixed_precision", None) is not None,
+        "the Python reducer (compiled DDP)": getattr(ddp, "_use_python_reducer", False),
+        "delayed all-reduce of every parameter": getattr(
+            ddp, "_delay_all_reduce_all_params", False
+        ),
+    }
+    for what, bad in problems.items():
+        if bad:
+            raise AttachError(
+                f"layeropt cannot step in backward under DDP with {what}: a bucket's "
+                "parameters would be stepped without knowing their global gradient. "
+                "Construct DistributedDataParallel without it, or keep a plain "
+                "torch.optim optimizer for this model."
+            )
+    if any(_HOOKED.get(p) is not None for p in ddp.parameters()):
+        raise AttachError(
+            "some parameters of this DDP model carry plain layeropt hooks (attached "
+            "before wrapping, or on ddp_model.module), which would step on local "
+            "gradients. Call .remove() on that attachment, then attach the DDP model."
+        )
+
+
+def attach_ddp(
+    ddp_model: nn.Module,
+    optimizer: Optimizer | Iterable[Optimizer] | None = None,
+    *,
+    overlap: bool = True,
+) -> DDPAttachment:
+    """Step a DistributedDataParallel model's buckets as soon as their all-reduce lands.
+
+    Registers a DDP communication hook that averages each gradient bucket over
+    the process group and then updates exactly that bucket's parameters with
+    torch's own ``step`` on the averaged gradient, freeing their ``.grad``.
+    Results equal DDP + ``torch.optim`` bit for bit: the bucket is scaled by
+    ``1/world_size`` and summed exactly as DDP's built-in reducer does.
+
+    Args:
+        ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` instance,
+            with ``find_unused_parameters=False`` and no other comm hook.
+        optimizer: a layeropt optimizer, several, or ``None`` for every live
+            layeropt optimizer owning some of the model's parameters.
+        overlap: ``True`` (default) steps in the all-reduce future's
+            ``.then()``, which on gloo may run on a communication thread while
+            backward continues; ``False`` waits for the all-reduce and steps on
+            the autograd thread (no concurrency; what torch's private
+            ``_apply_optimizer_in_backward`` does).
+
+    Returns:
+        A :class:`DDPAttachment`; ``.remove()`` returns to plain DDP behaviour.
+
+    Raises:
+        TypeError: ``ddp_model`` is not DistributedDataParallel.
+        AttachError: unsupported DDP option, another comm hook, parameters with
+            plain layeropt hooks, or no owned parameters (see the message).
+
+    Example:
+        >>> ddp = DistributedDataParallel(model)  # doctest: +SKIP
+        >>> opt = layeropt.Adam(ddp.parameters(), lr=1e-3)  # doctest: +SKIP
+        >>> handle = attach_ddp(ddp, opt)  # doctest: +SKIP
+        >>> loss_fn(ddp(x), y).backward()  # doctest: +SKIP
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from .attach import _owners
+
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            f"attach_ddp() needs a DistributedDataParallel model, got "
+            f"{type(ddp_model).__name__}; use layeropt.attach for other models."
+        )
+    optimizers = _owners(ddp_model.module, optimizer)
+    _check_ddp(ddp_model)
+    state = _DDP_STATES.get(ddp_model)
+    if state is not None and state.active:
+        raise AttachError(
+            "this DDP model is already attached; call .remove() on that handle first."
+        )
+    if state is None:
+        if getattr(ddp_model, "_comm_hooks", None):
+            raise AttachError(
+                "this DDP model already has a communication hook, and DDP accepts only "
+                "one. layeropt needs its own (it averages, then steps each bucket): "
+                "build the DDP model without register_comm_hook."
+            )
+        state = _HookState(ddp_model, overlap)
+        ddp_model.register_comm_hook(state, _allreduce_then_step)
+        # The reducer must not copy buckets back into .grad after the hook.
+        ddp_model.reducer._set_optimizer_in_backward()
+        _DDP_STATES[ddp_model] = state
+    state.overlap = overlap
+    return DDPAttachment(ddp_model, optimizers, state)
