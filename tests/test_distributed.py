@@ -612,9 +612,12 @@ def test_ddp_memory_frees_local_gradients_bucket_by_bucket(ranks):
         assert peaks["ddp/torch"] >= MEM_GRAD_BYTES
         # layeropt: at most about one layer's local gradients at a time ...
         assert peaks["ddp/torch"] - peaks["ddp/layeropt"] >= MEM_GRAD_BYTES - 2 * MEM_LAYER_BYTES
-        # ... which is what gradient_as_bucket_view=True reaches, and never worse.
-        assert peaks["ddp/layeropt"] <= peaks["ddp/torch-bucket_view"]
-        assert peaks["ddp/layeropt-bucket_view"] <= peaks["ddp/torch-bucket_view"]
+        # ... which is what gradient_as_bucket_view=True reaches, and never worse
+        # (up to a few KiB: under load, when the all-reduce future completes decides
+        # which small comm buffers are still alive at the peak).
+        slack = MEM_LAYER_BYTES // 2
+        assert peaks["ddp/layeropt"] <= peaks["ddp/torch-bucket_view"] + slack
+        assert peaks["ddp/layeropt-bucket_view"] <= peaks["ddp/torch-bucket_view"] + slack
 
 
 def test_fsdp2_frees_each_sharded_gradient_when_its_reduce_scatter_is_stepped(ranks):
