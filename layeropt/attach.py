@@ -234,6 +234,7 @@ def attach(
     norm_type: float = 2.0,
     clip_value: float | None = None,
     bucket_max_norm: float | None = None,
+    skip_nonfinite: bool = False,
 ) -> Attachment:
     """Update ``model``'s parameters during backward, as their gradients complete.
 
@@ -262,6 +263,12 @@ def attach(
             (``clip_grad_value_``) before its bucket is stepped. No extra cost.
         bucket_max_norm: clip each bucket's gradient norm
             (``clip_grad_norm_(bucket.params, bucket_max_norm)``). No extra cost.
+        skip_nonfinite: opt-in policy: a bucket whose gradient holds an inf/NaN
+            is not stepped (its gradient is dropped; listed in
+            ``optimizer.skipped_params``) while the other buckets are. Costs one
+            host sync per step call. Default ``False``: exactly torch's
+            behaviour (the non-finite values go into the update). For an
+            all-or-nothing skip use ``layeropt.backward(..., scaler=...)``.
 
     Returns:
         An :class:`Attachment`; call ``.remove()`` (or use it as a context
@@ -316,5 +323,6 @@ def attach(
             norm_type=norm_type,
             clip_value=clip_value,
             bucket_max_norm=bucket_max_norm,
+            skip_nonfinite=skip_nonfinite,
         )
     return handle

@@ -54,7 +54,7 @@ from torch import Tensor
 
 from . import _nesting as nesting
 from ._nesting import Pin, _graph_task_id, watch_torch_checkpoint
-from ._transforms import Measure, prepare_grads
+from ._transforms import Measure, all_finite, prepare_grads
 from .distributed import check_local_hooks_allowed
 from .errors import AttachError, BackwardStateError, LayeroptError
 
@@ -120,6 +120,8 @@ class Engine:
         self.norm_type = 2.0
         self.clip_value: float | None = None
         self.bucket_max_norm: float | None = None
+        self.skip_nonfinite = False
+        self.skipped: list[Tensor] = []  # parameters skipped (non-finite) in the latest backward
         self.entered = False  # inside layeropt.backward
         self.measure: Measure | None = None  # the measure pass of layeropt.backward
         self.transform: tuple[Tensor | None, Tensor | None] | None = None  # (inv_scale, coef)
@@ -137,11 +139,13 @@ class Engine:
         norm_type: float,
         clip_value: float | None,
         bucket_max_norm: float | None,
+        skip_nonfinite: bool = False,
     ) -> None:
         self.max_grad_norm = max_grad_norm
         self.norm_type = float(norm_type)
         self.clip_value = clip_value
         self.bucket_max_norm = bucket_max_norm
+        self.skip_nonfinite = skip_nonfinite
 
     # -- the hook -------------------------------------------------------
     def on_grad(self, bucket: Bucket, index: int, param: Tensor) -> None:
@@ -240,6 +244,7 @@ class Engine:
         self._serial += 1
         self._steps = 0
         self.stepped = []
+        self.skipped = []
         will_run = torch._C._will_engine_execute_node
         self._defer = defer or any(will_run(n) for n in list(nesting._TORCH_SEGMENTS))
         if self._defer:
@@ -335,6 +340,17 @@ class Engine:
             prepare_grads(
                 group, self.transform, self.clip_value, self.bucket_max_norm, self.norm_type
             )
+        if self.skip_nonfinite:  # opt-in policy: a bucket with an inf/NaN is not stepped
+            kept = [g for g in groups if all_finite(g)]
+            for g in groups:
+                if not any(g is k for k in kept):
+                    self.skipped.extend(g)
+                    for p in g:
+                        p.grad = None
+                        self.held.pop(p, None)
+            groups = kept
+            if not groups:
+                return
         params = groups[0] if len(groups) == 1 else [p for g in groups for p in g]
         optimizer._step_params(params)
         for p in params:
