@@ -1,0 +1,332 @@
+"""``python -m layeropt demo``: torch.optim.Adam vs layeropt.Adam, side by side.
+
+Two copies of one model train on the same batches: one with
+``torch.optim.Adam(fused=True)`` (``backward(); step(); zero_grad()``), one with
+``layeropt.Adam(fused=True)`` attached to the model (each layer updated in
+backward, its gradient freed at once). The demo prints, for both:
+
+* the peak memory of a training step, split into parameters, optimizer
+  state, gradients and activations/other (:mod:`layeropt.report`);
+* the step time of layeropt relative to torch: the median, over interleaved
+  pairs of steps, of the ratio of the two times;
+* the largest difference between the two models' parameters afterwards
+  (``0.0`` on CPU in fp32: the update math is torch's own).
+
+Example:
+    >>> result = run_demo("mlp", tiny=True, progress=False)  # doctest: +SKIP
+    >>> result.max_param_diff  # doctest: +SKIP
+    0.0
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+import layeropt
+
+from .memory import format_bytes
+from .models import MLP, LoopNet, TinyGPT, UNet
+from .report import PlotDependencyError, StepMemory, plot_timelines, report_step
+
+__all__ = ["DEMO_MODELS", "Checkpointed", "DemoResult", "checkpoint_blocks", "run_demo"]
+
+TORCH, LAYEROPT = "torch.optim.Adam", "layeropt.Adam"
+
+
+class Checkpointed(nn.Module):
+    """Run ``inner`` under non-reentrant activation checkpointing.
+
+    The inner module's activations are recomputed in backward instead of
+    being kept; ``use_reentrant=False`` is the mode whose gradients land once
+    per parameter, as layeropt needs.
+    """
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> Any:
+        return checkpoint(self.inner, *args, use_reentrant=False)
+
+
+# Which submodules ``--checkpoint`` wraps, per built-in model.
+_BLOCKS = {
+    "gpt": ["blocks"],
+    "mlp": ["layers"],
+    "loop": ["extractor"],
+    "unet": ["enc1", "enc2", "mid", "dec1"],
+}
+
+
+def checkpoint_blocks(model: nn.Module, names: list[str]) -> nn.Module:
+    """Wrap the named submodules (each item of a ModuleList) in :class:`Checkpointed`.
+
+    Args:
+        model: the model to change in place.
+        names: attribute names of submodules or of ``nn.ModuleList`` s.
+
+    Returns:
+        ``model``.
+
+    Example:
+        >>> m = checkpoint_blocks(MLP(), ["layers"])
+        >>> type(m.layers[0]).__name__
+        'Checkpointed'
+    """
+    for name in names:
+        sub = getattr(model, name)
+        if isinstance(sub, nn.ModuleList):
+            for i, block in enumerate(sub):
+                sub[i] = Checkpointed(block)
+        else:
+            setattr(model, name, Checkpointed(sub))
+    return model
+
+
+@dataclasses.dataclass
+class _Spec:
+    build: Callable[[], nn.Module]
+    batch: Callable[[nn.Module, torch.Generator], Any]
+    loss: Callable[[nn.Module, Any], Tensor]
+    describe: str
+
+
+def _lm_batch(size: int) -> Callable[[nn.Module, torch.Generator], Tensor]:
+    def batch(m: nn.Module, gen: torch.Generator) -> Tensor:
+        return torch.randint(0, m.vocab, (size, m.seq + 1), generator=gen)
+
+    return batch
+
+
+def _lm_loss(m: nn.Module, tokens: Tensor) -> Tensor:
+    logits = m(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _regression(x_shape: tuple[int, ...], y_shape: tuple[int, ...]) -> Any:
+    def batch(m: nn.Module, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        return torch.randn(x_shape, generator=gen), torch.randn(y_shape, generator=gen)
+
+    return batch
+
+
+def _mse(m: nn.Module, data: tuple[Tensor, Tensor]) -> Tensor:
+    return F.mse_loss(m(data[0]), data[1])
+
+
+def _spec(name: str, tiny: bool) -> _Spec:
+    if name == "gpt":
+        kw = (
+            {"vocab": 256, "d": 128, "layers": 2, "heads": 2, "seq": 16}
+            if tiny
+            else {"vocab": 4096, "d": 384, "layers": 6, "heads": 6, "seq": 64}
+        )
+        b = 2
+        return _Spec(
+            lambda: TinyGPT(**kw), _lm_batch(b), _lm_loss,
+            f"TinyGPT(vocab={kw['vocab']}, d={kw['d']}, layers={kw['layers']}), "
+            f"batch {b}x{kw['seq']} tokens",
+        )  # fmt: skip
+    if name == "mlp":
+        d, h, depth, b = (64, 256, 4, 8) if tiny else (512, 2048, 4, 64)
+        return _Spec(
+            lambda: MLP(d, h, depth, 16), _regression((b, d), (b, 16)), _mse,
+            f"MLP({d}->{h}x{depth}->16), batch {b}",
+        )  # fmt: skip
+    if name == "unet":
+        w, px, b = (32, 8, 1) if tiny else (128, 16, 2)
+        return _Spec(
+            lambda: UNet(3, w), _regression((b, 3, px, px), (b, 3, px, px)), _mse,
+            f"UNet(width={w}), batch {b}x3x{px}x{px}",
+        )  # fmt: skip
+    if name == "loop":
+        d, n, b = (256, 3, 4) if tiny else (1024, 8, 32)
+        return _Spec(
+            lambda: LoopNet(d, n), _regression((b, d), (b, 2)), _mse,
+            f"LoopNet(d={d}, {n} iterations of one extractor), batch {b}",
+        )  # fmt: skip
+    raise ValueError(f"unknown demo model {name!r}; choose one of {DEMO_MODELS}")
+
+
+DEMO_MODELS = ("gpt", "unet", "loop", "mlp")
+
+
+@dataclasses.dataclass
+class DemoResult:
+    """What :func:`run_demo` measured.
+
+    Attributes:
+        memory: run name (``"torch.optim.Adam"``, ``"layeropt.Adam"``) -> the
+            memory breakdown of one training step.
+        time_ratio: layeropt step time / torch step time, median over pairs
+            (``None`` when fewer than 3 steps leave no timed pair).
+        pairs: how many interleaved pairs of steps were timed.
+        max_param_diff: largest absolute difference between the two models'
+            parameters after training.
+        table: the printed table.
+    """
+
+    memory: dict[str, StepMemory]
+    time_ratio: float | None
+    pairs: int
+    max_param_diff: float
+    table: str
+
+
+def _progress(done: int, total: int, stream: TextIO) -> None:
+    width = 24
+    filled = width * done // total
+    end = "\n" if done == total else ""
+    stream.write(f"\r  training [{'#' * filled}{'.' * (width - filled)}] {done}/{total}{end}")
+    stream.flush()
+
+
+def run_demo(
+    model: str = "gpt",
+    *,
+    steps: int | None = None,
+    device: str = "cpu",
+    use_checkpoint: bool = False,
+    tiny: bool = False,
+    plot: str | None = None,
+    lr: float = 1e-3,
+    progress: bool = True,
+    stream: TextIO | None = None,
+) -> DemoResult:
+    """Train one model with torch.optim.Adam and with layeropt.Adam, and compare.
+
+    Args:
+        model: one of :data:`DEMO_MODELS`.
+        steps: training steps for each optimizer (default 8, or 4 with ``tiny``);
+            the first warms up, the second is profiled for memory, the rest
+            are timed in interleaved pairs.
+        device: ``"cpu"`` or ``"cuda"``.
+        use_checkpoint: checkpoint each block's activations (non-reentrant).
+        tiny: a model small enough for a smoke run of a few seconds.
+        plot: if given, write a PNG of memory over one step there (needs matplotlib).
+        lr: Adam's learning rate.
+        progress: draw a progress bar on stderr.
+        stream: where to print the table (default stdout).
+
+    Returns:
+        A :class:`DemoResult`.
+
+    Raises:
+        ValueError: unknown model, fewer than 2 steps, or CUDA unavailable.
+        PlotDependencyError: ``plot`` was asked for without matplotlib installed.
+
+    Example:
+        >>> run_demo("mlp", tiny=True, progress=False).max_param_diff  # doctest: +SKIP
+        0.0
+    """
+    out = stream if stream is not None else sys.stdout
+    steps = steps if steps is not None else (4 if tiny else 8)
+    if steps < 2:
+        raise ValueError(f"the demo needs --steps >= 2 (one warm-up, one measured), got {steps}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch.cuda.is_available() is False")
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise PlotDependencyError(
+            "--plot needs matplotlib: pip install 'layeropt[plot]' (or leave out --plot)"
+        )
+    spec = _spec(model, tiny)
+    torch.manual_seed(0)
+    base = spec.build()
+    if use_checkpoint:
+        checkpoint_blocks(base, _BLOCKS[model])
+    ref, lo = base.to(dev), copy.deepcopy(base).to(dev)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=lr, fused=True)
+    lo_opt = layeropt.Adam(lo.parameters(), lr=lr, fused=True)
+    handle = layeropt.attach(lo, lo_opt)
+    gen = torch.Generator().manual_seed(1)
+    batches = [_to(spec.batch(base, gen), dev) for _ in range(steps)]
+    runs = {TORCH: (ref, ref_opt), LAYEROPT: (lo, lo_opt)}
+
+    def step(name: str, i: int) -> float:
+        m, opt = runs[name]
+        _sync(dev)
+        start = time.perf_counter()
+        spec.loss(m, batches[i]).backward()
+        opt.step()
+        opt.zero_grad()
+        _sync(dev)
+        return time.perf_counter() - start
+
+    bar = progress and steps > 1
+    memory: dict[str, StepMemory] = {}
+    ratios: list[float] = []
+    for i in range(steps):
+        if i == 1:
+            for name, (m, opt) in runs.items():
+                memory[name] = report_step(lambda n=name: step(n, 1), m, opt, dev)
+        else:
+            order = [TORCH, LAYEROPT] if i % 2 else [LAYEROPT, TORCH]
+            t = {name: step(name, i) for name in order}
+            if i > 1:
+                ratios.append(t[LAYEROPT] / t[TORCH])
+        if bar:
+            _progress(i + 1, steps, sys.stderr)
+    handle.remove()
+    diff = max(
+        (a.detach() - b.detach()).abs().max().item()
+        for a, b in zip(ref.parameters(), lo.parameters())
+    )
+    n_params = sum(p.numel() for p in ref.parameters())
+    title = (
+        f"layeropt demo: {model} - {spec.describe}\n"
+        f"{n_params / 1e6:.2f}M parameters, {dev}, {steps} steps, Adam(lr={lr:g}, fused=True)"
+        + (", per-block activation checkpointing" if use_checkpoint else "")
+    )
+    ratio = statistics.median(ratios) if ratios else None
+    table = title + "\n\n" + _table(memory, ratio, len(ratios), diff)
+    print(table, file=out)
+    if plot is not None:
+        plot_timelines(memory, plot)
+        print(f"\nmemory timeline written to {plot}", file=out)
+    return DemoResult(memory, ratio, len(ratios), diff, table)
+
+
+def _table(memory: dict[str, StepMemory], ratio: float | None, pairs: int, diff: float) -> str:
+    a, b = memory[TORCH], memory[LAYEROPT]
+    w = 18
+    rows = [f"{'':<30}{TORCH:>{w}}{LAYEROPT:>{w}}{'layeropt/torch':>{w}}"]
+
+    def row(label: str, x: int, y: int) -> str:
+        r = f"{y / x:.2f}x" if x else "-"
+        return f"{label:<30}{format_bytes(x):>{w}}{format_bytes(y):>{w}}{r:>{w}}"
+
+    rows.append(row("peak memory of a step", a.peak, b.peak))
+    for c in a.at_peak:
+        rows.append(row(f"  {c} (at peak)", a.at_peak[c], b.at_peak[c]))
+    if ratio is None:
+        rows.append(f"{'step time':<30}{'(needs --steps >= 3)':>{w * 3}}")
+    else:
+        label = f"step time (median of {pairs} pairs)"
+        rows.append(f"{label:<30}{'1.00x':>{w}}{f'{ratio:.2f}x':>{w}}{f'{ratio:.2f}x':>{w}}")
+    shown = "0.0" if diff == 0 else f"{diff:.3e}"
+    rows.append(f"{'max |parameter difference|':<30}{shown:>{w * 2}}")
+    return "\n".join(rows)
+
+
+def _to(batch: Any, dev: torch.device) -> Any:
+    if isinstance(batch, Tensor):
+        return batch.to(dev)
+    return tuple(t.to(dev) for t in batch)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)

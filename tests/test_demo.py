@@ -1,0 +1,118 @@
+"""The ``python -m layeropt demo`` command, run in-process on tiny models."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+
+from layeropt.__main__ import main
+from layeropt.demo import DEMO_MODELS, run_demo
+
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def _row(out: str, label: str) -> list[str]:
+    line = next(line for line in out.splitlines() if line.startswith(label))
+    return line[len(label):].split()
+
+
+def _bytes(value: str, unit: str) -> float:
+    return float(value) * UNITS[unit]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model", "gpt"],
+        ["--model", "gpt", "--checkpoint"],
+        ["--model", "mlp"],
+        ["--model", "unet"],
+    ],
+    ids=lambda a: "-".join(x.lstrip("-") for x in a),
+)
+def test_cli_tiny_prints_exact_and_smaller(args, capsys):
+    assert main(["demo", "--tiny", "--no-progress", *args]) == 0
+    out = capsys.readouterr().out
+    assert _row(out, "max |parameter difference|") == ["0.0"]
+    t_val, t_unit, l_val, l_unit, ratio = _row(out, "peak memory of a step")
+    assert _bytes(l_val, l_unit) < _bytes(t_val, t_unit)
+    assert float(ratio.rstrip("x")) < 1.0
+    # the saving is the gradients: same parameters and optimizer state
+    p = _row(out, "  parameters (at peak)")
+    assert p[:2] == p[2:4]
+    s = _row(out, "  optimizer state (at peak)")
+    assert s[:2] == s[2:4]
+    g = _row(out, "  gradients (at peak)")
+    assert _bytes(*g[2:4]) < _bytes(*g[:2])
+    assert re.search(r"step time \(median of 2 pairs\)\s+1\.00x\s+\d+\.\d\dx", out)
+
+
+@pytest.mark.parametrize("model", DEMO_MODELS)
+def test_run_demo_result_matches_table(model):
+    result = run_demo(model, tiny=True, steps=3, progress=False, stream=_Null())
+    assert result.max_param_diff == 0.0
+    assert result.pairs == 1 and result.time_ratio is not None and result.time_ratio > 0
+    torch_mem, lo_mem = result.memory["torch.optim.Adam"], result.memory["layeropt.Adam"]
+    assert lo_mem.peak <= torch_mem.peak
+    assert lo_mem.at_peak["parameters"] == torch_mem.at_peak["parameters"] > 0
+    assert lo_mem.end["optimizer state"] == torch_mem.end["optimizer state"] > 0
+    assert lo_mem.max_by_category["gradients"] < torch_mem.max_by_category["gradients"]
+    assert "max |parameter difference|" in result.table
+
+
+def test_progress_bar_on_stderr(capsys):
+    assert main(["demo", "--tiny", "--model", "mlp"]) == 0
+    captured = capsys.readouterr()
+    assert "training [" in captured.err and "4/4" in captured.err
+    assert "training [" not in captured.out
+
+
+def test_plot_written(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "demo.png"
+    assert main(["demo", "--tiny", "--no-progress", "--model", "mlp", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert str(path) in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_fails_fast(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    path = tmp_path / "demo.png"
+    assert main(["demo", "--tiny", "--model", "mlp", "--plot", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "pip install 'layeropt[plot]'" in captured.err
+    assert captured.out == "" and not path.exists()  # nothing trained
+
+
+def test_too_few_steps_exit_2(capsys):
+    assert main(["demo", "--steps", "1"]) == 2
+    assert "--steps >= 2" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: --device cuda is valid")
+def test_cuda_without_cuda_exit_2(capsys):
+    assert main(["demo", "--tiny", "--device", "cuda"]) == 2
+    assert "torch.cuda.is_available() is False" in capsys.readouterr().err
+
+
+def test_unknown_model_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--model", "resnet"])
+    assert exc.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "demo" in capsys.readouterr().err
+
+
+class _Null:
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
