@@ -209,8 +209,9 @@ class Engine:
             del self._pending[bucket]
             bucket.reset()
             bucket.stepped_serial = self._serial
-            for p in bucket.params:
-                self.held.pop(p, None)  # its accumulated gradient is in the bucket now
+            if self.held:
+                for p in bucket.params:
+                    self.held.pop(p, None)  # its accumulated gradient is in the bucket now
             self._ready.append(bucket.params)
             self._ready_bytes += bucket.nbytes
             if self._ready_bytes >= self.cap_bytes:
@@ -353,9 +354,11 @@ class Engine:
                 return
         params = groups[0] if len(groups) == 1 else [p for g in groups for p in g]
         optimizer._step_params(params)
+        held = self.held
         for p in params:
             p.grad = None
-            self.held.pop(p, None)
+            if held:
+                held.pop(p, None)
         self._steps += len(params)
         self.stepped.extend(params)
 
