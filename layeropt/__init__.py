@@ -12,7 +12,7 @@ Example:
     ...     opt.step()                                  # harmless no-op
 """
 
-from . import distributed, losses
+from . import distributed, losses, memory, report
 from .attach import Attachment, attach
 from .backward import backward
 from .checkpoint import CheckpointHandle, checkpoint, checkpoint_modules
@@ -50,6 +50,8 @@ __all__ = [
     "BackwardStateError",
     "losses",
     "distributed",
+    "memory",
+    "report",
     "LoopAccumulator",
     "LoopStateError",
     "loop_stack",
