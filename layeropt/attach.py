@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
@@ -222,7 +223,8 @@ def _make_hook(engine: Any, bucket: Bucket, index: int) -> Any:
     def hook(param: Tensor) -> None:
         on_grad(bucket, index, param)
 
-    return hook
+    # Compiled autograd must call the hook eagerly rather than trace the engine.
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def attach(

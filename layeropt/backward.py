@@ -39,14 +39,24 @@ def _total_norm(norms: list[Tensor], norm_type: float) -> Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
 
 
-def _grad_order(optimizers: list[InBackwardOptimizer], measured: dict[Tensor, Tensor]) -> list[Tensor]:
-    """Norms in the order clip_grad_norm_(optimizer params) stacks them."""
+def _grad_order(
+    optimizers: list[InBackwardOptimizer],
+    measured: dict[Tensor, Tensor],
+    parameters: Iterable[Tensor] | None,
+) -> list[Tensor]:
+    """Norms in the order ``clip_grad_norm_(parameters)`` stacks them.
+
+    The total norm sums the per-tensor norms; its last bit depends on their
+    order, so it follows ``parameters`` (default: the optimizers' param groups).
+    """
+    if parameters is None:
+        parameters = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for opt in optimizers:
-        for g in opt.param_groups:
-            for p in g["params"]:
-                if p in measured:
-                    groups.setdefault((p.device, p.dtype), []).append(measured[p])
+    seen: set[int] = set()
+    for p in parameters:
+        if p in measured and id(p) not in seen:
+            seen.add(id(p))
+            groups.setdefault((p.device, p.dtype), []).append(measured[p])
     return [n for ns in groups.values() for n in ns]
 
 
@@ -59,6 +69,7 @@ def backward(
     error_if_nonfinite: bool = False,
     scaler: torch.amp.GradScaler | None = None,
     retain_graph: bool | None = None,
+    parameters: Iterable[Tensor] | None = None,
 ) -> Tensor | None:
     """Backward with exact global-norm clipping and/or a ``GradScaler``.
 
@@ -78,6 +89,10 @@ def backward(
         error_if_nonfinite: raise if the total norm is inf/NaN (before any update).
         scaler: a ``torch.amp.GradScaler`` whose ``scale(loss)`` was passed.
         retain_graph: for the final pass, as in ``Tensor.backward``.
+        parameters: the parameters in the order you would pass them to
+            ``clip_grad_norm_`` (e.g. ``model.parameters()``); the total norm
+            then equals torch's to the last bit. Default: the optimizers'
+            param-group order.
 
     Returns:
         The total gradient norm (of the unscaled gradient) when clipping,
@@ -133,7 +148,7 @@ def backward(
 
     total = None
     if max_norm is not None:
-        total = _total_norm(_grad_order(optimizers, measured), norm_type)
+        total = _total_norm(_grad_order(optimizers, measured, parameters), norm_type)
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients is non-finite, so it "

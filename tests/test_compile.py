@@ -1,0 +1,185 @@
+"""torch.compile with attached layeropt optimizers gives the results of torch.optim.
+
+A compiled model's parameters are still leaves whose gradients autograd's
+``AccumulateGrad`` nodes sum, eagerly, so their post-accumulate-grad hooks fire
+as without compiling. Each test trains two copies of one model, both compiled
+the same way: one with ``torch.optim`` (``backward(); step(); zero_grad()``),
+one with the layeropt class attached; parameters and optimizer state must be
+bit-identical. The compiled run is also compared with plain eager
+``torch.optim`` (bitwise for ``aot_eager``; inductor fuses kernels and
+reorders float operations, so there a tolerance).
+
+Every test asserts that dynamo really compiled (frame counter / compiled
+autograd capture counter), so a silent fallback to eager cannot pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from typing import Any
+
+import pytest
+import torch
+from harness import assert_same
+
+import layeropt
+from layeropt.models import make_model
+
+dynamo = pytest.importorskip("torch._dynamo")
+from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+from torch._functorch import config as functorch_config  # noqa: E402
+
+OPTIMIZERS = [
+    ("Adam", dict(lr=1e-2)),
+    ("SGD", dict(lr=0.1, momentum=0.9)),
+    ("AdamW", dict(lr=1e-2, fused=True)),
+]
+
+_NO_CXX = not any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+# (backend, model, optimizer index, tolerance against eager torch.optim)
+CASES = [
+    ("aot_eager", "mlp", 0, 0.0),
+    ("aot_eager", "unet", 1, 0.0),  # skip connections
+    ("aot_eager", "gpt", 2, 0.0),  # tied embedding / head
+    # Inductor generates fused C++ kernels whose float reassociation moves
+    # results by a few ulps per step (measured: 2.3e-6 after 3 Adam steps, lr 1e-2).
+    # About 11 s on 2 CPU cores with a cold compile cache.
+    pytest.param("inductor", "mlp", 0, 1e-5, id="inductor-mlp",
+                 marks=pytest.mark.skipif(_NO_CXX, reason="inductor needs a C++ compiler")),
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    dynamo.reset()
+    counters.clear()
+    yield
+    dynamo.reset()
+
+
+def _train(model: torch.nn.Module, step_model: Any, opt: torch.optim.Optimizer,
+           batch_fn: Any, loss_fn: Any, steps: int = 3) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        loss_fn(step_model, batch_fn(gen)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _pair(name: str, opt_index: int):
+    model, batch_fn, loss_fn = make_model(name)
+    opt_name, kw = OPTIMIZERS[opt_index]
+    ref = copy.deepcopy(model)
+    eager = copy.deepcopy(model)
+    return model, ref, eager, batch_fn, loss_fn, opt_name, kw
+
+
+@pytest.mark.parametrize("backend,name,opt_index,tol", CASES,
+                         ids=[f"{c[0]}-{c[1]}" if isinstance(c, tuple) else None for c in CASES])
+def test_compiled_model_matches_torch_optim(backend, name, opt_index, tol):
+    model, ref, eager, batch_fn, loss_fn, opt_name, kw = _pair(name, opt_index)
+    counter = CompileCounterWithBackend(backend)
+
+    ref_opt = getattr(torch.optim, opt_name)(ref.parameters(), **kw)
+    _train(ref, torch.compile(ref, backend=counter), ref_opt, batch_fn, loss_fn)
+
+    lo_opt = getattr(layeropt, opt_name)(model.parameters(), **kw)
+    compiled = torch.compile(model, backend=counter)
+    with layeropt.attach(compiled, lo_opt):
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            loss_fn(compiled, batch_fn(gen)).backward()
+            assert lo_opt.stepped_in_backward == len(list(model.parameters()))
+            assert all(p.grad is None for p in model.parameters())
+    assert counter.frame_count >= 1, "dynamo did not compile the model"
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert_same(p.detach(), q.detach())
+    assert_same(ref_opt.state_dict(), lo_opt.state_dict())
+
+    eager_opt = getattr(torch.optim, opt_name)(eager.parameters(), **kw)
+    _train(eager, eager, eager_opt, batch_fn, loss_fn)
+    diff = max((p - q).abs().max().item() for p, q in zip(eager.parameters(), model.parameters()))
+    assert diff <= tol
+
+
+def _hooks_opaque_to_dynamo(model: torch.nn.Module) -> bool:
+    hooks = [h for p in model.parameters() for h in p._post_accumulate_grad_hooks.values()]
+    return bool(hooks) and all(getattr(h, "_torchdynamo_disable", False) for h in hooks)
+
+
+@pytest.mark.parametrize("name", ["mlp", "unet"])
+def test_compiled_autograd_matches_torch_optim(name):
+    """``torch._dynamo.config.compiled_autograd``: the backward is traced into a graph too.
+
+    The pattern of torch's compiled-autograd tutorial: a compiled model, and a
+    compiled function that runs forward + ``backward()``.
+    """
+    model, ref, _, batch_fn, loss_fn, _, kw = _pair(name, 0)
+    ref_opt = torch.optim.Adam(ref.parameters(), **kw)
+    lo_opt = layeropt.Adam(model.parameters(), **kw)
+    handle = layeropt.attach(model, lo_opt)
+    if not _hooks_opaque_to_dynamo(model):
+        handle.remove()
+        pytest.xfail(
+            "compiled autograd traces post-accumulate-grad hooks into its graph, and "
+            "dynamo cannot trace layeropt's (autograd queue_callback, weakref.finalize): "
+            "layeropt/attach.py must wrap each hook in torch._dynamo.disable"
+        )
+
+    def step_fn(m: torch.nn.Module):
+        compiled = torch.compile(m, backend="aot_eager")
+        return torch.compile(lambda data: loss_fn(compiled, data).backward(), backend="aot_eager")
+
+    with dynamo.config.patch(compiled_autograd=True):
+        ref_step, lo_step = step_fn(ref), step_fn(model)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            data = batch_fn(gen)
+            ref_step(data)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            lo_step(data)
+            assert lo_opt.stepped_in_backward == len(list(model.parameters()))
+            assert all(p.grad is None for p in model.parameters())
+    handle.remove()
+    assert counters["compiled_autograd"]["captures"] >= 2, "compiled autograd did not run"
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert_same(p.detach(), q.detach())
+    assert_same(ref_opt.state_dict(), lo_opt.state_dict())
+
+
+def test_compiled_model_no_step_accumulation(monkeypatch):
+    """Accumulation (``no_step``) and clipping (``layeropt.backward``) through a compiled model.
+
+    ``layeropt.backward(max_norm=...)`` runs two backward passes over one graph
+    (``retain_graph=True``), which AOTAutograd's donated buffers forbid: it needs
+    ``torch._functorch.config.donated_buffer = False`` when the model is compiled
+    (without it: "compiled with non-empty donated buffers which requires ...
+    retain_graph=False").
+    """
+    monkeypatch.setattr(functorch_config, "donated_buffer", False)
+    model, ref, _, batch_fn, loss_fn, _, _ = _pair("mlp", 0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    lo_opt = layeropt.AdamW(model.parameters(), lr=1e-2)
+    counter = CompileCounterWithBackend("aot_eager")
+    c_ref = torch.compile(ref, backend=counter)
+    c_lo = torch.compile(model, backend=counter)
+    gen = torch.Generator().manual_seed(1)
+    with layeropt.attach(c_lo, lo_opt):
+        for _ in range(2):
+            first, last = batch_fn(gen), batch_fn(gen)
+            (loss_fn(c_ref, first) / 2).backward()
+            (loss_fn(c_ref, last) / 2).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            with lo_opt.no_step():
+                (loss_fn(c_lo, first) / 2).backward()
+            layeropt.backward(loss_fn(c_lo, last) / 2, max_norm=0.1)
+            assert 0.1 < lo_opt.last_grad_norm  # clipping was active
+    assert counter.frame_count >= 1, "dynamo did not compile the model"
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert_same(p.detach(), q.detach())

@@ -1,0 +1,392 @@
+"""Hugging Face models and ``Trainer`` with layeropt: same parameters as torch.optim.
+
+Tiny models built from a config (no download). Every comparison trains two
+copies from the same seed and data, one with ``torch.optim``, one with the
+layeropt class attached, and compares parameters bit for bit unless a case
+says why not. Skipped when transformers / accelerate are not installed.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from harness import assert_same
+
+import layeropt
+from layeropt.memory import PeakMemory
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from layeropt.integrations.hf import (  # noqa: E402
+    LayeroptCallback,
+    LayeroptTrainer,
+    TrainerSetupError,
+    unwrap_optimizer,
+)
+
+hf_logging.set_verbosity_error()
+VOCAB = 64
+
+
+def _llama(layers: int = 2, width: int = 32) -> torch.nn.Module:
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg)
+
+
+def _gpt2() -> torch.nn.Module:
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+ARCHS = {"llama": _llama, "gpt2": _gpt2}
+OPTIMIZERS = [("AdamW", dict(lr=1e-2)), ("SGD", dict(lr=0.1, momentum=0.9))]
+
+
+def _batches(n: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (2, 16), generator=gen) for _ in range(n)]
+
+
+def _enable_checkpointing(model: Any, kwargs: dict[str, Any] | None) -> bool:
+    """Turn on HF activation checkpointing; return whether it is reentrant."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    funcs = [m._gradient_checkpointing_func for m in model.modules()
+             if isinstance(getattr(m, "_gradient_checkpointing_func", None), functools.partial)]
+    assert funcs, "no module got a checkpointing function"
+    return bool(funcs[0].keywords.get("use_reentrant", True))
+
+
+def _train_plain(model: Any, opt: torch.optim.Optimizer, steps: int = 3) -> None:
+    model.train()
+    for ids in _batches(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+# -- a Hugging Face model in a plain loop --------------------------------------
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("opt_name,kw", OPTIMIZERS, ids=[o for o, _ in OPTIMIZERS])
+def test_hf_model_matches_torch_optim(arch, opt_name, kw):
+    model = ARCHS[arch]()
+    ref = copy.deepcopy(model)
+    ref_opt = getattr(torch.optim, opt_name)(ref.parameters(), **kw)
+    _train_plain(ref, ref_opt)
+    opt = getattr(layeropt, opt_name)(model.parameters(), **kw)
+    with layeropt.attach(model, opt):
+        _train_plain(model, opt)
+        assert opt.stepped_in_backward == len(list(model.parameters()))
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach(), name)
+    assert_same(opt.state_dict(), ref_opt.state_dict())
+
+
+LAYEROPT_DEFERS = "nested backward"  # layeropt's warning under torch's reentrant checkpoint
+
+
+@pytest.mark.parametrize("ckpt_kwargs", [{"use_reentrant": True}, {"use_reentrant": False}, None],
+                         ids=["reentrant", "non_reentrant", "hf_default"])
+def test_hf_gradient_checkpointing_is_exact(ckpt_kwargs):
+    """``gradient_checkpointing_enable``: exact; reentrant warns that it saves nothing."""
+    model = _llama()
+    ref = copy.deepcopy(model)
+    reentrant = _enable_checkpointing(model, ckpt_kwargs)
+    _enable_checkpointing(ref, ckpt_kwargs)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _train_plain(ref, ref_opt)
+    opt = layeropt.AdamW(model.parameters(), lr=1e-2)
+    with layeropt.attach(model, opt), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train_plain(model, opt)
+        assert opt.stepped_in_backward == len(list(model.parameters()))
+    deferred = [w for w in caught if LAYEROPT_DEFERS in str(w.message)]
+    assert bool(deferred) == reentrant
+    assert all(w.category is UserWarning for w in deferred)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach())
+
+
+def _step_peak(model: Any, opt: torch.optim.Optimizer) -> int:
+    ids = _batches(1)[0]
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # optimizer state exists from here on
+    with PeakMemory() as mem:
+        step()
+    return mem.peak
+
+
+def test_hf_checkpointing_memory():
+    """Bytes of one step: non-reentrant checkpointing keeps the in-backward saving."""
+    peaks: dict[tuple[str, bool], int] = {}
+    for kind in ("torch", "layeropt"):
+        for reentrant in (False, True):
+            torch.manual_seed(0)
+            model = _llama(layers=4, width=64)
+            model.train()
+            _enable_checkpointing(model, {"use_reentrant": reentrant})
+            cls = torch.optim.AdamW if kind == "torch" else layeropt.AdamW
+            opt = cls(model.parameters(), lr=1e-3)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if kind == "layeropt":
+                    with layeropt.attach(model, opt):
+                        peaks[kind, reentrant] = _step_peak(model, opt)
+                else:
+                    peaks[kind, reentrant] = _step_peak(model, opt)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # measured: torch 913,864 B, layeropt 534,036 B (gradients: 657,664 B)
+    assert peaks["layeropt", False] + grad_bytes // 2 < peaks["torch", False]
+    # torch's reentrant checkpoint: exact by deferring every step, so no saving
+    assert peaks["layeropt", True] >= peaks["torch", True]
+    assert peaks["layeropt", True] > peaks["layeropt", False]
+
+
+# -- Trainer --------------------------------------------------------------------
+def _dataset(n: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, VOCAB, (16,), generator=gen) for _ in range(n)]
+    return [{"input_ids": r, "labels": r} for r in rows]
+
+
+class _Probe(TrainerCallback):
+    """Records, before each optimizer step, what backward left behind."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+        self.grads_alive: list[int] = []
+        self.stepped: list[int] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads_alive.append(sum(p.grad is not None for p in model.parameters()))
+        opt = unwrap_optimizer(self.trainer.optimizer)
+        self.stepped.append(getattr(opt, "stepped_in_backward", -1))
+
+
+class _TorchTrainer(Trainer):
+    """The reference when a GradScaler is forced onto the CPU accelerator (see the test)."""
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return grad_norm
+
+
+def _trainer(tmp_path: Any, kind: str, *, ga: int = 2, max_grad_norm: float = 0.0,
+             steps: int = 3, n: int = 10, optim: str | None = None, save_steps: int = 0,
+             torch_trainer: type = Trainer, user_scheduler: bool = False,
+             **targs: Any) -> tuple[Any, Any, _Probe]:
+    """Build one of the Trainer set-ups under test (not trained yet)."""
+    torch.manual_seed(0)
+    model = _llama()
+    args = TrainingArguments(
+        output_dir=str(tmp_path / kind), max_steps=steps, per_device_train_batch_size=2,
+        gradient_accumulation_steps=ga, learning_rate=1e-2, max_grad_norm=max_grad_norm,
+        lr_scheduler_type="cosine", warmup_steps=1, logging_steps=1, seed=0,
+        report_to=[], use_cpu=True, disable_tqdm=True,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        **({"optim": optim} if optim else {}), **targs,
+    )
+    probe = _Probe()
+    common = dict(model=model, args=args, train_dataset=_dataset(n), callbacks=[probe])
+
+    def optimizers(opt: torch.optim.Optimizer) -> tuple[Any, Any]:
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if user_scheduler else None
+        return opt, sched
+
+    if kind == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        trainer = torch_trainer(**common, optimizers=optimizers(opt))
+    elif kind == "torch-built":
+        trainer = Trainer(**common)
+    elif kind == "layeropt":
+        opt = layeropt.AdamW(model.parameters(), lr=1e-2)
+        trainer = LayeroptTrainer(**common, optimizers=optimizers(opt), bucket_cap_mb=0)
+    elif kind == "layeropt-torch-optimizer":  # refused
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        trainer = LayeroptTrainer(**common, optimizers=(opt, None))
+    elif kind == "layeropt-built":
+        trainer = LayeroptTrainer(**common, bucket_cap_mb=0)
+    elif kind == "callback":
+        opt = layeropt.AdamW(model.parameters(), lr=1e-2)
+        common["callbacks"].append(LayeroptCallback(bucket_cap_mb=0))
+        trainer = Trainer(**common, optimizers=optimizers(opt))
+    elif kind == "attached-plain":  # what not to do: attach and hand to a plain Trainer
+        opt = layeropt.AdamW(model.parameters(), lr=1e-2)
+        trainer = Trainer(**common, optimizers=(opt, None))
+        trainer.handle = layeropt.attach(model, opt)
+    else:
+        raise ValueError(kind)
+    probe.trainer = trainer
+    return trainer, model, probe
+
+
+def _grad_norms(trainer: Any) -> list[float]:
+    return [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+
+
+_CKPT_ARG = ("activation_checkpointing"  # transformers >= 5; gradient_* before
+             if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+             else "gradient_checkpointing")
+
+# (layeropt set-up, reference, options, tolerance)
+TRAINER_CASES = [
+    ("layeropt", "torch", dict(ga=2), 0.0),
+    ("layeropt", "torch", dict(ga=2, max_grad_norm=0.5), 0.0),  # clipping active (norms ~1.1)
+    ("layeropt", "torch", dict(ga=3, max_grad_norm=1.0), 0.0),  # 5 micro-batches/epoch: 3 + 2
+    ("layeropt", "torch", dict(ga=1, max_grad_norm=0.1), 0.0),
+    ("layeropt", "torch", dict(ga=2, bf16=True), 0.0),
+    ("layeropt", "torch", dict(ga=2, max_grad_norm=0.5, user_scheduler=True), 0.0),
+    ("layeropt", "torch", dict(ga=2, **{_CKPT_ARG: True,
+                                        f"{_CKPT_ARG}_kwargs": {"use_reentrant": False}}), 0.0),
+    ("callback", "torch", dict(ga=2), 0.0),  # 5 micro-batches/epoch: 2 + 2 + 1
+    ("callback", "torch", dict(ga=3), 0.0),  # 3 + 2
+    ("callback", "torch", dict(ga=2, user_scheduler=True), 0.0),
+    ("layeropt-built", "torch-built", dict(ga=2), 0.0),
+    ("layeropt-built", "torch-built", dict(ga=2, optim="sgd"), 0.0),
+    # Trainer's two param groups (decay / no decay) order the per-tensor norms
+    # differently from model.parameters(), which clip_grad_norm_ stacks: the
+    # total norm differs in the last bit, the clip coefficient by one ulp.
+    ("layeropt-built", "torch-built", dict(ga=2, max_grad_norm=0.5), 1e-6),
+]
+
+
+@pytest.mark.parametrize("kind,ref_kind,opts,tol", TRAINER_CASES,
+                         ids=[f"{k}-{'-'.join(f'{a}={b}' for a, b in o.items())}"
+                              for k, _, o, _ in TRAINER_CASES])
+def test_trainer_matches_torch_optim(tmp_path, kind, ref_kind, opts, tol):
+    ref_trainer, ref, ref_probe = _trainer(tmp_path, ref_kind, **opts)
+    ref_trainer.train()
+    trainer, model, probe = _trainer(tmp_path, kind, **opts)
+    trainer.train()
+    assert trainer.state.global_step == ref_trainer.state.global_step == 3
+    assert isinstance(unwrap_optimizer(trainer.optimizer), layeropt.InBackwardOptimizer)
+    n_params = len(list(model.parameters()))
+    assert probe.grads_alive == [0, 0, 0]  # all stepped and freed in backward
+    assert all(s > 0 for s in ref_probe.grads_alive)  # torch still holds every gradient
+    assert probe.stepped == [n_params] * 3
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if tol == 0:
+            assert_same(p.detach(), q.detach(), name)
+        else:
+            assert (p - q).abs().max().item() <= tol, name
+    assert not unwrap_optimizer(trainer.optimizer).attached  # detached when train() ended
+    if opts.get("max_grad_norm", 0) > 0:
+        norms, ref_norms = _grad_norms(trainer), _grad_norms(ref_trainer)
+        assert len(norms) == 3
+        assert norms == ref_norms if tol == 0 else norms == pytest.approx(ref_norms, rel=1e-6)
+
+
+def test_plain_trainer_with_attached_optimizer_is_wrong(tmp_path):
+    """Why the integration exists: attached + plain Trainer steps every micro-batch."""
+    ref_trainer, ref, _ = _trainer(tmp_path, "torch", ga=2)
+    ref_trainer.train()
+    trainer, model, _ = _trainer(tmp_path, "attached-plain", ga=2)
+    trainer.train()
+    trainer.handle.remove()
+    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    assert diff > 1e-4
+
+
+def test_trainer_checkpoint_resume(tmp_path):
+    """optimizer.pt is torch's state dict: resume is exact, across torch and layeropt too."""
+    opts = dict(ga=2, max_grad_norm=0.5, steps=4, save_steps=2)
+    ref_trainer, ref, _ = _trainer(tmp_path, "torch", **opts)
+    ref_trainer.train()
+    first, _, _ = _trainer(tmp_path, "layeropt", **opts)
+    first.train()
+    ckpt = tmp_path / "layeropt" / "checkpoint-2"
+    state = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    assert len(state["state"]) == len(list(ref.parameters()))  # Adam moments were saved
+    for kind in ("layeropt", "torch"):  # resume layeropt's checkpoint with either
+        resumed, model, _ = _trainer(tmp_path / "again", kind, **opts)
+        resumed.train(resume_from_checkpoint=str(ckpt))
+        assert resumed.state.global_step == 4
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert_same(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_trainer_grad_scaler(tmp_path, ga):
+    """fp16's GradScaler path (inf -> skipped step, scale halved) gives torch's result.
+
+    accelerate creates a GradScaler only for fp16 on a GPU; here one is put on
+    the CPU accelerator by hand, with a scale so large that the first steps
+    overflow. The reference skips Trainer's unclipped norm for logging, which on
+    CPU would be taken of the still-scaled gradients (on a GPU they are unscaled
+    first) and overflow into NaN.
+    """
+    results = {}
+    for kind in ("torch", "layeropt"):
+        trainer, model, _ = _trainer(tmp_path, kind, ga=ga, steps=6, torch_trainer=_TorchTrainer)
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**126,
+                                                          growth_interval=2)
+        init = copy.deepcopy(model)
+        trainer.train()
+        results[kind] = model, trainer.accelerator.scaler.get_scale()
+        changed = any(not torch.equal(p, q) for p, q in zip(model.parameters(), init.parameters()))
+        assert changed  # some steps were taken
+    (ref, ref_scale), (model, scale) = results["torch"], results["layeropt"]
+    assert scale == ref_scale < 2.0**126  # and some were skipped
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach())
+
+
+def test_layeropt_trainer_builds_layeropt_optimizer(tmp_path):
+    trainer, _, _ = _trainer(tmp_path, "layeropt-built", optim="adamw_torch_fused")
+    trainer.create_optimizer()
+    opt = trainer.optimizer
+    assert isinstance(opt, layeropt.AdamW) and isinstance(opt, torch.optim.AdamW)
+    assert opt.defaults["fused"] is True
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("kind,opts,match", [
+    ("callback", dict(max_grad_norm=1.0), "max_grad_norm"),  # Trainer's default is 1.0
+    ("callback", dict(fp16=True), "fp16"),
+    ("layeropt-built", dict(optim="lomo"), "lomo"),
+], ids=["callback-clipping", "callback-fp16", "lomo"])
+def test_refused_settings(tmp_path, kind, opts, match):
+    trainer, model, _ = _trainer(tmp_path, kind, **opts)
+    before = copy.deepcopy(model)
+    with pytest.raises(TrainerSetupError, match=match):
+        trainer.train()
+    for p, q in zip(model.parameters(), before.parameters()):
+        assert_same(p.detach(), q.detach())  # nothing was updated
+
+
+def test_layeropt_trainer_refuses_torch_optimizer(tmp_path):
+    trainer, _, _ = _trainer(tmp_path, "layeropt-torch-optimizer")
+    with pytest.raises(TrainerSetupError, match="needs a layeropt optimizer"):
+        trainer.train()
+
+
+def test_callback_needs_layeropt_optimizer(tmp_path):
+    trainer, _, _ = _trainer(tmp_path, "torch-built")
+    trainer.add_callback(LayeroptCallback())
+    with pytest.raises(TrainerSetupError, match="layeropt optimizer"):
+        trainer.train()
