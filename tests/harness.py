@@ -133,3 +133,27 @@ def train_pair(
         lo_opt.zero_grad()
     handle.remove()
     return ref, ref_opt, model, lo_opt
+
+
+class Boom(torch.autograd.Function):
+    """Identity in forward; raises ``ValueError("boom")`` in the middle of backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom")
+
+
+class InfGrad(torch.autograd.Function):
+    """Identity in forward; sends an all-inf gradient to everything upstream."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(g, float("inf"))

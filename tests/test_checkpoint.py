@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as tc
-from harness import assert_models_equal, assert_same
+from harness import Boom, assert_models_equal, assert_same
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -443,16 +443,6 @@ def test_context_fn_reaches_the_recomputation(mode, selective):
 
 
 # -- an exception in the middle of a checkpointed backward --------------------------
-class _Boom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        raise ValueError("boom")
-
-
 class BoomLoop(SharedLoop):
     """SharedLoop whose second checkpointed iteration raises in backward."""
 
@@ -461,7 +451,7 @@ class BoomLoop(SharedLoop):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.mix(x)
         for i in range(3):
-            fn = (lambda z, x: self.step(_Boom.apply(z), x)) if self.boom and i == 1 else self.step
+            fn = (lambda z, x: self.step(Boom.apply(z), x)) if self.boom and i == 1 else self.step
             h = self.ck(fn, h, x)
         return self.head(torch.tanh(self.extractor(h)))
 

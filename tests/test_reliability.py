@@ -15,21 +15,9 @@ import pytest
 import torch
 
 import layeropt
-from harness import assert_models_equal, assert_same
+from harness import Boom, InfGrad, assert_models_equal, assert_same
 from layeropt.memory import PeakMemory
 from layeropt.models import make_model
-
-
-class _Boom(torch.autograd.Function):
-    """Raises in the middle of backward, after the layers above were stepped."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        raise ValueError("boom")
 
 
 def _chain(n=4):
@@ -40,7 +28,7 @@ def _chain(n=4):
 def _run(layers, x, boom_at=None):
     h = x
     for i, layer in enumerate(layers):
-        h = layer(_Boom.apply(h) if i == boom_at else h)
+        h = layer(Boom.apply(h) if i == boom_at else h)
     return h.square().mean()
 
 
@@ -337,16 +325,6 @@ def test_parameters_that_do_not_require_grad_are_not_hooked():
     assert id(model.frozen.weight) not in hooked and id(model.body.weight) in hooked
 
 
-class _InfAt(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return torch.full_like(g, float("inf"))
-
-
 @pytest.mark.parametrize("opt_name", ["SGD", "Adam"])
 def test_opt_in_skip_nonfinite_skips_only_the_bad_buckets(opt_name):
     kw = dict(lr=0.1, momentum=0.9) if opt_name == "SGD" else dict(lr=0.1)
@@ -360,7 +338,7 @@ def test_opt_in_skip_nonfinite_skips_only_the_bad_buckets(opt_name):
     def run(model):
         h = x
         for i, layer in enumerate(model):
-            h = layer(_InfAt.apply(h) if i == 2 else h)  # inf reaches layers 0 and 1
+            h = layer(InfGrad.apply(h) if i == 2 else h)  # inf reaches layers 0 and 1
         return h.sum()
 
     run(layers).backward()
