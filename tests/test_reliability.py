@@ -25,15 +25,46 @@ def _chain(n=4):
     return torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(n))
 
 
-def _run(layers, x, boom_at=None):
+class _Interrupt(torch.autograd.Function):
+    """Ctrl-C in the middle of backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise KeyboardInterrupt
+
+
+def _raising_hook(grad):
+    raise ValueError("boom from a tensor hook")
+
+
+def _fault(h, kind):
+    if kind == "function":
+        return Boom.apply(h)
+    if kind == "interrupt":
+        return _Interrupt.apply(h)
+    h = h.view_as(h)  # a non-leaf whose gradient hook raises
+    h.register_hook(_raising_hook)
+    return h
+
+
+def _run(layers, x, boom_at=None, kind="function"):
     h = x
     for i, layer in enumerate(layers):
-        h = layer(Boom.apply(h) if i == boom_at else h)
+        h = layer(_fault(h, kind) if i == boom_at else h)
     return h.square().mean()
 
 
+FAULTS = {"function": (ValueError, "boom"), "hook": (ValueError, "tensor hook"),
+          "interrupt": (KeyboardInterrupt, "")}
+
+
+@pytest.mark.parametrize("kind", list(FAULTS))
 @pytest.mark.parametrize("opt_name", ["SGD", "Adam"])
-def test_exception_mid_backward_each_param_fully_stepped_or_untouched(opt_name):
+def test_exception_mid_backward_each_param_fully_stepped_or_untouched(opt_name, kind):
     kw = dict(lr=0.1, momentum=0.9) if opt_name == "SGD" else dict(lr=0.1)
     layers = _chain()
     ref = copy.deepcopy(layers)
@@ -46,8 +77,9 @@ def test_exception_mid_backward_each_param_fully_stepped_or_untouched(opt_name):
     ref_opt.step()
     ref_opt.zero_grad()
     before = copy.deepcopy(layers.state_dict())
-    with pytest.raises(ValueError, match="boom"):
-        _run(layers, x, boom_at=2).backward()
+    error, match = FAULTS[kind]
+    with pytest.raises(error, match=match):
+        _run(layers, x, boom_at=2, kind=kind).backward()
     # layers 3 and 2 were complete before the fault: stepped; 0 and 1 never got a gradient.
     stepped = {id(p) for p in opt.stepped_params}
     for i, layer in enumerate(layers):
