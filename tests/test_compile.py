@@ -151,7 +151,7 @@ def test_compiled_autograd_matches_torch_optim(name):
     assert_same(ref_opt.state_dict(), lo_opt.state_dict())
 
 
-def test_compiled_model_no_step_accumulation(monkeypatch):
+def test_compiled_model_no_step_accumulation():
     """Accumulation (``no_step``) and clipping (``layeropt.backward``) through a compiled model.
 
     ``layeropt.backward(max_norm=...)`` runs two backward passes over one graph
@@ -160,7 +160,11 @@ def test_compiled_model_no_step_accumulation(monkeypatch):
     (without it: "compiled with non-empty donated buffers which requires ...
     retain_graph=False").
     """
-    monkeypatch.setattr(functorch_config, "donated_buffer", False)
+    with functorch_config.patch(donated_buffer=False):
+        _accumulate_and_clip_through_compiled_model()
+
+
+def _accumulate_and_clip_through_compiled_model():
     model, ref, _, batch_fn, loss_fn, _, _ = _pair("mlp", 0)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     lo_opt = layeropt.AdamW(model.parameters(), lr=1e-2)
