@@ -8,6 +8,7 @@ post-accumulate-grad hook per parameter. What the hook does is in
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -218,13 +219,9 @@ def _on_optimizer_deleted(attachment_ref: Any) -> None:
 
 
 def _make_hook(engine: Any, bucket: Bucket, index: int) -> Any:
-    on_grad = engine.on_grad
-
-    def hook(param: Tensor) -> None:
-        on_grad(bucket, index, param)
-
-    # Compiled autograd must call the hook eagerly rather than trace the engine.
-    return torch.compiler.disable(hook, recursive=True)
+    # hook(param) == engine.on_grad(bucket, index, param). Compiled autograd must
+    # call it eagerly rather than trace the engine.
+    return torch.compiler.disable(functools.partial(engine.on_grad, bucket, index), recursive=True)
 
 
 def attach(

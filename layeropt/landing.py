@@ -55,6 +55,7 @@ from torch import Tensor
 from . import _nesting as nesting
 from ._nesting import Pin, _graph_task_id, watch_torch_checkpoint
 from ._transforms import Measure, all_finite, prepare_grads
+from .distributed import _world_size as world_size
 from .distributed import check_local_hooks_allowed
 from .errors import AttachError, BackwardStateError, LayeroptError
 
@@ -114,6 +115,7 @@ class Engine:
         self._serial = 0  # counts attached backwards
         self._steps = 0
         self.last_backward_steps = 0
+        self._distributed = False  # several processes in this backward (checked per backward)
         self.stepped: list[Tensor] = []  # parameters updated in the latest backward
         # Clipping / scaling (set by attach(...) and layeropt.backward).
         self.max_grad_norm: float | None = None
@@ -150,13 +152,14 @@ class Engine:
     # -- the hook -------------------------------------------------------
     def on_grad(self, bucket: Bucket, index: int, param: Tensor) -> None:
         """Called by autograd once ``param``'s gradient has fully accumulated."""
-        check_local_hooks_allowed(param)  # never step a DDP replica's local gradient
         optimizer = self._optimizer()
         if optimizer is None:
             return
         task = _graph_task_id()
         if task != self._active_task:
             self._enter(task, param)
+        if self._distributed:
+            check_local_hooks_allowed(param)  # never step a DDP replica's local gradient
         grad = param.grad
         if grad is None:  # another hook freed it; nothing to do
             return
@@ -244,6 +247,7 @@ class Engine:
         self._active_task = task
         self._serial += 1
         self._steps = 0
+        self._distributed = world_size() > 1
         self.stepped = []
         self.skipped = []
         will_run = torch._C._will_engine_execute_node
