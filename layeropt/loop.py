@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint
 
 from .errors import LayeroptError
-from .optim import InBackwardOptimizer, live_optimizers
+from .optim import InBackwardOptimizer, live_optimizers, optimizer_list
 
 __all__ = ["LoopAccumulator", "LoopStateError", "loop_recurrent", "loop_stack"]
 
@@ -91,12 +91,7 @@ class LoopAccumulator:
             raise ValueError(f"n must be a positive int (backwards per step), got {n!r}")
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        if optimizer is None:
-            self.optimizers: list[Optimizer] = []
-        elif isinstance(optimizer, Optimizer):
-            self.optimizers = [optimizer]
-        else:
-            self.optimizers = list(optimizer)
+        self.optimizers: list[Optimizer] = optimizer_list(optimizer)
         for o in self.optimizers:
             if not isinstance(o, Optimizer):
                 raise TypeError(

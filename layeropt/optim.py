@@ -334,6 +334,15 @@ if hasattr(torch.optim, "Adafactor"):  # torch >= 2.5
     __all__.append("Adafactor")
 
 
+def optimizer_list(optimizer: Optimizer | Iterable[Optimizer] | None) -> list[Optimizer]:
+    """``None`` -> ``[]``, one optimizer -> ``[it]``, an iterable -> a list."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, Optimizer):
+        return [optimizer]
+    return list(optimizer)
+
+
 def live_optimizers() -> list[InBackwardOptimizer]:
     """Every layeropt optimizer still alive (used by ``attach(model)``)."""
     return list(_LIVE)

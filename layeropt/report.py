@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 
 from .errors import LayeroptError
 from .memory import _muted, format_bytes
+from .optim import optimizer_list
 
 __all__ = [
     "CATEGORIES",
@@ -145,12 +146,7 @@ class MemoryReport:
         device: str | torch.device = "cpu",
     ) -> None:
         self.model = model
-        if optimizer is None:
-            self.optimizers: list[Optimizer] = []
-        elif isinstance(optimizer, Optimizer):
-            self.optimizers = [optimizer]
-        else:
-            self.optimizers = list(optimizer)
+        self.optimizers: list[Optimizer] = optimizer_list(optimizer)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
