@@ -11,12 +11,15 @@ one post-accumulate-grad hook per parameter; the hook calls
    accumulating in ``.grad`` over the next backwards;
 3. otherwise the parameter is marked as arrived in its :class:`Bucket`
    (one module's own parameters); when every parameter of the bucket has
-   arrived, the bucket is stepped with one call of torch's ``step`` (one
-   foreach/fused kernel launch per bucket) and the gradients are freed;
+   arrived, the bucket is *complete*. Complete buckets queue in arrival order
+   until together they hold ``bucket_cap_mb`` of gradient (default 0.25 MiB;
+   a large layer alone reaches it), then are stepped with one call of
+   torch's ``step`` (one foreach/fused launch; unscaling and clipping applied
+   per bucket first, ``layeropt/_transforms.py``) and their gradients freed;
 4. when the backward ends (an autograd engine callback queued at the first
-   arrival), buckets that only partly arrived - some parameters got no
-   gradient this time - and gradients held from ``no_step()`` are stepped
-   together, and freed;
+   arrival), the queue, buckets that only partly arrived - some parameters
+   got no gradient this time - and gradients held from ``no_step()`` are
+   stepped together, and freed;
 5. activation checkpointing (``layeropt/checkpoint.py``) keeps this exact:
 
    * ``layeropt.checkpoint(..., use_reentrant=True)`` makes every parameter a
