@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import AttachError
 from .landing import Bucket
-from .optim import InBackwardOptimizer, live_optimizers
+from .optim import InBackwardOptimizer, live_optimizers, optimizer_list
 
 __all__ = ["attach", "Attachment"]
 
@@ -42,7 +42,7 @@ def _owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer]:
                 "layeropt.attach(model, opt)."
             )
     else:
-        optimizers = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
+        optimizers = optimizer_list(optimizer)
     for o in optimizers:
         if not isinstance(o, InBackwardOptimizer):
             raise AttachError(
@@ -50,7 +50,6 @@ def _owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer]:
                 f"the layeropt class of the same name (layeropt.{type(o).__name__}) or "
                 f"layeropt.in_backward({type(o).__name__}) to make one."
             )
-    for o in optimizers:
         if any(g.get("differentiable", False) for g in o.param_groups):
             raise AttachError(
                 f"{type(o).__name__}(differentiable=True) builds a graph through its "

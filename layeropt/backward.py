@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .errors import LayeroptError
-from .optim import InBackwardOptimizer, live_optimizers
+from .optim import InBackwardOptimizer, live_optimizers, optimizer_list
 
 __all__ = ["backward"]
 
@@ -105,6 +105,8 @@ def backward(
         >>> norm = layeropt.backward(model(torch.randn(3, 4)).sum(), max_norm=1.0)
     """
     optimizers = _resolve(optimizer)
+    if scaler is not None and not scaler.is_enabled():
+        scaler = None  # a disabled scaler is plain backward, as in torch
     if max_norm is None:
         configured = {o._lo_engine.max_grad_norm for o in optimizers} - {None}
         if len(configured) > 1:
@@ -117,17 +119,11 @@ def backward(
             norm_type = optimizers[0]._lo_engine.norm_type
     engines = [o._lo_engine for o in optimizers]
     if max_norm is None and scaler is None:
-        for e in engines:
-            e.entered = True
-        try:
-            loss.backward(retain_graph=retain_graph)
-        finally:
-            for e in engines:
-                e.entered = False
+        _attached_backward(loss, engines, retain_graph, None)
         return None
 
     inv_scale = found_inf = None
-    if scaler is not None and scaler.is_enabled():
+    if scaler is not None:
         scale = scaler._scale
         if scale is None:
             raise LayeroptError("the GradScaler has no scale yet: pass scaler.scale(loss).")
@@ -157,21 +153,25 @@ def backward(
             )
     skip = found_inf is not None and bool(found_inf.item())
 
-    if scaler is not None and scaler.is_enabled():
+    if scaler is not None:
         _record_for_scaler(scaler, optimizers, found_inf)
-    if skip:
+    if skip:  # an inf/NaN: no step pass, nothing changes
         for e in engines:
             e.discard_held()
-        for o in optimizers:
-            o.last_grad_norm = total
-        return total
+    else:  # Pass 2: the ordinary attached backward, unscale/clip before each step.
+        coef = None if total is None else torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        _attached_backward(loss, engines, retain_graph, (inv_scale, coef))
+    for o in optimizers:
+        o.last_grad_norm = total
+    return total
 
-    # Pass 2: the ordinary attached backward, with unscale/clip before each step.
-    coef = None
-    if total is not None:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+def _attached_backward(
+    loss: Tensor, engines: list[Any], retain_graph: bool | None, transform: Any
+) -> None:
+    """``loss.backward()`` with the engines told they run inside layeropt.backward."""
     for e in engines:
-        e.transform = (inv_scale, coef)
+        e.transform = transform
         e.entered = True
     try:
         loss.backward(retain_graph=retain_graph)
@@ -179,9 +179,6 @@ def backward(
         for e in engines:
             e.transform = None
             e.entered = False
-    for o in optimizers:
-        o.last_grad_norm = total
-    return total
 
 
 def _resolve(optimizer: Any) -> list[InBackwardOptimizer]:
@@ -193,9 +190,7 @@ def _resolve(optimizer: Any) -> list[InBackwardOptimizer]:
                 "layeropt.attach(model, opt) first (or use loss.backward())."
             )
         return found
-    if isinstance(optimizer, InBackwardOptimizer):
-        return [optimizer]
-    return list(optimizer)
+    return optimizer_list(optimizer)  # type: ignore[return-value]
 
 
 def _record_for_scaler(scaler: Any, optimizers: list[Any], found_inf: Tensor | None) -> None:

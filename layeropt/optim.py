@@ -130,10 +130,11 @@ class InBackwardOptimizer(Optimizer):
         for p in params:
             by_group.setdefault(index[p], []).append(p)
         groups = self.param_groups
-        narrowed = [groups[i] for i in sorted(by_group)]
+        order = sorted(by_group)
+        narrowed = [groups[i] for i in order]
         saved = [g["params"] for g in narrowed]
         try:
-            for g, i in zip(narrowed, sorted(by_group)):
+            for g, i in zip(narrowed, order):
                 g["params"] = by_group[i]
             self.param_groups = narrowed
             if torch.is_grad_enabled():

@@ -109,7 +109,7 @@ def test_exception_mid_backward_each_param_fully_stepped_or_untouched(opt_name, 
 
 
 def test_non_finite_gradients_behave_like_torch_by_default():
-    layers, ref = _chain(2), None
+    layers = _chain(2)
     ref = copy.deepcopy(layers)
     opt = layeropt.SGD(layers.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
