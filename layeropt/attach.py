@@ -159,7 +159,7 @@ class Attachment:
             engine.attachments.add(self)
             for i, p in enumerate(b.params):
                 self._handles.append(
-                    p.register_post_accumulate_grad_hook(_make_hook(engine, b, i))
+                    p.register_post_accumulate_grad_hook(engine.hook(b, i))
                 )
                 _HOOKED[p] = self
                 engine.hook_count += 1
@@ -215,12 +215,6 @@ def _on_optimizer_deleted(attachment_ref: Any) -> None:
             RuntimeWarning,
             stacklevel=2,
         )
-
-
-def _make_hook(engine: Any, bucket: Bucket, index: int) -> Any:
-    # hook(param) == engine.on_grad(bucket, index, param). Compiled autograd must
-    # call it eagerly rather than trace the engine.
-    return torch.compiler.disable(functools.partial(engine.on_grad, bucket, index), recursive=True)
 
 
 def attach(

@@ -48,8 +48,10 @@ Parameters that receive no gradient are never stepped, as in torch.
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,6 +76,14 @@ def _queue_callback(fn: Any) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+@functools.cache
+def _dynamo_switches() -> tuple[Callable[[Any], Any], Callable[[Any], None]]:
+    """dynamo's frame-evaluation switch and code skipper (imported at first attach)."""
+    from torch._dynamo.eval_frame import set_eval_frame, skip_code
+
+    return set_eval_frame, functools.cache(skip_code)
+
+
 class Bucket:
     """Parameters that are stepped together once all of their gradients landed.
 
@@ -82,19 +92,15 @@ class Bucket:
         params: the parameters, in module registration order.
     """
 
-    __slots__ = ("name", "params", "nbytes", "arrived", "count", "stepped_serial", "__weakref__")
+    __slots__ = ("name", "params", "nbytes", "full", "arrived", "serial", "__weakref__")
 
     def __init__(self, name: str, params: list[Tensor]) -> None:
         self.name = name
         self.params = params
         self.nbytes = sum(p.numel() * p.element_size() for p in params)  # its gradients
-        self.arrived = [False] * len(params)
-        self.count = 0
-        self.stepped_serial = -1  # the backward serial in which it was last stepped
-
-    def reset(self) -> None:
-        self.arrived = [False] * len(self.params)
-        self.count = 0
+        self.full = (1 << len(params)) - 1  # ``arrived`` once every gradient landed
+        self.arrived = 0  # bit i: params[i]'s gradient landed in backward ``serial``
+        self.serial = -1
 
     def __repr__(self) -> str:
         return f"Bucket({self.name!r}, {len(self.params)} params, {self.nbytes} bytes)"
@@ -105,7 +111,8 @@ class Engine:
 
     def __init__(self, optimizer: InBackwardOptimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
-        self.no_step_depth = 0
+        self._detour = False  # a gradient must leave the plain path (see _route)
+        self._no_step_depth = 0
         # gradients accumulated under no_step(), with their bucket
         self.held: dict[Tensor, Bucket | None] = {}
         self.cap_bytes = 0  # complete buckets are stepped together up to this size
@@ -113,7 +120,7 @@ class Engine:
         self._ready_bytes = 0
         self.hook_count = 0
         self.attachments: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._pending: dict[Bucket, None] = {}  # buckets with some arrivals
+        self._partial: list[Bucket] = []  # buckets whose first gradient landed incomplete
         self._active_task = _IDLE  # autograd graph task of the backward in progress
         self._serial = 0  # counts attached backwards
         self._steps = 0
@@ -127,8 +134,8 @@ class Engine:
         self.bucket_max_norm: float | None = None
         self.skip_nonfinite = False
         self.skipped: list[Tensor] = []  # parameters skipped (non-finite) in the latest backward
-        self.entered = False  # inside layeropt.backward
-        self.measure: Measure | None = None  # the measure pass of layeropt.backward
+        self._entered = False  # inside layeropt.backward
+        self._measure: Measure | None = None  # the measure pass of layeropt.backward
         self.transform: tuple[Tensor | None, Tensor | None] | None = None  # (inv_scale, coef)
         # Checkpointing (rule 5): gradients waiting for a pin, or deferred to the end.
         self._gated: dict[Tensor, tuple[Bucket, int]] = {}
@@ -151,13 +158,87 @@ class Engine:
         self.clip_value = clip_value
         self.bucket_max_norm = bucket_max_norm
         self.skip_nonfinite = skip_nonfinite
+        self._route()
+
+    # -- modes that take a gradient off the plain path ---------------------
+    def _route(self) -> None:
+        """Recompute ``_detour``: one flag the hook checks instead of six."""
+        self._detour = bool(
+            self._distributed
+            or self._measure is not None
+            or (self.max_grad_norm is not None and not self._entered)
+            or self._no_step_depth
+            or self._defer
+        )
+
+    @property
+    def no_step_depth(self) -> int:
+        """How many ``optimizer.no_step()`` contexts are open (> 0: hold gradients)."""
+        return self._no_step_depth
+
+    @no_step_depth.setter
+    def no_step_depth(self, value: int) -> None:
+        self._no_step_depth = value
+        self._route()
+
+    @property
+    def measure(self) -> Measure | None:
+        """The measure pass of ``layeropt.backward`` in progress, if any."""
+        return self._measure
+
+    @measure.setter
+    def measure(self, value: Measure | None) -> None:
+        self._measure = value
+        self._route()
+
+    @property
+    def entered(self) -> bool:
+        """Whether the backward in progress runs inside ``layeropt.backward``."""
+        return self._entered
+
+    @entered.setter
+    def entered(self, value: bool) -> None:
+        self._entered = value
+        self._route()
 
     # -- the hook -------------------------------------------------------
+    def hook(self, bucket: Bucket, index: int) -> Callable[[Tensor], None]:
+        """The post-accumulate-grad hook of ``bucket.params[index]``.
+
+        ``hook(param)`` runs :meth:`on_grad` with dynamo's frame evaluation
+        off, and dynamo graph-breaks at a call to it (``_torchdynamo_disable``,
+        the hook's own code skipped): compiled autograd lifts hooks into a
+        graph it traces, and the engine (weakrefs, autograd callbacks, torch's
+        step) must run eagerly. Same contract as ``torch.compiler.disable(fn,
+        recursive=True)`` at a seventh of its cost per call.
+        """
+        on_grad = self.on_grad
+        set_eval_frame, skip_code = _dynamo_switches()
+
+        def hook(param: Tensor) -> None:
+            prior = set_eval_frame(None)
+            try:
+                on_grad(bucket, index, param)
+            finally:
+                set_eval_frame(prior)
+
+        hook._torchdynamo_disable = True  # type: ignore[attr-defined]
+        skip_code(hook.__code__)  # one code object for every hook
+        return hook
+
     def on_grad(self, bucket: Bucket, index: int, param: Tensor) -> None:
         """Called by autograd once ``param``'s gradient has fully accumulated."""
-        optimizer = self._optimizer()
-        if optimizer is None:
+        if _graph_task_id() != self._active_task or self._detour or nesting._PINS:
+            self._on_grad_detour(bucket, index, param)
             return
+        grad = param.grad
+        if grad is None or grad.is_sparse:
+            self._on_grad_detour(bucket, index, param)
+            return
+        self._arrive(bucket, index)
+
+    def _on_grad_detour(self, bucket: Bucket, index: int, param: Tensor) -> None:
+        """``on_grad`` off the plain path: a new backward, a mode, or a pin."""
         task = _graph_task_id()
         if task != self._active_task:
             self._enter(task, param)
@@ -173,19 +254,19 @@ class Engine:
                 "(sparse=False) or leave this parameter to a separate, plain "
                 "torch.optim optimizer."
             )
-        if self.measure is not None:
+        if self._measure is not None:
             if self._defer:
                 self._deferred[param] = bucket
             else:
-                self.measure.take(param)
+                self._measure.take(param)
             return
-        if self.max_grad_norm is not None and not self.entered:
+        if self.max_grad_norm is not None and not self._entered:
             raise LayeroptError(
                 "this optimizer was attached with max_grad_norm, which needs the global "
                 "gradient norm before the first update: call layeropt.backward(loss) "
                 "instead of loss.backward(). Nothing was updated."
             )
-        if self.no_step_depth:
+        if self._no_step_depth:
             self.held[param] = bucket
             return
         if self._defer:
@@ -194,34 +275,38 @@ class Engine:
         if nesting._PINS and nesting.pinned(param):
             self._gated[param] = (bucket, index)
             return
-        self._arrive(optimizer, bucket, index, param)
+        self._arrive(bucket, index)
 
-    def _arrive(
-        self, optimizer: InBackwardOptimizer, bucket: Bucket, index: int, param: Tensor
-    ) -> None:
-        if bucket.arrived[index] or bucket.stepped_serial == self._serial:
-            param.grad = None  # a partial gradient: drop it, as an aborted backward would
-            raise BackwardStateError(
-                f"a parameter of {bucket.name!r} received a second gradient in the "
-                "same backward pass, so it would be stepped on a partial gradient (a "
-                "custom autograd Function or hook that delivers it twice?). For "
-                "activation checkpointing use layeropt.checkpoint(fn, *args)."
-            )
-        bucket.arrived[index] = True
-        bucket.count += 1
-        if bucket.count == 1:
-            self._pending[bucket] = None
-        if bucket.count == len(bucket.params):
-            del self._pending[bucket]
-            bucket.reset()
-            bucket.stepped_serial = self._serial
-            if self.held:
-                for p in bucket.params:
-                    self.held.pop(p, None)  # its accumulated gradient is in the bucket now
-            self._ready.append(bucket.params)
-            self._ready_bytes += bucket.nbytes
-            if self._ready_bytes >= self.cap_bytes:
-                self._flush_ready(optimizer)
+    def _arrive(self, bucket: Bucket, index: int) -> None:
+        bit = 1 << index
+        if bucket.serial != self._serial:  # its first gradient in this backward
+            bucket.serial = self._serial
+            arrived = bit
+        elif bucket.arrived & bit:
+            self._second_gradient(bucket, index)
+        else:
+            arrived = bucket.arrived | bit
+        bucket.arrived = arrived
+        if arrived != bucket.full:
+            if arrived == bit:
+                self._partial.append(bucket)
+            return
+        if self.held:
+            for p in bucket.params:
+                self.held.pop(p, None)  # its accumulated gradient is in the bucket now
+        self._ready.append(bucket.params)
+        self._ready_bytes += bucket.nbytes
+        if self._ready_bytes >= self.cap_bytes:
+            self._flush_ready()
+
+    def _second_gradient(self, bucket: Bucket, index: int) -> None:
+        bucket.params[index].grad = None  # a partial gradient: drop it, as an abort would
+        raise BackwardStateError(
+            f"a parameter of {bucket.name!r} received a second gradient in the "
+            "same backward pass, so it would be stepped on a partial gradient (a "
+            "custom autograd Function or hook that delivers it twice?). For "
+            "activation checkpointing use layeropt.checkpoint(fn, *args)."
+        )
 
     # -- backward boundaries ---------------------------------------------
     def _enter(self, task: int, param: Tensor) -> None:
@@ -242,6 +327,7 @@ class Engine:
             self._begin(task, defer=True)
         elif self._active_task != _IDLE and not self._defer:
             self._defer = True  # a segment recorded during this backward
+            self._route()
             warnings.warn(nesting.DEFER_WARNING, stacklevel=2)
 
     def _begin(self, task: int, defer: bool = False) -> None:
@@ -255,6 +341,7 @@ class Engine:
         self.skipped = []
         will_run = torch._C._will_engine_execute_node
         self._defer = defer or any(will_run(n) for n in list(nesting._TORCH_SEGMENTS))
+        self._route()
         if self._defer:
             warnings.warn(nesting.DEFER_WARNING, stacklevel=3)
         # The end callback lives in autograd's graph task. If the backward raises,
@@ -273,16 +360,13 @@ class Engine:
             self._abort()
 
     def _end(self) -> None:
-        optimizer = self._optimizer()
         try:
-            if optimizer is None:
-                pass
-            elif self.measure is not None:
+            if self.measure is not None:
                 for p in self._deferred:
                     if p.grad is not None:
                         self.measure.take(p)
             elif not self.no_step_depth:
-                self._step(optimizer, self._ready + self._leftovers())
+                self._step(self._ready + self._leftovers())
                 self.held.clear()
         finally:
             self.last_backward_steps = self._steps
@@ -291,8 +375,9 @@ class Engine:
     def _leftovers(self) -> list[list[Tensor]]:
         """Gradients that landed but were not stepped, grouped by bucket."""
         groups: dict[int, list[Tensor]] = {}
-        for b in self._pending:
-            groups[id(b)] = [p for p, a in zip(b.params, b.arrived) if a]
+        for b in self._partial:
+            if b.serial == self._serial and b.arrived != b.full:
+                groups[id(b)] = [p for i, p in enumerate(b.params) if b.arrived >> i & 1]
         for p, (b, _) in self._gated.items():
             groups.setdefault(id(b), []).append(p)
         for source in (self._deferred, self.held):
@@ -317,37 +402,37 @@ class Engine:
         self._reset()
 
     def _reset(self) -> None:
-        for bucket in self._pending:
-            bucket.reset()
-        self._pending.clear()
+        self._partial = []
         self._ready = []
         self._ready_bytes = 0
         self._gated.clear()
         self._deferred.clear()
         self._defer = False
         self._active_task = _IDLE
+        self._route()
 
     def _ungate(self) -> None:
         """Pins were released: gradients no longer pinned enter rule 3."""
-        optimizer = self._optimizer()
         for p in [p for p in self._gated if not nesting.pinned(p)]:
             bucket, index = self._gated.pop(p)
-            if optimizer is not None and p.grad is not None:
-                self._arrive(optimizer, bucket, index, p)
+            if p.grad is not None:
+                self._arrive(bucket, index)
 
     # -- stepping ---------------------------------------------------------
-    def _flush_ready(self, optimizer: InBackwardOptimizer) -> None:
+    def _flush_ready(self) -> None:
         groups, self._ready, self._ready_bytes = self._ready, [], 0
-        self._step(optimizer, groups)
+        self._step(groups)
 
-    def _step(self, optimizer: InBackwardOptimizer, groups: list[list[Tensor]]) -> None:
+    def _step(self, groups: list[list[Tensor]]) -> None:
         """Step several buckets' parameters with one call of torch's step, free grads."""
-        if not groups:
+        optimizer = self._optimizer()
+        if not groups or optimizer is None:
             return
-        for group in groups:  # clipping is per bucket
-            prepare_grads(
-                group, self.transform, self.clip_value, self.bucket_max_norm, self.norm_type
-            )
+        if self.transform is not None or self.clip_value is not None or self.bucket_max_norm is not None:
+            for group in groups:  # clipping is per bucket
+                prepare_grads(
+                    group, self.transform, self.clip_value, self.bucket_max_norm, self.norm_type
+                )
         if self.skip_nonfinite:  # opt-in policy: a bucket with an inf/NaN is not stepped
             kept = [g for g in groups if all_finite(g)]
             for g in groups:
@@ -405,7 +490,7 @@ class Engine:
         params = [
             p for g in optimizer.param_groups for p in g["params"] if p.grad is not None
         ]
-        self._step(optimizer, [params] if params else [])
+        self._step([params] if params else [])
         self.held.clear()
 
     def on_param_groups_changed(self) -> None:

@@ -193,8 +193,8 @@ def test_long_run_has_no_growth():
     for step in range(1000):
         loss_fn(model, data).backward()
         if step == 9:
-            at_10 = (live_bytes(), len(engine.held), len(engine._pending), len(handle.buckets))
-    at_1000 = (live_bytes(), len(engine.held), len(engine._pending), len(handle.buckets))
+            at_10 = (live_bytes(), len(engine.held), len(engine._partial), len(handle.buckets))
+    at_1000 = (live_bytes(), len(engine.held), len(engine._partial), len(handle.buckets))
     assert at_10 == at_1000
     assert at_1000[0] == 0  # a step leaves no new live tensors behind
 
