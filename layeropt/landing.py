@@ -84,6 +84,27 @@ def _dynamo_switches() -> tuple[Callable[[Any], Any], Callable[[Any], None]]:
     return set_eval_frame, functools.cache(skip_code)
 
 
+class _BackwardEnd:
+    """The end-of-backward callback queued in autograd's graph task.
+
+    Called when the backward ends. If the backward raises, autograd drops the
+    graph task with the callback uncalled; releasing it then aborts.
+    """
+
+    __slots__ = ("engine", "serial", "called")
+
+    def __init__(self, engine: Engine, serial: int) -> None:
+        self.engine, self.serial, self.called = engine, serial, False
+
+    def __call__(self) -> None:
+        self.called = True
+        self.engine._end()
+
+    def __del__(self) -> None:
+        if not self.called:
+            self.engine._dropped(self.serial)
+
+
 class Bucket:
     """Parameters that are stepped together once all of their gradients landed.
 
@@ -205,20 +226,30 @@ class Engine:
     def hook(self, bucket: Bucket, index: int) -> Callable[[Tensor], None]:
         """The post-accumulate-grad hook of ``bucket.params[index]``.
 
-        ``hook(param)`` runs :meth:`on_grad` with dynamo's frame evaluation
-        off, and dynamo graph-breaks at a call to it (``_torchdynamo_disable``,
-        the hook's own code skipped): compiled autograd lifts hooks into a
-        graph it traces, and the engine (weakrefs, autograd callbacks, torch's
-        step) must run eagerly. Same contract as ``torch.compiler.disable(fn,
-        recursive=True)`` at a seventh of its cost per call.
+        ``hook(param)`` takes the plain path inline - same backward, no mode
+        on, no pin, a dense gradient: mark it arrived (:meth:`_arrive`) - and
+        hands anything else to :meth:`on_grad`. It runs with dynamo's frame
+        evaluation off, and dynamo graph-breaks at a call to it
+        (``_torchdynamo_disable``; the hook's own code is skipped): compiled
+        autograd lifts hooks into a graph it traces, and the engine (weakrefs,
+        autograd callbacks, torch's step) must run eagerly. Same contract as
+        ``torch.compiler.disable(fn, recursive=True)`` at a seventh of its cost.
         """
-        on_grad = self.on_grad
         set_eval_frame, skip_code = _dynamo_switches()
+        engine, arrive, on_grad = self, self._arrive, self.on_grad
+        pins, task_id = nesting._PINS, _graph_task_id
 
         def hook(param: Tensor) -> None:
             prior = set_eval_frame(None)
             try:
-                on_grad(bucket, index, param)
+                if task_id() != engine._active_task or engine._detour or pins:
+                    on_grad(bucket, index, param)
+                    return
+                grad = param.grad
+                if grad is None or grad.is_sparse:
+                    on_grad(bucket, index, param)
+                    return
+                arrive(bucket, index)
             finally:
                 set_eval_frame(prior)
 
@@ -227,18 +258,12 @@ class Engine:
         return hook
 
     def on_grad(self, bucket: Bucket, index: int, param: Tensor) -> None:
-        """Called by autograd once ``param``'s gradient has fully accumulated."""
-        if _graph_task_id() != self._active_task or self._detour or nesting._PINS:
-            self._on_grad_detour(bucket, index, param)
-            return
-        grad = param.grad
-        if grad is None or grad.is_sparse:
-            self._on_grad_detour(bucket, index, param)
-            return
-        self._arrive(bucket, index)
+        """``param``'s gradient has fully accumulated: the general path.
 
-    def _on_grad_detour(self, bucket: Bucket, index: int, param: Tensor) -> None:
-        """``on_grad`` off the plain path: a new backward, a mode, or a pin."""
+        The hook calls this for a new backward, a mode (``no_step()``, the
+        measure pass of ``layeropt.backward``, deferring, several processes),
+        a pinned parameter, or a missing/sparse gradient.
+        """
         task = _graph_task_id()
         if task != self._active_task:
             self._enter(task, param)
@@ -344,19 +369,10 @@ class Engine:
         self._route()
         if self._defer:
             warnings.warn(nesting.DEFER_WARNING, stacklevel=3)
-        # The end callback lives in autograd's graph task. If the backward raises,
-        # the task is dropped with the callback uncalled: its finalizer aborts.
-        called = [False]
+        _queue_callback(_BackwardEnd(self, self._serial))
 
-        def end() -> None:
-            called[0] = True
-            self._end()
-
-        weakref.finalize(end, self._dropped, called, self._serial).atexit = False
-        _queue_callback(end)
-
-    def _dropped(self, called: list[bool], serial: int) -> None:
-        if not called[0] and serial == self._serial and self._active_task != _IDLE:
+    def _dropped(self, serial: int) -> None:
+        if serial == self._serial and self._active_task != _IDLE:
             self._abort()
 
     def _end(self) -> None:

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import warnings
 from typing import Any
@@ -38,6 +39,10 @@ class PeakMemory:
             at the same time, on top of what was live when it started.
         end: bytes allocated in the block still live at its end (may be
             negative when the block freed tensors that existed before it).
+
+    Python's cyclic garbage collector is paused inside the block, so the
+    reading does not depend on when it happens to run: tensors kept by
+    reference cycles made in the block count until the block ends.
     """
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
@@ -46,8 +51,11 @@ class PeakMemory:
         self.end = 0
         self._prof: Any = None
         self._start = 0
+        self._gc_was_enabled = True
 
     def __enter__(self) -> PeakMemory:
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -61,6 +69,13 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        try:
+            self._read(*exc)
+        finally:
+            if self._gc_was_enabled:
+                gc.enable()
+
+    def _read(self, *exc: object) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device) - self._start

@@ -107,35 +107,43 @@ class InBackwardOptimizer(Optimizer):
     # ------------------------------------------------------------------
     # The one primitive: step a subset of parameters with torch's code.
     # ------------------------------------------------------------------
-    def _group_index(self) -> dict[Tensor, int]:
+    def _group_index(self) -> dict[int, int]:
+        """``id(param) -> index of its param group`` (ids: no Python-level tensor hash)."""
         if self._lo_group_index is None:
             self._lo_group_index = {
-                p: i for i, g in enumerate(self.param_groups) for p in g["params"]
+                id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]
             }
         return self._lo_group_index
 
     def owns(self, param: Tensor) -> bool:
         """Whether ``param`` is in one of this optimizer's param groups."""
-        return param in self._group_index()
+        index = self._group_index()
+        return id(param) in index and any(
+            p is param for p in self.param_groups[index[id(param)]]["params"]
+        )
 
-    def _step_params(self, params: Iterable[Tensor]) -> None:
+    def _step_params(self, params: list[Tensor]) -> None:
         """Update exactly ``params`` (each must hold a ``.grad``) with torch's step.
 
         Each param group is narrowed to the given members for the duration of
         one call to the torch class's own ``step``; everything else (hyper-
         parameters, lazily created state, foreach/fused dispatch) is torch's.
         """
-        index = self._group_index()
-        by_group: dict[int, list[Tensor]] = {}
-        for p in params:
-            by_group.setdefault(index[p], []).append(p)
         groups = self.param_groups
-        order = sorted(by_group)
+        if len(groups) == 1:
+            order, members = [0], [list(params)]
+        else:
+            index = self._group_index()
+            by_group: dict[int, list[Tensor]] = {}
+            for p in params:
+                by_group.setdefault(index[id(p)], []).append(p)
+            order = sorted(by_group)
+            members = [by_group[i] for i in order]
         narrowed = [groups[i] for i in order]
         saved = [g["params"] for g in narrowed]
         try:
-            for g, i in zip(narrowed, order):
-                g["params"] = by_group[i]
+            for g, ps in zip(narrowed, members):
+                g["params"] = ps
             self.param_groups = narrowed
             if torch.is_grad_enabled():
                 type(self)._torch_step(self)

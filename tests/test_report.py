@@ -198,3 +198,27 @@ def test_cuda_parameters_and_state_exact():
     assert mem.end["parameters"] == PARAMS
     # the CUDA caching allocator rounds each block up to 512 bytes
     assert mem.end["optimizer state"] >= 2 * PARAMS
+
+
+def test_peak_memory_reading_does_not_depend_on_when_the_collector_runs():
+    """A tensor kept by a reference cycle made in the block stays counted to its end.
+
+    Whether Python's collector happens to run inside the block (here forced by
+    allocating many containers) must not change the reading.
+    """
+    import gc
+
+    class Cycle:
+        pass
+
+    with PeakMemory() as mem:
+        junk = Cycle()
+        junk.me, junk.tensor = junk, torch.zeros(2**18)  # 1 MiB held by a cycle
+        del junk
+        churn = [[] for _ in range(5 * gc.get_threshold()[0])]  # enough to trigger it
+        del churn
+        small = torch.zeros(256)  # 1 KiB
+    assert gc.isenabled()
+    assert (mem.peak, mem.end) == (2**20 + 1024, 2**20 + 1024)
+    del small
+    gc.collect()
