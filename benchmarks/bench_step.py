@@ -355,7 +355,7 @@ def describe_machine(device: torch.device, dtype: torch.dtype) -> str:
 
 
 DEFAULT_CONTENDERS = ["adam-foreach", "adam-fused", "tutorial", "layeropt", "layeropt:0",
-                      "layeropt:1", "layeropt:25", "floor", "sgd", "layeropt-sgd", "lomo",
+                      "layeropt:0.25", "layeropt:25", "floor", "sgd", "layeropt-sgd", "lomo",
                       "floor-sgd"]  # fmt: skip
 
 

@@ -132,13 +132,19 @@ _FUNCTION_BACKWARD_CODES = {
 
 def nested_in_function_backward() -> bool:
     """Whether this hook runs in a backward started by an autograd Function's backward."""
-    node = torch._C._current_autograd_node()
+    node: Any = _UNSET  # looked up only when a Function's backward is on the stack
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code in _FUNCTION_BACKWARD_CODES and frame.f_locals.get("self") is not node:
-            return True
+        if frame.f_code in _FUNCTION_BACKWARD_CODES:
+            if node is _UNSET:
+                node = torch._C._current_autograd_node()
+            if frame.f_locals.get("self") is not node:
+                return True
         frame = frame.f_back
     return False
+
+
+_UNSET = object()
 
 
 NESTED_ERROR = (

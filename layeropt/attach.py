@@ -8,13 +8,11 @@ post-accumulate-grad hook per parameter. What the hook does is in
 
 from __future__ import annotations
 
-import functools
 import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
@@ -221,7 +219,7 @@ def attach(
     model: nn.Module,
     optimizer: Optimizer | Iterable[Optimizer] | None = None,
     *,
-    bucket_cap_mb: float = 0.25,
+    bucket_cap_mb: float = 1.0,
     max_grad_norm: float | None = None,
     norm_type: float = 2.0,
     clip_value: float | None = None,
@@ -243,8 +241,11 @@ def attach(
             order, until together they hold this many MiB, and are then stepped
             with one call (fewer, larger steps; at most this much more
             gradient memory held). ``0`` steps each layer bucket at once; the
-            default 0.25 MiB lets small layers (norms, biases) share a step
-            while every large layer is stepped the moment it completes.
+            default 1 MiB lets small layers (norms, biases) share a step -
+            each step call costs tens of microseconds of host time - while
+            every large layer is stepped the moment it completes, and holds
+            well under 1% of the memory of any model large enough to need
+            layeropt.
         max_grad_norm: clip the *global* gradient norm (as
             ``torch.nn.utils.clip_grad_norm_`` before ``step()``). It needs the
             norm before the first update, so backward must then go through

@@ -12,7 +12,7 @@ one post-accumulate-grad hook per parameter; the hook calls
 3. otherwise the parameter is marked as arrived in its :class:`Bucket`
    (one module's own parameters); when every parameter of the bucket has
    arrived, the bucket is *complete*. Complete buckets queue in arrival order
-   until together they hold ``bucket_cap_mb`` of gradient (default 0.25 MiB;
+   until together they hold ``bucket_cap_mb`` of gradient (default 1 MiB;
    a large layer alone reaches it), then are stepped with one call of
    torch's ``step`` (one foreach/fused launch; unscaling and clipping applied
    per bucket first, ``layeropt/_transforms.py``) and their gradients freed;
@@ -52,7 +52,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -79,8 +79,10 @@ def _queue_callback(fn: Any) -> None:
 @functools.cache
 def _dynamo_switches() -> tuple[Callable[[Any], Any], Callable[[Any], None]]:
     """dynamo's frame-evaluation switch and code skipper (imported at first attach)."""
-    from torch._dynamo.eval_frame import set_eval_frame, skip_code
-
+    try:
+        from torch._dynamo.eval_frame import set_eval_frame, skip_code
+    except ImportError:  # pragma: no cover - a torch build without dynamo: nothing to hide from
+        return (lambda callback: None), (lambda code: None)
     return set_eval_frame, functools.cache(skip_code)
 
 
@@ -142,6 +144,7 @@ class Engine:
         self.hook_count = 0
         self.attachments: weakref.WeakSet[Any] = weakref.WeakSet()
         self._partial: list[Bucket] = []  # buckets whose first gradient landed incomplete
+        self._incomplete = 0  # how many of them are still incomplete
         self._active_task = _IDLE  # autograd graph task of the backward in progress
         self._serial = 0  # counts attached backwards
         self._steps = 0
@@ -315,7 +318,10 @@ class Engine:
         if arrived != bucket.full:
             if arrived == bit:
                 self._partial.append(bucket)
+                self._incomplete += 1
             return
+        if arrived != bit:
+            self._incomplete -= 1
         if self.held:
             for p in bucket.params:
                 self.held.pop(p, None)  # its accumulated gradient is in the bucket now
@@ -324,7 +330,7 @@ class Engine:
         if self._ready_bytes >= self.cap_bytes:
             self._flush_ready()
 
-    def _second_gradient(self, bucket: Bucket, index: int) -> None:
+    def _second_gradient(self, bucket: Bucket, index: int) -> NoReturn:
         bucket.params[index].grad = None  # a partial gradient: drop it, as an abort would
         raise BackwardStateError(
             f"a parameter of {bucket.name!r} received a second gradient in the "
@@ -364,8 +370,10 @@ class Engine:
         self._distributed = world_size() > 1
         self.stepped = []
         self.skipped = []
-        will_run = torch._C._will_engine_execute_node
-        self._defer = defer or any(will_run(n) for n in list(nesting._TORCH_SEGMENTS))
+        segments = nesting._TORCH_SEGMENTS
+        self._defer = defer or bool(
+            segments and any(map(torch._C._will_engine_execute_node, list(segments)))
+        )
         self._route()
         if self._defer:
             warnings.warn(nesting.DEFER_WARNING, stacklevel=3)
@@ -381,7 +389,7 @@ class Engine:
                 for p in self._deferred:
                     if p.grad is not None:
                         self.measure.take(p)
-            elif not self.no_step_depth:
+            elif not self._no_step_depth:
                 self._step(self._ready + self._leftovers())
                 self.held.clear()
         finally:
@@ -390,8 +398,10 @@ class Engine:
 
     def _leftovers(self) -> list[list[Tensor]]:
         """Gradients that landed but were not stepped, grouped by bucket."""
+        if not (self._incomplete or self._gated or self._deferred or self.held):
+            return []
         groups: dict[int, list[Tensor]] = {}
-        for b in self._partial:
+        for b in self._partial if self._incomplete else ():
             if b.serial == self._serial and b.arrived != b.full:
                 groups[id(b)] = [p for i, p in enumerate(b.params) if b.arrived >> i & 1]
         for p, (b, _) in self._gated.items():
@@ -419,6 +429,7 @@ class Engine:
 
     def _reset(self) -> None:
         self._partial = []
+        self._incomplete = 0
         self._ready = []
         self._ready_bytes = 0
         self._gated.clear()
@@ -444,11 +455,10 @@ class Engine:
         optimizer = self._optimizer()
         if not groups or optimizer is None:
             return
-        if self.transform is not None or self.clip_value is not None or self.bucket_max_norm is not None:
-            for group in groups:  # clipping is per bucket
-                prepare_grads(
-                    group, self.transform, self.clip_value, self.bucket_max_norm, self.norm_type
-                )
+        clip = (self.transform, self.clip_value, self.bucket_max_norm)
+        if clip != (None, None, None):
+            for group in groups:  # unscaling and clipping are per bucket
+                prepare_grads(group, *clip, self.norm_type)
         if self.skip_nonfinite:  # opt-in policy: a bucket with an inf/NaN is not stepped
             kept = [g for g in groups if all_finite(g)]
             for g in groups:
@@ -462,11 +472,11 @@ class Engine:
                 return
         params = groups[0] if len(groups) == 1 else [p for g in groups for p in g]
         optimizer._step_params(params)
-        held = self.held
         for p in params:
             p.grad = None
-            if held:
-                held.pop(p, None)
+        if self.held:
+            for p in params:
+                self.held.pop(p, None)
         self._steps += len(params)
         self.stepped.extend(params)
 

@@ -54,8 +54,7 @@ class PeakMemory:
         self._gc_was_enabled = True
 
     def __enter__(self) -> PeakMemory:
-        self._gc_was_enabled = gc.isenabled()
-        gc.disable()
+        self._gc_was_enabled = _pause_gc()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -72,8 +71,7 @@ class PeakMemory:
         try:
             self._read(*exc)
         finally:
-            if self._gc_was_enabled:
-                gc.enable()
+            _resume_gc(self._gc_was_enabled)
 
     def _read(self, *exc: object) -> None:
         if self.device.type == "cuda":
@@ -111,6 +109,18 @@ def format_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def _pause_gc() -> bool:
+    """Pause Python's cyclic collector (readings must not depend on when it runs)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    return was_enabled
+
+
+def _resume_gc(was_enabled: bool) -> None:
+    if was_enabled:
+        gc.enable()
 
 
 @contextlib.contextmanager

@@ -131,7 +131,7 @@ class InBackwardOptimizer(Optimizer):
         """
         groups = self.param_groups
         if len(groups) == 1:
-            order, members = [0], [list(params)]
+            order, members = [0], [params]
         else:
             index = self._group_index()
             by_group: dict[int, list[Tensor]] = {}

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .errors import LayeroptError
-from .memory import _muted, format_bytes
+from .memory import _muted, _pause_gc, _resume_gc, format_bytes
 from .optim import optimizer_list
 
 __all__ = [
@@ -152,6 +152,7 @@ class MemoryReport:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.result: StepMemory | None = None
         self._prof: Any = None
+        self._gc_was_enabled = True
 
     def __enter__(self) -> MemoryReport:
         from torch.profiler import ProfilerActivity, profile
@@ -163,15 +164,19 @@ class MemoryReport:
         self._prof = profile(
             activities=activities, profile_memory=True, record_shapes=True, with_stack=True
         )
+        self._gc_was_enabled = _pause_gc()  # as PeakMemory: readings independent of the GC
         with _muted():
             self._prof.__enter__()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        with _muted():
-            self._prof.__exit__(exc_type, *exc)
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            with _muted():
+                self._prof.__exit__(exc_type, *exc)
+        finally:
+            _resume_gc(self._gc_was_enabled)
         prof, self._prof = self._prof, None
         if exc_type is None:
             self.result = self._analyse(prof)

@@ -5,7 +5,7 @@
   the 2-core CI machine from oversubscribing.
 * ``layeropt.attach`` defaults to ``bucket_cap_mb=0`` in tests: every layer is
   stepped the moment its gradient completes, the strictest schedule (with the
-  library default of 0.25 MiB, the tiny test models would be stepped in one
+  library default of 1 MiB, the tiny test models would be stepped in one
   call at the end of backward). ``test_interop.py::test_bucket_cap_*`` covers
   the batching itself, including the default.
 """

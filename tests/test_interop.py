@@ -253,7 +253,7 @@ def test_in_backward_wraps_any_per_parameter_optimizer(cls, kw):
     assert_same(ref_opt.state_dict(), opt.state_dict())
 
 
-@pytest.mark.parametrize("cap_mb", [0.0, 0.05, 0.25, 100.0])
+@pytest.mark.parametrize("cap_mb", [0.0, 0.05, 0.25, 1.0, 100.0])
 def test_bucket_cap_steps_complete_buckets_together_and_stays_exact(cap_mb):
     model, batch_fn, loss_fn = make_model("gpt")
     ref = copy.deepcopy(model)
