@@ -71,6 +71,12 @@ __all__ = ["Bucket", "Engine", "Pin", "watch_torch_checkpoint"]
 
 _IDLE = -2  # no backward in progress
 
+SPARSE_ERROR = (
+    "a parameter got a sparse gradient; layeropt steps dense gradients only. Use a "
+    "dense embedding (sparse=False) or leave this parameter to a separate, plain "
+    "torch.optim optimizer."
+)
+
 
 def _queue_callback(fn: Any) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
@@ -84,6 +90,15 @@ def _dynamo_switches() -> tuple[Callable[[Any], Any], Callable[[Any], None]]:
     except ImportError:  # pragma: no cover - a torch build without dynamo: nothing to hide from
         return (lambda callback: None), (lambda code: None)
     return set_eval_frame, functools.cache(skip_code)
+
+
+def _all_dense(groups: list[list[Tensor]]) -> bool:
+    for g in groups:
+        for p in g:
+            grad = p.grad
+            if grad is None or grad.is_sparse:
+                return False
+    return True
 
 
 class _BackwardEnd:
@@ -239,7 +254,7 @@ class Engine:
         ``torch.compiler.disable(fn, recursive=True)`` at a seventh of its cost.
         """
         set_eval_frame, skip_code = _dynamo_switches()
-        engine, arrive, on_grad = self, self._arrive, self.on_grad
+        engine, on_grad, bit = self, self.on_grad, 1 << index
         pins, task_id = nesting._PINS, _graph_task_id
 
         def hook(param: Tensor) -> None:
@@ -248,11 +263,18 @@ class Engine:
                 if task_id() != engine._active_task or engine._detour or pins:
                     on_grad(bucket, index, param)
                     return
-                grad = param.grad
-                if grad is None or grad.is_sparse:
-                    on_grad(bucket, index, param)
-                    return
-                arrive(bucket, index)
+                # _arrive(bucket, index), inlined: this runs for every parameter
+                if bucket.serial != engine._serial:
+                    bucket.serial, bucket.arrived = engine._serial, 0
+                arrived = bucket.arrived
+                if arrived & bit:
+                    engine._second_gradient(bucket, index)
+                bucket.arrived = arrived = arrived | bit
+                if arrived == bucket.full:
+                    engine._complete(bucket, arrived != bit)
+                elif arrived == bit:
+                    engine._partial.append(bucket)
+                    engine._incomplete += 1
             finally:
                 set_eval_frame(prior)
 
@@ -276,12 +298,7 @@ class Engine:
         if grad is None:  # another hook freed it; nothing to do
             return
         if grad.is_sparse:
-            raise AttachError(
-                f"parameter in {bucket.name!r} got a sparse gradient; layeropt "
-                "steps dense gradients only. Use a dense embedding "
-                "(sparse=False) or leave this parameter to a separate, plain "
-                "torch.optim optimizer."
-            )
+            raise AttachError(SPARSE_ERROR)
         if self._measure is not None:
             if self._defer:
                 self._deferred[param] = bucket
@@ -306,21 +323,26 @@ class Engine:
         self._arrive(bucket, index)
 
     def _arrive(self, bucket: Bucket, index: int) -> None:
+        """Mark ``bucket.params[index]`` arrived; queue the bucket once complete.
+
+        The hook runs an inlined copy of this for the plain path.
+        """
         bit = 1 << index
         if bucket.serial != self._serial:  # its first gradient in this backward
-            bucket.serial = self._serial
-            arrived = bit
-        elif bucket.arrived & bit:
+            bucket.serial, bucket.arrived = self._serial, 0
+        arrived = bucket.arrived
+        if arrived & bit:
             self._second_gradient(bucket, index)
-        else:
-            arrived = bucket.arrived | bit
-        bucket.arrived = arrived
-        if arrived != bucket.full:
-            if arrived == bit:
-                self._partial.append(bucket)
-                self._incomplete += 1
-            return
-        if arrived != bit:
+        bucket.arrived = arrived = arrived | bit
+        if arrived == bucket.full:
+            self._complete(bucket, arrived != bit)
+        elif arrived == bit:
+            self._partial.append(bucket)
+            self._incomplete += 1
+
+    def _complete(self, bucket: Bucket, was_partial: bool) -> None:
+        """Every gradient of ``bucket`` landed: queue it, step the queue at the cap."""
+        if was_partial:
             self._incomplete -= 1
         if self.held:
             for p in bucket.params:
@@ -455,6 +477,7 @@ class Engine:
         optimizer = self._optimizer()
         if not groups or optimizer is None:
             return
+        groups = self._dense(groups)
         clip = (self.transform, self.clip_value, self.bucket_max_norm)
         if clip != (None, None, None):
             for group in groups:  # unscaling and clipping are per bucket
@@ -479,6 +502,22 @@ class Engine:
                 self.held.pop(p, None)
         self._steps += len(params)
         self.stepped.extend(params)
+
+    def _dense(self, groups: list[list[Tensor]]) -> list[list[Tensor]]:
+        """``groups`` without gradients another hook freed; refuse a sparse one.
+
+        The hook's plain path does not look at the gradient; this does, once
+        per step call.
+        """
+        if _all_dense(groups):
+            return groups
+        if any(p.grad is not None and p.grad.is_sparse for g in groups for p in g):
+            for g in groups:  # nothing here is stepped: free what backward left, as an abort
+                for p in g:
+                    if p not in self.held:
+                        p.grad = None
+            raise AttachError(SPARSE_ERROR)
+        return [k for k in ([p for p in g if p.grad is not None] for g in groups) if k]
 
     # -- layeropt.backward's measure pass ------------------------------------
     def start_measure(

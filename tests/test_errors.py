@@ -126,3 +126,52 @@ def test_failing_bucket_step_leaves_parameters_untouched():
     m(torch.randn(2, 3)).sum().backward()
     assert all(p.grad is None for p in m.parameters())
     assert any(not torch.equal(p, q) for p, q in zip(before, m.parameters()))
+
+
+class _SparseGrad(torch.autograd.Function):
+    """Identity on ``weight`` in forward; its gradient comes back sparse."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        return weight.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to_sparse()
+
+
+@pytest.mark.parametrize("cap_mb", [0.0, 1.0])
+def test_a_sparse_gradient_at_runtime_is_refused_and_nothing_is_stepped(cap_mb):
+    """A dense parameter can still receive a sparse gradient (a custom Function)."""
+    model = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    handle = layeropt.attach(model, opt, bucket_cap_mb=cap_mb)
+    x = torch.randn(4, 3)
+    with pytest.raises(AttachError, match="sparse gradient"):
+        (x @ _SparseGrad.apply(model.weight).T + model.bias).sum().backward()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
+    assert opt.stepped_params == []
+    (x @ model.weight.T + model.bias).sum().backward()  # a dense backward steps as usual
+    assert opt.stepped_in_backward == 2
+    handle.remove()
+
+
+@pytest.mark.parametrize("cap_mb", [0.0, 1.0])
+def test_a_gradient_freed_by_an_earlier_hook_is_not_stepped(cap_mb):
+    """A user's own post-accumulate-grad hook that drops ``.grad`` runs before layeropt's."""
+    model = torch.nn.Linear(3, 2)
+    model.bias.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    ref = torch.nn.Linear(3, 2)
+    ref.load_state_dict(model.state_dict())
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    handle = layeropt.attach(model, opt, bucket_cap_mb=cap_mb)
+    x = torch.randn(4, 3)
+    (x @ model.weight.T + model.bias).sum().backward()
+    (x @ ref.weight.T + ref.bias).sum().backward()
+    ref.bias.grad = None  # as the user's hook did
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    assert torch.equal(model.weight, ref.weight) and torch.equal(model.bias, ref.bias)
+    assert opt.stepped_params == [model.weight] and opt.stepped_in_backward == 1
+    handle.remove()
