@@ -8,7 +8,7 @@ calls, interleaved):
   owning exactly the bucket (torch's Python around the kernel);
 * ``layeropt step``: ``layeropt.Adam._step_params(bucket)`` on an optimizer
   owning *all* buckets (layeropt narrows the param groups, then torch's step);
-* ``hook path``: a whole attached backward through ``Engine.on_grad`` minus the
+* ``hook path``: a whole attached backward through ``Engine.hook`` minus the
   same backward with gradients only dropped, divided by the bucket count; and
   the same with ``_step_params`` replaced by a no-op (the engine's own
   bookkeeping), next to a plain ``backward(); fused Adam step(); zero_grad()``.
