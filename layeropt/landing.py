@@ -249,8 +249,9 @@ class Engine:
         """The post-accumulate-grad hook of ``bucket.params[index]``.
 
         ``hook(param)`` takes the plain path inline - same backward, no mode
-        on, no pin, a dense gradient: mark it arrived (:meth:`_arrive`) - and
-        hands anything else to :meth:`on_grad`. It runs with dynamo's frame
+        on, no pin: mark it arrived (:meth:`_arrive`; the gradient itself is
+        checked once per step call, :meth:`_dense`) - and hands anything
+        else to :meth:`on_grad`. It runs with dynamo's frame
         evaluation off, and dynamo graph-breaks at a call to it
         (``_torchdynamo_disable``; the hook's own code is skipped): compiled
         autograd lifts hooks into a graph it traces, and the engine (weakrefs,
@@ -290,8 +291,8 @@ class Engine:
         """``param``'s gradient has fully accumulated: the general path.
 
         The hook calls this for a new backward, a mode (``no_step()``, the
-        measure pass of ``layeropt.backward``, deferring, several processes),
-        a pinned parameter, or a missing/sparse gradient.
+        measure pass of ``layeropt.backward``, deferring, several processes)
+        or while checkpoint pins exist.
         """
         task = _graph_task_id()
         if task != self._active_task:
