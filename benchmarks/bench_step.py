@@ -367,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contenders", nargs="+", default=DEFAULT_CONTENDERS,
                    help="adam-foreach adam-fused tutorial layeropt layeropt:CAP_MB floor "
                         "sgd layeropt-sgd lomo floor-sgd")  # fmt: skip
-    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timed rounds (default: 10 for the GPT models, 40 for many-small, "
+                        "whose ~20 ms steps need more samples for the same precision)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--lr", type=float, default=1e-3)
@@ -384,9 +386,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.clock == "cpu" and device.type != "cpu":
         p.error("--clock cpu measures host CPU time; use the wall clock with CUDA")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    size, rounds = ("tiny", 2) if args.tiny else (args.size, args.rounds)
+    size = "tiny" if args.tiny else args.size
     print(f"machine: {describe_machine(device, dtype)}; {args.clock} clock\n")
     for name in args.model:
+        if args.tiny:
+            rounds = 2
+        else:
+            rounds = args.rounds or (40 if name == "many-small" else 10)
         base, batches, loss_fn, desc = build(name, size, device, dtype)
         n = sum(p.numel() for p in base.parameters())
         print(f"### {name}: {desc}; {n / 1e6:.1f}M parameters in "
