@@ -130,6 +130,9 @@ _FUNCTION_BACKWARD_CODES = {
 }
 
 
+_UNSET = object()
+
+
 def nested_in_function_backward() -> bool:
     """Whether this hook runs in a backward started by an autograd Function's backward."""
     node: Any = _UNSET  # looked up only when a Function's backward is on the stack
@@ -142,9 +145,6 @@ def nested_in_function_backward() -> bool:
                 return True
         frame = frame.f_back
     return False
-
-
-_UNSET = object()
 
 
 NESTED_ERROR = (

@@ -99,7 +99,7 @@ class InBackwardOptimizer(Optimizer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._lo_engine = Engine(self)
-        self._lo_group_index: dict[Tensor, int] | None = None
+        self._lo_group_index: dict[int, tuple[int, Tensor]] | None = None
         self.last_grad_norm: Tensor | None = None  # set by layeropt.backward(max_norm=...)
         super().__init__(*args, **kwargs)
         _LIVE.add(self)
@@ -107,20 +107,22 @@ class InBackwardOptimizer(Optimizer):
     # ------------------------------------------------------------------
     # The one primitive: step a subset of parameters with torch's code.
     # ------------------------------------------------------------------
-    def _group_index(self) -> dict[int, int]:
-        """``id(param) -> index of its param group`` (ids: no Python-level tensor hash)."""
+    def _group_index(self) -> dict[int, tuple[int, Tensor]]:
+        """``id(param) -> (index of its param group, param)``.
+
+        Keyed by ``id`` (no Python-level tensor hash); holding the parameter
+        keeps its id from being reused while the index lives.
+        """
         if self._lo_group_index is None:
             self._lo_group_index = {
-                id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]
+                id(p): (i, p) for i, g in enumerate(self.param_groups) for p in g["params"]
             }
         return self._lo_group_index
 
     def owns(self, param: Tensor) -> bool:
         """Whether ``param`` is in one of this optimizer's param groups."""
-        index = self._group_index()
-        return id(param) in index and any(
-            p is param for p in self.param_groups[index[id(param)]]["params"]
-        )
+        entry = self._group_index().get(id(param))
+        return entry is not None and entry[1] is param
 
     def _step_params(self, params: list[Tensor]) -> None:
         """Update exactly ``params`` (each must hold a ``.grad``) with torch's step.
@@ -136,7 +138,7 @@ class InBackwardOptimizer(Optimizer):
             index = self._group_index()
             by_group: dict[int, list[Tensor]] = {}
             for p in params:
-                by_group.setdefault(index[id(p)], []).append(p)
+                by_group.setdefault(index[id(p)][0], []).append(p)
             order = sorted(by_group)
             members = [by_group[i] for i in order]
         narrowed = [groups[i] for i in order]
