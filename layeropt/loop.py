@@ -2,7 +2,8 @@
 
 A forward that runs the same sub-network ``n`` times in a Python loop keeps
 every iteration's activations until ``backward``, so memory grows with ``n``
-(``seeds/000``). Gradients add up, so the loop can be trained with the memory
+(e.g. a forward that loops over transmit ids with one shared feature
+extractor). Gradients add up, so the loop can be trained with the memory
 of one iteration. This module covers the three shapes such a loop takes:
 
 1. **independent iterations, one loss each** - :class:`LoopAccumulator`:
@@ -63,6 +64,9 @@ class LoopAccumulator:
     One accumulator counts one training step at a time. ``acc.step()`` or
     ``acc.reset()`` starts the next one; as a context manager, leaving the
     ``with`` block checks that exactly ``n`` backwards ran and starts the next.
+    :attr:`loss` survives the end of a step (``acc.step()`` or leaving the
+    ``with`` block): it keeps the finished step's loss until the next step's
+    first ``backward()``.
 
     Args:
         n: number of backward calls (loop iterations) per training step.
@@ -101,6 +105,7 @@ class LoopAccumulator:
         self.reduction = reduction
         self.count = 0
         self._total: Tensor | None = None
+        self._finished = False  # _total is a finished step's loss, kept for reading
         self._deferred: dict[InBackwardOptimizer, None] = {}
 
     @property
@@ -110,7 +115,13 @@ class LoopAccumulator:
 
     @property
     def loss(self) -> float:
-        """Sum of the scaled losses so far (after n calls: the full-graph loss)."""
+        """The step's loss: the sum of the scaled losses so far.
+
+        After the n-th ``backward()`` it is the full-graph loss, and it stays
+        readable after the step ends (``acc.step()``, leaving the ``with``
+        block) until the next ``backward()`` starts a new step. ``0.0`` before
+        any backward and after :meth:`reset`.
+        """
         return 0.0 if self._total is None else float(self._total)
 
     def backward(self, loss: Tensor) -> None:
@@ -128,6 +139,8 @@ class LoopAccumulator:
                 "acc.step() or acc.reset() to start the next training step (or "
                 "create the accumulator with the right n)."
             )
+        if self._finished:  # the first backward of a new step: drop the last step's loss
+            self._total, self._finished = None, False
         scaled = loss / self.n if self.reduction == "mean" else loss
         last = self.count == self.n - 1
         with contextlib.ExitStack() as stack:
@@ -179,16 +192,23 @@ class LoopAccumulator:
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad()
-        self.reset()
+        self._end_step()
+
+    def _end_step(self) -> None:
+        """The step is complete: count back to zero, :attr:`loss` kept for reading."""
+        self.count = 0
+        self._finished = True
+        self._deferred.clear()
 
     def reset(self) -> None:
-        """Start a new training step (count and logged loss back to zero).
+        """Drop the current training step: count and logged loss back to zero.
 
         Gradients already accumulated stay in ``.grad``; call
         ``optimizer.zero_grad()`` to drop them too.
         """
         self.count = 0
         self._total = None
+        self._finished = False
         self._deferred.clear()
 
     def __enter__(self) -> LoopAccumulator:
@@ -203,7 +223,10 @@ class LoopAccumulator:
                 "optimizer never stepped. Give LoopAccumulator the loop's real length, "
                 "e.g. n=len(range(0, nb_elements, decimation_factor))."
             )
-        self.reset()
+        if exc_type is None and self.count == self.n:
+            self._end_step()  # a complete step: keep its loss readable after the block
+        else:
+            self.reset()
 
     def __repr__(self) -> str:
         return f"LoopAccumulator(n={self.n}, count={self.count}, reduction={self.reduction!r})"

@@ -1,4 +1,4 @@
-"""Looped forwards (seeds/000): exactness against the full-graph loop, memory in bytes.
+"""Looped forwards (one extractor looped over transmit ids): exactness against the full-graph loop, memory in bytes.
 
 The reference for every shape is the plain loop a user would write, with the
 whole graph kept until one ``backward`` and a plain ``torch.optim`` step.
@@ -29,7 +29,7 @@ ONE_PER_CLASS = list({name: (name, kw) for name, kw in reversed(OPTIMIZER_CONFIG
 
 
 class Sino(nn.Module):
-    """The seed's setting: one extractor per transmit id, a per-iteration head
+    """The looped setting: one extractor run for each transmit id, a per-iteration head
     (shape 1), a head on the stack (shape 2), a recurrent cell (shape 3).
     ``gain`` is shared by the loop body and the stack's head. (The per-iteration
     head does not use it: a parameter used twice per iteration gets 2n terms,
@@ -129,7 +129,7 @@ def reference(full: Callable[..., None]) -> Callable[..., None]:
 
 
 def with_acc(m: Sino, opt: torch.optim.Optimizer, s: int, n: int) -> None:
-    """The seed's scheme 1 through LoopAccumulator (acc.step() steps either kind)."""
+    """Per-iteration backward through LoopAccumulator (acc.step() steps either kind)."""
     x, t = batch(s, n)
     acc = LoopAccumulator(n, opt)
     for i in range(n):
@@ -147,8 +147,8 @@ def with_acc_block(m: Sino, opt: torch.optim.Optimizer, s: int, n: int) -> None:
     opt.zero_grad()
 
 
-def seed_scheme_1(m: Sino, opt: torch.optim.Optimizer, s: int, n: int) -> None:
-    """The seed's code verbatim: plain per-iteration backward, one step."""
+def hand_written_loop(m: Sino, opt: torch.optim.Optimizer, s: int, n: int) -> None:
+    """The hand-written loop: plain per-iteration backward, one step."""
     x, t = batch(s, n)
     opt.zero_grad()
     for i in range(n):
@@ -192,13 +192,13 @@ def test_independent_n2_equals_full_graph_bitwise(cfg, attached, driver):
 
 @pytest.mark.parametrize("attached", [True, False], ids=["layeropt", "torch.optim"])
 @pytest.mark.parametrize("cfg", ONE_PER_CLASS, ids=config_id)
-def test_independent_n5_equals_seed_scheme_bitwise_and_full_graph_closely(cfg, attached):
+def test_independent_n5_equals_hand_written_loop_bitwise_and_full_graph_closely(cfg, attached):
     name, kw = cfg
     ref, _ = train(reference(full_independent), name, kw, 5, attached=False)
-    seed, seed_opt = train(seed_scheme_1, name, kw, 5, attached=False)
+    hand, hand_opt = train(hand_written_loop, name, kw, 5, attached=False)
     m, opt = train(with_acc, name, kw, 5, attached=attached)
-    assert_models_equal(seed, m)
-    assert_same(seed_opt.state_dict(), opt.state_dict())
+    assert_models_equal(hand, m)
+    assert_same(hand_opt.state_dict(), opt.state_dict())
     assert_models_close(ref, m)
 
 
@@ -333,8 +333,53 @@ def test_reduction_sum_and_reuse_across_steps():
             acc.backward(m.loss_i(x, t, i))
         assert acc.done
         acc.step()
-        assert acc.count == 0 and acc.loss == 0.0
+        assert acc.count == 0 and not acc.done
+    acc.reset()
+    assert acc.loss == 0.0
     assert_models_equal(ref, m)
+
+
+@pytest.mark.parametrize("form", ["with-block", "acc.step"])
+@pytest.mark.parametrize("attached", [True, False], ids=["layeropt", "torch.optim"])
+def test_loss_readable_after_the_step_equals_the_full_graph_loss(attached, form):
+    """``acc.loss`` read after the loop is the step's full-graph loss (the value
+    it had at the end of the loop), and the next step's first backward restarts it."""
+    n = 4
+    ref, m = make(), make()
+    opt = (layeropt.Adam if attached else torch.optim.Adam)(m.parameters(), lr=0.1)
+    handle = layeropt.attach(m, opt) if attached else None
+    acc = LoopAccumulator(n, opt)
+    for s in range(2):
+        x, t = batch(s, n)
+        torch.manual_seed(s)  # same dropout masks, drawn in the same order
+        with torch.no_grad():
+            expected = (sum(ref.loss_i(x, t, i) for i in range(n)) / n).item()
+        torch.manual_seed(s)
+        if form == "with-block":
+            with acc:
+                for i in range(n):
+                    acc.backward(m.loss_i(x, t, i))
+                inside = acc.loss
+        else:
+            for i in range(n):
+                acc.backward(m.loss_i(x, t, i))
+            inside = acc.loss
+            acc.step()
+        assert acc.loss == inside  # the block's end / step() keeps it exactly
+        assert acc.loss == pytest.approx(expected, rel=1e-6)
+        assert acc.count == 0
+        if s == 0:  # step 1 ran on the same parameters: copy the update for step 2
+            ref.load_state_dict(m.state_dict())
+            torch.manual_seed(99)
+            acc.backward(m.loss_i(x, t, 0))  # a new step's first backward restarts the sum
+            with torch.no_grad():
+                torch.manual_seed(99)
+                first = (ref.loss_i(x, t, 0) / n).item()
+            assert acc.loss == pytest.approx(first, rel=1e-6)
+            acc.reset()
+            opt.zero_grad()
+    if handle is not None:
+        handle.remove()
 
 
 def test_misuse_is_a_clear_error():
