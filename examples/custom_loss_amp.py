@@ -1,14 +1,13 @@
-"""Seed 002's network and custom loss, trained lean: in-backward Adam, AMP, exact clipping.
+"""A network with a custom loss, trained lean: in-backward Adam, AMP, exact clipping.
 
-The question of seed 002: a ``Net`` of two large Linear layers trained with a
-custom loss ``torch.sum(x * y)`` runs out of memory in backward. The answers
-offered there - ``torch.dot`` instead of the product, activation
-checkpointing, AMP with ``GradScaler``, ``clip_grad_norm_`` - are all kept
-here, plus the one they miss: the gradients themselves. Three runs from the
-same seed and data:
+The problem: a ``Net`` of two large Linear layers trained with a custom loss
+``torch.sum(x * y)`` runs out of memory in backward. The usual answers -
+``torch.dot`` instead of the product, activation checkpointing, AMP with
+``GradScaler``, ``clip_grad_norm_`` - are all kept here, plus the one they
+miss: the gradients themselves. Three runs from the same seed and data:
 
-1. the seed's loop: ``torch.optim.Adam``, ``torch.sum(x * y)``, fp32;
-2. torch with the seed's answers: ``sum_product`` (a ``torch.dot``) loss,
+1. the plain loop: ``torch.optim.Adam``, ``torch.sum(x * y)``, fp32;
+2. torch with the usual answers: ``sum_product`` (a ``torch.dot``) loss,
    ``layer2`` checkpointed, autocast (bf16 on CPU; fp16 + ``GradScaler`` on a
    GPU), ``clip_grad_norm_(max_norm=1)``;
 3. the same with ``layeropt.Adam`` attached: each layer updated in backward
@@ -17,8 +16,9 @@ same seed and data:
    the scaler's skip-on-inf), exact because it measures the global norm in a
    first backward pass before any layer is updated.
 
-It prints the peak memory of one training step of each, and the largest
-parameter difference between runs 2 and 3 (0: bit for bit).
+Each run trains ``--steps`` steps; the last one is measured (its peak memory,
+once Adam's state exists). It prints those peaks, and the largest parameter
+difference between runs 2 and 3 after the steps (0: bit for bit).
 
 Usage:
     python examples/custom_loss_amp.py             # < 1 min on a laptop CPU
@@ -42,7 +42,7 @@ from layeropt.memory import PeakMemory, format_bytes
 
 
 class Net(nn.Module):
-    """The seed's network (its scheme B checkpoints ``layer2``)."""
+    """Two large Linear layers; the lean runs checkpoint ``layer2``."""
 
     def __init__(self, d_in: int = 1024, d_hidden: int = 2048) -> None:
         super().__init__()
@@ -58,7 +58,7 @@ class Net(nn.Module):
 
 
 class CustomLoss(nn.Module):
-    """The seed's loss: builds the product ``x * y`` before summing it."""
+    """The custom loss: builds the product ``x * y`` before summing it."""
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
         return torch.sum(x * y)
@@ -109,23 +109,30 @@ class Run:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--d-in", type=int, default=1024, help="the seed's 1024")
-    p.add_argument("--d-hidden", type=int, default=2048, help="the seed's 2048")
+    p.add_argument("--d-in", type=int, default=1024, help="input and output width (1024)")
+    p.add_argument("--d-hidden", type=int, default=2048, help="hidden width (2048)")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps per run, >= 2, the last measured for memory "
+                        "(default 6; 2 with --tiny)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--tiny", action="store_true", help="CI smoke run: a few seconds")
     args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = 2 if args.tiny else 6
+    if args.steps < 2:
+        p.error(f"--steps must be >= 2 (a first step creates Adam's state, the last is "
+                f"measured), got {args.steps}")
     if args.tiny:
-        args.d_in, args.d_hidden, args.batch, args.steps = 128, 256, 8, 2
+        args.d_in, args.d_hidden, args.batch = 128, 256, 8
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)
     base = Net(args.d_in, args.d_hidden).to(device)
     runs = [
-        Run("1. seed: torch.optim.Adam, sum(x*y), fp32", copy.deepcopy(base), False, False,
+        Run("1. torch.optim.Adam, sum(x*y), fp32", copy.deepcopy(base), False, False,
             device, args.lr),
         Run("2. torch.optim.Adam + dot, checkpoint, AMP, clip", copy.deepcopy(base), True, False,
             device, args.lr),
@@ -140,12 +147,12 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(1)
     data = [(torch.randn(args.batch, args.d_in, generator=gen).to(device),
              torch.randn(args.batch, args.d_in, generator=gen).to(device))
-            for _ in range(args.steps + 1)]
+            for _ in range(args.steps)]
     peaks, losses = {}, {}
     for run in runs:
         losses[run.name] = [run.step(x, y) for x, y in data[:-1]]
         with PeakMemory(device) as mem:  # a steady-state step: Adam state exists
-            run.step(*data[-1])
+            losses[run.name].append(run.step(*data[-1]))
         peaks[run.name] = mem.peak
 
     print("\npeak memory of one training step (above parameters + Adam state), loss first -> last")
@@ -157,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  (all gradients together: {format_bytes(grads)}; run 3 holds one layer's at a time)")
     diff = max((a - b).abs().max().item()
                for a, b in zip(runs[1].model.parameters(), runs[2].model.parameters()))
-    print(f"\nruns 2 and 3 after {args.steps + 1} steps: max |difference| = {diff:.1e}"
+    print(f"\nruns 2 and 3 after {args.steps} steps: max |difference| = {diff:.1e}"
           + (" (bit for bit)" if diff == 0 else ""))
     runs[2].handle.remove()
 

@@ -1,7 +1,7 @@
-"""A forward that loops over transmit ids (seeds/000), trained with one iteration's memory.
+"""A forward that loops over transmit ids, trained with one iteration's memory.
 
-The setting of the seed question: a synthetic sinogram ``(batch, nb_elements,
-samples)``; the forward loops ``for tx_id in range(0, nb_elements,
+The setting: a synthetic sinogram ``(batch, nb_elements, samples)``; the
+forward loops ``for tx_id in range(0, nb_elements,
 decimation_factor)`` and runs the same small CNN feature extractor on every
 transmit. Three ways the loop's outputs are used, each trained naively (the
 whole graph kept until backward) and with the layeropt mode that fits it:
@@ -13,18 +13,20 @@ whole graph kept until backward) and with the layeropt mode that fits it:
 For each loop count (``nb_elements / decimation_factor``) it prints the peak
 memory of one training step (exact bytes on CPU from the profiler's
 allocation events), the median step time, and how far the parameters end up
-from the naive run's after the same steps (0 = bit for bit). It saves a plot of
-peak memory vs loop count when matplotlib is installed.
+from the naive run's after the same steps (0 = bit for bit). With
+``--plot FILE`` it also saves a plot of peak memory vs loop count (needs
+matplotlib); without it, it writes no file.
 
 Usage:
     python examples/looped_forward.py                 # < 1 min on 2 CPU cores
     python examples/looped_forward.py --tiny          # CI smoke run, seconds
-    python examples/looped_forward.py --plot mem.png  # or --no-plot
+    python examples/looped_forward.py --plot mem.png  # and save the plot
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
@@ -98,7 +100,7 @@ def stacked_naive(m: SinoNet, sino: Tensor, target: Tensor, tx: range) -> None:
 
 
 def stacked_checkpoint(m: SinoNet, sino: Tensor, target: Tensor, tx: range) -> None:
-    """The seed's scheme 2: checkpoint the extractor, then torch.stack."""
+    """The usual hand-written alternative: checkpoint the extractor, then torch.stack."""
     stack = torch.stack([checkpoint(m.features, sino, t, use_reentrant=False) for t in tx], 1)
     F.mse_loss(m.head(stack), target).backward()
 
@@ -194,15 +196,11 @@ def max_diff(a: nn.Module, b: nn.Module) -> float:
 
 
 def plot(results: dict[str, dict[str, list[tuple[int, int]]]], path: str) -> None:
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"note: matplotlib is not installed, so no plot was saved to {path} "
-              "(pip install matplotlib to get one).")
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 3.6))
     for ax, (shape, modes) in zip(axes, results.items()):
         for mode, points in modes.items():
@@ -230,9 +228,11 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads (tiny tensors: 1 is fastest; 0 = torch's default)")
-    p.add_argument("--plot", default="looped_forward_memory.png", help="where to save the plot")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--plot", metavar="FILE", default=None,
+                   help="also save a plot of peak memory vs loop count there (needs matplotlib)")
     args = p.parse_args()
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib: pip install matplotlib (or leave out --plot)")
     if args.tiny:
         args.batch, args.elements, args.samples, args.decimation, args.steps = 2, 8, 64, [4, 2], 2
     if args.threads:
@@ -258,7 +258,7 @@ def main() -> None:
                 results[shape][mode].append((len(tx), peak))
                 cells.append(f"{format_bytes(peak)} {seconds * 1e3:6.1f} ms {diff:7.1e}")
             print(f"{len(tx):>10} " + " ".join(f"{c:>30}" for c in cells))
-    if not args.no_plot:
+    if args.plot is not None:
         plot(results, args.plot)
 
 

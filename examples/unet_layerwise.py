@@ -1,6 +1,6 @@
-"""Layer-by-layer updates in backward for a U-Net (seeds/004), and the memory they save.
+"""Layer-by-layer updates in backward for a U-Net, and the memory they save.
 
-The question of seed 004: can backward run layer by layer, updating each layer
+The question: can backward run layer by layer, updating each layer
 and freeing its gradient as soon as it is ready - also in a U-Net, where an
 encoder's output is reused by the decoder? Yes. Backward runs from the output
 to the input; autograd fires a parameter's post-accumulate-grad hook only

@@ -1,6 +1,6 @@
 """Memory-lean losses: recompute a loss in backward, chunk the LM-head loss.
 
-Three tools, each for a different way a loss wastes memory (seed 002):
+Three tools, each for a different way a loss wastes memory:
 
 - :func:`recompute` / :class:`Recompute`: store none of a loss's intermediates
   between its forward and its backward; rebuild them in backward
@@ -11,8 +11,8 @@ Three tools, each for a different way a loss wastes memory (seed 002):
   in backward.
 - :func:`sum_product`: ``torch.sum(x * y)`` without the broadcast product.
 
-``python -m layeropt.losses [--tiny]`` prints the measured-bytes table of
-``docs/losses.md``.
+``python benchmarks/bench_losses.py [--tiny]`` prints the measured-bytes
+table of ``docs/losses.md`` (:func:`memory_table`, :func:`format_table`).
 
 Example:
     >>> import torch
@@ -459,10 +459,3 @@ def format_table(rows: list[tuple[str, int, int]]) -> str:
         lines.append(f"| {case} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Peak bytes of plain vs memory-lean losses (CPU).")
-    parser.add_argument("--tiny", action="store_true", help="small sizes, a few seconds")
-    print(format_table(memory_table(tiny=parser.parse_args().tiny)))

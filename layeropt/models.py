@@ -36,7 +36,7 @@ class MLP(nn.Module):
 
 
 class UNet(nn.Module):
-    """A two-level U-Net: encoder outputs are reused by the decoder (seed 004)."""
+    """A two-level U-Net: encoder outputs are reused by the decoder (skip connections)."""
 
     def __init__(self, channels: int = 1, width: int = 8) -> None:
         super().__init__()
@@ -97,7 +97,7 @@ class TinyGPT(nn.Module):
 
 
 class LoopNet(nn.Module):
-    """One extractor applied in a loop (seed 000), then a head."""
+    """One extractor applied in a loop (shared by every iteration), then a head."""
 
     def __init__(self, d: int = 16, steps: int = 3) -> None:
         super().__init__()

@@ -33,7 +33,7 @@ EXPECT: dict[str, tuple[list[str], list[str]]] = {
         r"TinyGPT: [\d,]+ parameters in 3 layer-wise LR groups",
         r"resume check: 2 steps \+ save \+ resume to 4 vs one run: .*\(bit for bit\)",
     ]),
-    "looped_forward.py": (["--tiny", "--no-plot"], [
+    "looped_forward.py": (["--tiny"], [
         r"LoopAccumulator",
         r"loop_recurrent",
     ]),
@@ -64,6 +64,7 @@ def test_example_smoke_run(script, tmp_path):
     out = _run(script, args, tmp_path)
     for pattern in patterns:
         assert re.search(pattern, out), f"{script.name}: no match for {pattern!r} in:\n{out}"
+    assert not any(tmp_path.iterdir()), f"{script.name} wrote files unasked: {list(tmp_path.iterdir())}"
 
 
 def test_finetune_lm_with_local_hf_model(tmp_path):
