@@ -128,6 +128,9 @@ class Attachment:
         self._handles: list[Any] = []
         self.buckets: list[Bucket] = []
         self._engines: list[Any] = []  # the engine that steps each bucket
+        self._owned: list[Tensor] = []  # the model's parameters the optimizers own
+        self._trainable: tuple[bool, ...] = ()  # their requires_grad when hooked
+        self.stale = False  # requires_grad changed during a backward: rebuild at its end
         self._removed = False
         self._hook_all()
         me = weakref.ref(self)
@@ -143,7 +146,11 @@ class Attachment:
         model = self._model()
         if model is None:
             return
-        pairs = _layer_buckets(model, self.optimizers)
+        optimizers = self.optimizers
+        self._owned = [p for p in model.parameters() if any(o.owns(p) for o in optimizers)]
+        self._trainable = tuple(p.requires_grad for p in self._owned)
+        self.stale = False
+        pairs = _layer_buckets(model, optimizers)
         for _, b in pairs:
             for p in b.params:
                 other = _HOOKED.get(p)
@@ -169,6 +176,33 @@ class Attachment:
         if not self._removed:
             self._release()
             self._hook_all()
+
+    @property
+    def owned(self) -> list[Tensor]:
+        """The model's parameters owned by the attached optimizers (trainable or not)."""
+        return self._owned
+
+    def sync_trainable(self, in_backward: bool = False) -> bool:
+        """Follow ``requires_grad`` changes made since the hooks were registered.
+
+        A layer unfrozen after ``attach`` (gradual unfreezing) gets hooks, a
+        frozen one leaves its bucket. Outside backward the hooks are rebuilt at
+        once; inside one (``in_backward``) hooks cannot be removed, so the
+        attachment is marked :attr:`stale`: the engine steps every gradient
+        this backward left at its end and rebuilds then.
+
+        Returns:
+            Whether anything changed.
+        """
+        if self._removed or all(
+            p.requires_grad is t for p, t in zip(self._owned, self._trainable)
+        ):
+            return False
+        if in_backward:
+            self.stale = True
+        else:
+            self._rebuild()
+        return True
 
     def _release(self) -> None:
         for h in self._handles:

@@ -287,6 +287,13 @@ class DDPAttachment:
                 opt._lo_engine.hook_count -= 1
         self.params = []
 
+    stale = False  # requires_grad changes are not followed under DDP
+    owned: list[Tensor] = []
+
+    def sync_trainable(self, in_backward: bool = False) -> bool:
+        """DDP fixes the set of synchronised parameters when wrapping: nothing to follow."""
+        return False
+
     def _rebuild(self) -> None:
         """Re-read the optimizers' param groups (called on add_param_group)."""
         if not self._removed:

@@ -38,7 +38,21 @@ through :meth:`Engine.on_grad`. From there:
      stepped together when the outermost backward ends (exact, but without
      the memory saving; a warning says so);
    * any other backward nested inside an autograd Function's backward raises
-     :class:`BackwardStateError`.
+     :class:`BackwardStateError`;
+6. one torch training step is one step here. A backward whose gradients
+   torch's recipe checks or changes before the update is *held* (as under
+   ``no_step()``) and stepped by ``step()``: a backward through a
+   ``GradScaler``-scaled loss (``layeropt/_watch.py``), and one inside
+   ``optimizer.step(closure)`` (the caller may clip). Once the loop has called
+   ``step()`` or ``zero_grad()``, a second attached backward before the next
+   call is torch-style accumulation, which in-backward updates would turn
+   into several steps: it is refused before anything of it is applied;
+   ``step()``/``zero_grad()`` after two such backwards raise too. Each
+   training step is one transaction of ``layeropt/_subset.py``;
+7. parameters unfrozen (``requires_grad_(True)``) after ``attach`` are picked
+   up at the next backward: that backward steps every gradient it left when
+   it ends and the hooks are rebuilt (also at ``step()``/``zero_grad()``);
+   frozen ones leave their buckets.
 
 If a backward raises, autograd drops it; its end callback is then released
 without running, and the partial gradients it left (arrived but not
@@ -53,7 +67,6 @@ are those whose ``.grad`` another hook freed. A sparse gradient is refused
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -62,11 +75,12 @@ import torch
 from torch import Tensor
 
 from . import _nesting as nesting
+from . import _watch
 from ._nesting import Pin, _graph_task_id, watch_torch_checkpoint
 from ._transforms import Measure, all_finite, prepare_grads
 from .distributed import _world_size as world_size
 from .distributed import check_local_hooks_allowed
-from .errors import AttachError, BackwardStateError, LayeroptError
+from .errors import AttachError, BackwardStateError, LayeroptError, warn
 
 if TYPE_CHECKING:
     from .optim import InBackwardOptimizer
@@ -79,6 +93,33 @@ SPARSE_ERROR = (
     "a parameter got a sparse gradient; layeropt steps dense gradients only. Use a "
     "dense embedding (sparse=False) or leave this parameter to a separate, plain "
     "torch.optim optimizer."
+)
+
+
+ACCUMULATION_ERROR = (
+    "{what} before optimizer.step() or zero_grad(): torch would sum these "
+    "gradients into one step (gradient accumulation, or backward twice with "
+    "retain_graph=True), but layeropt applies each attached backward at once, so "
+    "the result would differ. {outcome} Run all but the last micro-batch inside "
+    "`with opt.no_step():` (or use layeropt.LoopAccumulator); if every backward is "
+    "meant to be a full step, call opt.step() after each one. In a trainer, use its "
+    "layeropt integration (Lightning: layeropt.integrations.lightning.LayeroptCallback, "
+    "accelerate: layeropt.integrations.accelerate.LayeroptAccelerator, Hugging Face: "
+    "layeropt.integrations.hf.LayeroptTrainer)."
+)
+SCALER_HOLD_WARNING = (
+    "this backward runs through a GradScaler-scaled loss (scaler.scale(loss).backward()), "
+    "whose gradients must all be checked for inf/NaN before any update: layeropt "
+    "holds them until scaler.step(opt), exactly as torch does, so nothing is saved "
+    "in this step. Call layeropt.backward(scaler.scale(loss), scaler=scaler) instead "
+    "to update each layer during backward (or use bf16 autocast, which needs no scaler)."
+)
+CLOSURE_HOLD_WARNING = (
+    "this backward runs inside optimizer.step(closure), whose caller may clip or "
+    "inspect the gradients before the update: layeropt holds them until the "
+    "closure returns, exactly as torch does, so nothing is saved in this step. In "
+    "Lightning use layeropt.integrations.lightning.LayeroptCallback; otherwise "
+    "call loss.backward() and then optimizer.step() without a closure."
 )
 
 
@@ -184,8 +225,19 @@ class Engine:
         self._gated: dict[Tensor, tuple[Bucket, int]] = {}
         self._defer = False
         self._deferred: dict[Tensor, Bucket] = {}
+        # Steps torch would take as one (rule 6): gradients held for step(), and the
+        # backwards since the last step()/zero_grad() that stepped or held.
+        self._hold = False  # this backward's gradients wait for step()
+        self._sweep = False  # requires_grad changed: step every gradient left at the end
+        self.closure_depth = 0  # inside optimizer.step(closure)
+        self.txn = 0  # the training step (transaction) step calls belong to
+        self._bounded = False  # step() or zero_grad() was called since attach
+        self._stepped_backwards = 0
+        self._held_backwards = 0
         nesting._ENGINES.add(self)
+        _watch._ENGINES.add(self)
         watch_torch_checkpoint()
+        _watch.watch()
 
     def configure_clipping(
         self,
@@ -212,6 +264,7 @@ class Engine:
             or (self.max_grad_norm is not None and not self._entered)
             or self._no_step_depth
             or self._defer
+            or self._hold
         )
 
     @property
@@ -316,7 +369,7 @@ class Engine:
                 "gradient norm before the first update: call layeropt.backward(loss) "
                 "instead of loss.backward(). Nothing was updated."
             )
-        if self._no_step_depth:
+        if self._no_step_depth or self._hold:
             self.held[param] = bucket
             return
         if self._defer:
@@ -377,7 +430,12 @@ class Engine:
             raise BackwardStateError(nesting.NESTED_ERROR)
         if self._active_task != _IDLE:
             self._abort()  # the previous backward died without being finalized
-        self._begin(task)
+        try:
+            self._begin(task)
+        except BackwardStateError:
+            if param not in self.held:
+                param.grad = None  # this backward is refused as a whole
+            raise
 
     def _enter_torch_segment(self, task: int) -> None:
         """A torch reentrant segment is about to run its nested backward (rule 5)."""
@@ -386,9 +444,18 @@ class Engine:
         elif self._active_task != _IDLE and not self._defer:
             self._defer = True  # a segment recorded during this backward
             self._route()
-            warnings.warn(nesting.DEFER_WARNING, stacklevel=2)
+            warn(nesting.DEFER_WARNING)
 
     def _begin(self, task: int, defer: bool = False) -> None:
+        plain = self._measure is None and not self._no_step_depth
+        if plain and self._bounded and self._stepped_backwards:
+            raise BackwardStateError(ACCUMULATION_ERROR.format(
+                what="a second backward after an attached backward that updated the parameters",
+                outcome="Nothing of this second backward was applied.",
+            ))
+        for attachment in list(self.attachments):  # layers (un)frozen since attach (rule 7)
+            if attachment.sync_trainable(in_backward=True):
+                self._sweep = True
         if not defer:
             nesting.segment_depth.value = 0  # a first hook outside any segment: nothing is nested
         self._active_task = task
@@ -401,9 +468,17 @@ class Engine:
         self._defer = defer or bool(
             segments and any(map(torch._C._will_engine_execute_node, list(segments)))
         )
+        self.txn += 1
+        if plain and not self._entered:
+            if self.closure_depth:
+                self._hold = True
+                warn(CLOSURE_HOLD_WARNING)
+            elif _watch.scaled_backward():
+                self._hold = True
+                warn(SCALER_HOLD_WARNING)
         self._route()
         if self._defer:
-            warnings.warn(nesting.DEFER_WARNING, stacklevel=3)
+            warn(nesting.DEFER_WARNING)
         _queue_callback(_BackwardEnd(self, self._serial))
 
     def _dropped(self, serial: int) -> None:
@@ -416,18 +491,30 @@ class Engine:
                 for p in self._deferred:
                     if p.grad is not None:
                         self.measure.take(p)
+            elif self._hold:
+                self._held_backwards += 1
             elif not self._no_step_depth:
                 self._step(self._ready + self._leftovers())
                 self.held.clear()
+                if self._steps:
+                    self._stepped_backwards += 1
         finally:
             self.last_backward_steps = self._steps
             self._reset()
+            for attachment in list(self.attachments):
+                if attachment.stale:
+                    attachment._rebuild()
 
     def _leftovers(self) -> list[list[Tensor]]:
         """Gradients that landed but were not stepped, grouped by bucket."""
-        if not (self._incomplete or self._gated or self._deferred or self.held):
+        if not (self._incomplete or self._gated or self._deferred or self.held or self._sweep):
             return []
         groups: dict[int, list[Tensor]] = {}
+        if self._sweep:  # parameters unfrozen since attach have no hook yet
+            for attachment in list(self.attachments):
+                for p in attachment.owned:
+                    if p.grad is not None and p not in self.held:
+                        groups.setdefault(id(attachment), []).append(p)
         for b in self._partial if self._incomplete else ():
             if b.serial == self._serial and b.arrived != b.full:
                 groups[id(b)] = [p for i, p in enumerate(b.params) if b.arrived >> i & 1]
@@ -462,6 +549,8 @@ class Engine:
         self._gated.clear()
         self._deferred.clear()
         self._defer = False
+        self._hold = False
+        self._sweep = False
         self._active_task = _IDLE
         self._route()
 
@@ -557,11 +646,38 @@ class Engine:
         optimizer = self._optimizer()
         if optimizer is None:
             return
+        self.check_boundary("step()")
         params = [
             p for g in optimizer.param_groups for p in g["params"] if p.grad is not None
         ]
         self._step([params] if params else [])
         self.held.clear()
+        self.boundary()
+
+    # -- training-step boundaries (rule 6) ---------------------------------
+    @property
+    def stepped_since_boundary(self) -> bool:
+        """Whether an attached backward updated parameters since the last step()/zero_grad()."""
+        return self._stepped_backwards > 0
+
+    def check_boundary(self, where: str) -> None:
+        """Refuse a step()/zero_grad() that ends what torch would take as one step of several."""
+        stepped, held = self._stepped_backwards, self._held_backwards
+        if stepped >= 2 or (stepped and held):
+            self._stepped_backwards = self._held_backwards = 0
+            raise BackwardStateError(ACCUMULATION_ERROR.format(
+                what=f"{where} ends {stepped + held} backwards, {stepped} of which already "
+                "updated the parameters,",
+                outcome="Each of those was applied as its own step; nothing more is.",
+            ))
+
+    def boundary(self) -> None:
+        """``step()`` or ``zero_grad()`` ended a training step."""
+        self._stepped_backwards = self._held_backwards = 0
+        self._bounded = True
+        self.txn += 1
+        for attachment in list(self.attachments):
+            attachment.sync_trainable()
 
     def on_param_groups_changed(self) -> None:
         for attachment in list(self.attachments):

@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import _use_grad_for_differentiable
 
+from ._subset import SubsetStepper, narrowable
 from .errors import LayeroptError
 from .landing import Engine
 
@@ -99,10 +100,15 @@ class InBackwardOptimizer(Optimizer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._lo_engine = Engine(self)
+        self._lo_stepper = self._new_stepper()
         self._lo_group_index: dict[int, tuple[int, Tensor]] | None = None
         self.last_grad_norm: Tensor | None = None  # set by layeropt.backward(max_norm=...)
         super().__init__(*args, **kwargs)
         _LIVE.add(self)
+
+    @classmethod
+    def _new_stepper(cls) -> SubsetStepper:
+        return SubsetStepper(cls.__name__, _call_torch_step, narrowable(cls._torch_step))
 
     # ------------------------------------------------------------------
     # The one primitive: step a subset of parameters with torch's code.
@@ -127,34 +133,13 @@ class InBackwardOptimizer(Optimizer):
     def _step_params(self, params: list[Tensor]) -> None:
         """Update exactly ``params`` (each must hold a ``.grad``) with torch's step.
 
-        Each param group is narrowed to the given members for the duration of
-        one call to the torch class's own ``step``; everything else (hyper-
-        parameters, lazily created state, foreach/fused dispatch) is torch's.
+        One call of the torch class's own ``step`` (``layeropt/_subset.py``:
+        narrowed param groups for torch's classes, whole groups with the other
+        gradients hidden for any other), in the current training step's
+        transaction; everything else (hyperparameters, lazily created state,
+        foreach/fused dispatch) is torch's.
         """
-        groups = self.param_groups
-        if len(groups) == 1:
-            order, members = [0], [params]
-        else:
-            index = self._group_index()
-            by_group: dict[int, list[Tensor]] = {}
-            for p in params:
-                by_group.setdefault(index[id(p)][0], []).append(p)
-            order = sorted(by_group)
-            members = [by_group[i] for i in order]
-        narrowed = [groups[i] for i in order]
-        saved = [g["params"] for g in narrowed]
-        try:
-            for g, ps in zip(narrowed, members):
-                g["params"] = ps
-            self.param_groups = narrowed
-            if torch.is_grad_enabled():
-                type(self)._torch_step(self)
-            else:  # inside a backward hook
-                type(self)._torch_step_no_grad(self)
-        finally:
-            self.param_groups = groups
-            for g, ps in zip(narrowed, saved):
-                g["params"] = ps
+        self._lo_stepper(self, params, self._lo_engine.txn)
         self._opt_called = True  # an LR scheduler sees that a step happened
 
     # ------------------------------------------------------------------
@@ -224,17 +209,27 @@ class InBackwardOptimizer(Optimizer):
         """
         if not self.attached:
             return type(self)._torch_step(self, closure)
+        engine = self._lo_engine
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._lo_engine.flush_leftovers()
+        if closure is not None:  # its backward is held: the caller may clip first
+            engine.closure_depth += 1
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            finally:
+                engine.closure_depth -= 1
+        engine.flush_leftovers()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Torch's ``zero_grad``; also forgets gradients held by ``no_step()``."""
+        engine = self._lo_engine
+        if self.attached:
+            engine.check_boundary("zero_grad()")
         super().zero_grad(set_to_none)
-        self._lo_engine.held.clear()
+        engine.held.clear()
+        if self.attached:
+            engine.boundary()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Torch's ``add_param_group``; attached models hook the new parameters."""
@@ -252,12 +247,15 @@ class InBackwardOptimizer(Optimizer):
         super().__setstate__(state)
         if "_lo_engine" not in self.__dict__:
             self._lo_engine = Engine(self)
+            self._lo_stepper = self._new_stepper()
             self._lo_group_index = None
+        self.__dict__.setdefault("last_grad_norm", None)
         _LIVE.add(self)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())
         state.pop("_lo_engine", None)
+        state.pop("_lo_stepper", None)
         state["_lo_group_index"] = None
         return state
 
@@ -343,6 +341,15 @@ RMSprop = in_backward(torch.optim.RMSprop)
 if hasattr(torch.optim, "Adafactor"):  # torch >= 2.5
     Adafactor = in_backward(torch.optim.Adafactor)
     __all__.append("Adafactor")
+
+
+def _call_torch_step(optimizer: InBackwardOptimizer) -> None:
+    """The torch class's own ``step`` (without torch's grad-mode wrapper inside hooks)."""
+    cls = type(optimizer)
+    if torch.is_grad_enabled():
+        cls._torch_step(optimizer)
+    else:  # inside a backward hook
+        cls._torch_step_no_grad(optimizer)
 
 
 def optimizer_list(optimizer: Optimizer | Iterable[Optimizer] | None) -> list[Optimizer]:

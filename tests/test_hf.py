@@ -301,15 +301,17 @@ def test_trainer_matches_torch_optim(tmp_path, kind, ref_kind, opts, tol):
         assert norms == ref_norms if tol == 0 else norms == pytest.approx(ref_norms, rel=1e-6)
 
 
-def test_plain_trainer_with_attached_optimizer_is_wrong(tmp_path):
-    """Why the integration exists: attached + plain Trainer steps every micro-batch."""
-    ref_trainer, ref, _ = _trainer(tmp_path, "torch", ga=2)
-    ref_trainer.train()
-    trainer, model, _ = _trainer(tmp_path, "attached-plain", ga=2)
-    trainer.train()
+@pytest.mark.parametrize("ga, max_grad_norm, error", [
+    (2, 0.0, layeropt.BackwardStateError),  # every micro-batch would step
+    (1, 1.0, layeropt.LayeroptError),  # the Trainer's default clipping would clip nothing
+])
+def test_plain_trainer_with_attached_optimizer_refuses(tmp_path, ga, max_grad_norm, error):
+    """Attached + plain Trainer with accumulation or clipping: an error at the first step."""
+    trainer, model, _ = _trainer(tmp_path, "attached-plain", ga=ga, max_grad_norm=max_grad_norm)
+    with pytest.raises(error, match="LayeroptTrainer"):
+        trainer.train()
     trainer.handle.remove()
-    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
-    assert diff > 1e-4
+    assert trainer.state.global_step == 0
 
 
 def test_trainer_checkpoint_resume(tmp_path):

@@ -1,0 +1,262 @@
+"""Stepping a subset of an optimizer's parameters with its own ``step``.
+
+The one primitive behind every in-backward update. The rule it keeps:
+stepping the parameters a bucket at a time during one training step gives
+what one ``step()`` over all of them gives - or it is refused, with nothing
+changed.
+
+Two ways to call ``step`` on a subset:
+
+* **narrowed**: each param group's ``params`` list is cut to the subset's
+  members for the call. Only for torch.optim's own classes, whose ``step``
+  reads nothing but the parameters it is handed and never writes its param
+  groups. Cheapest: O(subset) per call.
+* **whole**: the param groups stay as they are and the gradients of the
+  parameters outside the subset are hidden (``.grad = None``) for the call -
+  torch's contract that a parameter without a gradient is skipped, which
+  every torch-style optimizer honours. Configuration keyed by group or
+  parameter *index* (bitsandbytes' ``register_module_override``) then stays
+  right. For every other optimizer; O(all parameters) per call.
+
+**Param-group state.** Some optimizers keep state in the param-group dict and
+advance it in every ``step`` call (schedule-free's ``k``, ``weight_sum``,
+``lr_max``). One training step is one *transaction* (from one
+``step()``/``zero_grad()`` boundary, or one attached backward, to the next):
+every call in it starts from the group values the transaction started with and
+must end with the values the first call ended with, which the groups then keep.
+If a call ends with different values, the group state depends on which
+gradients it saw - a global estimate such as D-Adaptation's or Prodigy's ``d``
+- and cannot be stepped a layer at a time. That is checked on the first
+transaction that moves a group: its first parameters are stepped one at a
+time from saved copies, and on a mismatch they are restored (parameters,
+state and groups) and :class:`~layeropt.errors.BackwardStateError` is raised
+before anything else is updated.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .errors import BackwardStateError
+
+__all__ = ["SubsetStepper", "narrowable"]
+
+
+def narrowable(step: Callable[..., Any]) -> bool:
+    """Whether ``step`` is one of torch.optim's own (a narrowed call is exact)."""
+    return getattr(step, "__module__", "").startswith("torch.optim")
+
+
+_MISSING = object()
+
+GLOBAL_ESTIMATE_ERROR = (
+    "{name} keeps param-group state that depends on the gradients of all its "
+    "parameters together ({keys}: a global estimate, as in D-Adaptation or "
+    "Prodigy), so it cannot update one layer at a time during backward. {outcome} "
+    "Use it as a plain optimizer (without layeropt.attach), or an optimizer whose "
+    "state is per parameter."
+)
+LATE_MOVE_ERROR = (
+    "{name} changed its param-group values ({keys}) in a step call although earlier "
+    "calls of the same training step did not, so its layers would be stepped with "
+    "different group state. {outcome} Use it as a plain optimizer (without "
+    "layeropt.attach)."
+)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (
+            isinstance(a, Tensor)
+            and isinstance(b, Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a, b))
+        )
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an unusual value that cannot be compared
+        return False
+
+
+def _values(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's values other than ``params``; tensors copied (steps may update them in place)."""
+    return {
+        k: (v.detach().clone() if isinstance(v, Tensor) else v)
+        for k, v in group.items()
+        if k != "params"
+    }
+
+
+def _changed(before: dict[str, Any], group: dict[str, Any]) -> list[str]:
+    keys = set(before) | (set(group) - {"params"})
+    return sorted(k for k in keys if not _same(before.get(k, _MISSING), group.get(k, _MISSING)))
+
+
+def _restore_values(group: dict[str, Any], values: dict[str, Any]) -> None:
+    for k in [k for k in group if k != "params" and k not in values]:
+        del group[k]
+    for k, v in values.items():
+        old = group.get(k)
+        if isinstance(v, Tensor) and isinstance(old, Tensor) and old.shape == v.shape:
+            with torch.no_grad():
+                old.copy_(v)  # the same tensor object, as torch code may hold it
+        else:
+            group[k] = v.clone() if isinstance(v, Tensor) else v
+
+
+class _Saved:
+    """Copies of some parameters and their optimizer state, to undo a step call."""
+
+    def __init__(self, optimizer: Any, params: list[Tensor]) -> None:
+        self.items = []
+        for p in params:
+            state = optimizer.state.get(p, _MISSING)
+            if state is not _MISSING:
+                state = {
+                    k: (v.detach().clone() if isinstance(v, Tensor) else copy.deepcopy(v))
+                    for k, v in state.items()
+                }
+            self.items.append((p, p.detach().clone(), state))
+
+    def restore(self, optimizer: Any) -> None:
+        with torch.no_grad():
+            for p, value, state in self.items:
+                p.copy_(value)
+                if state is _MISSING:
+                    optimizer.state.pop(p, None)
+                else:
+                    optimizer.state[p] = state
+
+
+class SubsetStepper:
+    """Steps any subset of one optimizer's parameters (see the module docstring).
+
+    Args:
+        name: the optimizer's class name, for messages.
+        step: calls the optimizer's own ``step``, as ``step(optimizer)``.
+        narrow: step on narrowed param groups (torch.optim's own classes).
+    """
+
+    def __init__(self, name: str, step: Callable[..., Any], narrow: bool) -> None:
+        self.step = step
+        self.narrow = narrow
+        self.name = name
+        self._key: object = None  # the open transaction
+        self._pre: list[dict[str, Any]] | None = None  # group values it started with
+        self._post: list[dict[str, Any]] | None = None  # and those its first call ended with
+        self._moved = False  # whether the transaction's first call changed group values
+        self._verified = False  # a transaction showed group values independent of gradients
+        self._saved: list[_Saved] = []  # undo records while unverified
+
+    # -- transactions ------------------------------------------------------
+    def open(self, key: object) -> None:
+        """Start the transaction ``key`` unless it is the open one."""
+        if key != self._key:
+            self._key, self._pre, self._post, self._saved = key, None, None, []
+
+    def __call__(self, optimizer: Any, params: list[Tensor], key: object) -> None:
+        """Update exactly ``params`` (each holds a ``.grad``) within transaction ``key``."""
+        self.open(key)
+        if self.narrow:
+            self._narrowed(optimizer, params)
+            return
+        if self._verified:
+            self._transact(optimizer, params)
+            return
+        # Unverified: the first parameters go one at a time, from saved copies,
+        # until two calls show the group values do not depend on the gradients.
+        order = sorted(params, key=lambda p: p.numel())
+        while order and not self._verified:
+            p = order.pop(0)
+            self._saved.append(_Saved(optimizer, [p]))
+            self._transact(optimizer, [p])
+        if order:
+            self._transact(optimizer, order)
+
+    def _transact(self, optimizer: Any, params: list[Tensor]) -> None:
+        groups = optimizer.param_groups
+        if self._pre is None:  # the transaction's first call
+            self._pre = [_values(g) for g in groups]
+            self._whole(optimizer, params)
+            self._post = [_values(g) for g in groups]
+            moved = self._moved = any(_changed(b, g) for b, g in zip(self._pre, groups))
+            if not moved:  # static group values: nothing to verify
+                self._verified, self._saved = True, []
+            return
+        if self._moved:
+            for g, values in zip(groups, self._pre):
+                _restore_values(g, values)
+        self._whole(optimizer, params)
+        assert self._post is not None
+        keys = sorted({k for b, g in zip(self._post, groups) for k in _changed(b, g)})
+        if keys:
+            self._refuse(optimizer, keys, GLOBAL_ESTIMATE_ERROR if self._moved else LATE_MOVE_ERROR)
+        if self._saved:
+            self._verified, self._saved = True, []
+
+    def _refuse(self, optimizer: Any, keys: list[str], message: str) -> None:
+        saved, self._saved = self._saved, []
+        for record in reversed(saved):
+            record.restore(optimizer)
+        if self._pre is not None:
+            for g, values in zip(optimizer.param_groups, self._pre):
+                _restore_values(g, values)
+        self._key = None
+        outcome = (
+            "Nothing was updated." if saved else
+            "Layers stepped earlier in this backward were updated with partial values."
+        )
+        raise BackwardStateError(
+            message.format(name=self.name, keys=", ".join(keys), outcome=outcome)
+        )
+
+    # -- the two ways to call step ----------------------------------------
+    def _narrowed(self, optimizer: Any, params: list[Tensor]) -> None:
+        groups = optimizer.param_groups
+        if len(groups) == 1:
+            order, members = [0], [params]
+        else:
+            index = optimizer._group_index()
+            by_group: dict[int, list[Tensor]] = {}
+            for p in params:
+                by_group.setdefault(index[id(p)][0], []).append(p)
+            order = sorted(by_group)
+            members = [by_group[i] for i in order]
+        narrowed = [groups[i] for i in order]
+        saved = [g["params"] for g in narrowed]
+        try:
+            for g, ps in zip(narrowed, members):
+                g["params"] = ps
+            optimizer.param_groups = narrowed
+            self.step(optimizer)
+        finally:
+            optimizer.param_groups = groups
+            for g, ps in zip(narrowed, saved):
+                g["params"] = ps
+
+    def _whole(self, optimizer: Any, params: list[Tensor]) -> None:
+        keep = {id(p) for p in params}
+        hidden = [
+            (p, p.grad)
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None and id(p) not in keep
+        ]
+        try:
+            for p, _ in hidden:
+                p.grad = None
+            self.step(optimizer)
+        finally:
+            for p, grad in hidden:
+                p.grad = grad

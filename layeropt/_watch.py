@@ -1,0 +1,125 @@
+"""Torch APIs whose use around an attached backward layeropt must notice.
+
+* ``GradScaler.scale``: a backward through a scaled loss has gradients that
+  must not be applied before ``scaler.step`` has checked them all for
+  inf/NaN. :func:`scaled_backward` tells whether the running backward is one;
+  the engine then holds its gradients for ``step()`` (exactly torch's recipe).
+* ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``: after an
+  attached backward the gradients were already applied and freed, so
+  clipping them does nothing and returns 0. Called with parameters stepped
+  that way, they raise (a finite ``max_norm``, or by value) or warn (an
+  infinite ``max_norm``: a measurement) instead of silently doing nothing.
+
+Both are wrapped once per process, when the first layeropt optimizer is made;
+nothing else about them changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .errors import LayeroptError, warn
+
+__all__ = ["watch", "scaled_backward", "CLIP_AFTER_BACKWARD"]
+
+_SCALED: list[weakref.ref] = []  # outputs of GradScaler.scale still alive
+_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()  # engines to ask about stepped params
+
+CLIP_AFTER_BACKWARD = (
+    "{fn} was called on parameters that an attached backward has already updated, "
+    "so their gradients are gone and nothing would be clipped ({result}). Clip inside "
+    "backward instead: layeropt.backward(loss, max_norm=...) for the global norm, or "
+    "layeropt.attach(model, opt, clip_value=... / bucket_max_norm=...) per layer; in "
+    "a trainer use its layeropt integration (Lightning: "
+    "layeropt.integrations.lightning.LayeroptCallback, accelerate: "
+    "layeropt.integrations.accelerate.LayeroptAccelerator, Hugging Face: "
+    "layeropt.integrations.hf.LayeroptTrainer)."
+)
+
+
+def _record_scaled(out: Any) -> None:
+    if isinstance(out, Tensor):
+        if out.grad_fn is not None:
+            _SCALED.append(weakref.ref(out))
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            _record_scaled(o)
+
+
+def scaled_backward() -> bool:
+    """Whether the backward running now goes through a ``GradScaler.scale`` output."""
+    if not _SCALED:
+        return False
+    _SCALED[:] = [r for r in _SCALED if r() is not None]
+    for ref in _SCALED:
+        t = ref()
+        if t is not None and t.grad_fn is not None:
+            if torch._C._will_engine_execute_node(t.grad_fn):
+                return True
+    return False
+
+
+def _stepped_ids() -> set[int]:
+    """Parameters updated by an attached backward since their optimizer's last step()."""
+    ids: set[int] = set()
+    for engine in list(_ENGINES):
+        if engine.stepped_since_boundary:
+            ids.update(id(p) for p in engine.stepped)
+    return ids
+
+
+def _guard(fn: Callable[..., Any], by_norm: bool) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def guarded(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(parameters, Tensor):
+            parameters = [parameters]
+        parameters = list(parameters)
+        stepped = _stepped_ids() if _ENGINES else ()
+        if stepped and any(p.grad is None and id(p) in stepped for p in parameters):
+            max_norm = args[0] if args else kwargs.get("max_norm", math.inf)
+            message = CLIP_AFTER_BACKWARD.format(
+                fn=f"torch.nn.utils.{fn.__name__}",
+                result="it returns a norm of 0" if by_norm else "no gradient is left",
+            )
+            if by_norm and math.isinf(float(max_norm)):
+                warn(message.replace("nothing would be clipped", "the norm is not measured"))
+            else:
+                raise LayeroptError(message)
+        return fn(parameters, *args, **kwargs)
+
+    guarded._layeropt_guard = True  # type: ignore[attr-defined]
+    return guarded
+
+
+@functools.cache
+def watch() -> None:
+    """Wrap ``GradScaler.scale`` and the clipping functions (once per process)."""
+    scaler_cls = torch.amp.GradScaler
+    original_scale = scaler_cls.scale
+
+    @functools.wraps(original_scale)
+    def scale(self: Any, outputs: Any) -> Any:
+        out = original_scale(self, outputs)
+        if self._enabled:
+            _record_scaled(out)
+        return out
+
+    scaler_cls.scale = scale  # type: ignore[method-assign]
+
+    from torch.nn.utils import clip_grad
+
+    for name, by_norm in (("clip_grad_norm_", True), ("clip_grad_value_", False)):
+        fn = getattr(clip_grad, name)
+        if getattr(fn, "_layeropt_guard", False):
+            continue
+        guarded = _guard(fn, by_norm)
+        setattr(clip_grad, name, guarded)
+        if getattr(torch.nn.utils, name, None) is fn:
+            setattr(torch.nn.utils, name, guarded)
