@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._fastpath import fast_path_for
 from .errors import BackwardStateError
 
 __all__ = ["SubsetStepper", "narrowable"]
@@ -115,28 +116,45 @@ def _restore_values(group: dict[str, Any], values: dict[str, Any]) -> None:
             group[k] = v.clone() if isinstance(v, Tensor) else v
 
 
+def _inner(t: Tensor) -> list[Tensor]:
+    """The plain tensors a tensor is stored in (a quantized state's codes and scales)."""
+    if type(t) is not Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in _inner(getattr(t, n))]
+    return [t]
+
+
 class _Saved:
-    """Copies of some parameters and their optimizer state, to undo a step call."""
+    """Copies of some parameters and their optimizer state, to undo a step call.
+
+    Tensors are restored in place (``copy_``), so code holding them sees the
+    old values again; tensor subclasses (torchao's quantized states) through
+    the plain tensors they are made of.
+    """
 
     def __init__(self, optimizer: Any, params: list[Tensor]) -> None:
         self.items = []
         for p in params:
             state = optimizer.state.get(p, _MISSING)
             if state is not _MISSING:
-                state = {
-                    k: (v.detach().clone() if isinstance(v, Tensor) else copy.deepcopy(v))
-                    for k, v in state.items()
-                }
-            self.items.append((p, p.detach().clone(), state))
+                state = dict(state)  # the same objects; tensor contents copied below
+            tensors = [p, *(v for v in (state.values() if state is not _MISSING else ())
+                            if isinstance(v, Tensor))]
+            copies = [(x, x.detach().clone()) for t in tensors for x in _inner(t)]
+            others = {} if state is _MISSING else {
+                k: copy.deepcopy(v) for k, v in state.items() if not isinstance(v, Tensor)
+            }
+            self.items.append((p, state, copies, others))
 
     def restore(self, optimizer: Any) -> None:
         with torch.no_grad():
-            for p, value, state in self.items:
-                p.copy_(value)
+            for p, state, copies, others in self.items:
+                for x, saved in copies:
+                    x.copy_(saved)
                 if state is _MISSING:
                     optimizer.state.pop(p, None)
                 else:
-                    optimizer.state[p] = state
+                    optimizer.state[p] = {**state, **others}
 
 
 class SubsetStepper:
@@ -148,6 +166,11 @@ class SubsetStepper:
         narrow: step on narrowed param groups (torch.optim's own classes).
     """
 
+    #: Training steps whose first two parameters are stepped one at a time from
+    #: saved copies, so that a mismatch is refused with nothing changed. Later
+    #: steps are still checked on every call (a mismatch then raises too).
+    PROBED_STEPS = 3
+
     def __init__(self, name: str, step: Callable[..., Any], narrow: bool) -> None:
         self.step = step
         self.narrow = narrow
@@ -156,14 +179,17 @@ class SubsetStepper:
         self._pre: list[dict[str, Any]] | None = None  # group values it started with
         self._post: list[dict[str, Any]] | None = None  # and those its first call ended with
         self._moved = False  # whether the transaction's first call changed group values
-        self._verified = False  # a transaction showed group values independent of gradients
-        self._saved: list[_Saved] = []  # undo records while unverified
+        self._probes_left = self.PROBED_STEPS
+        self._probing = False  # this transaction's first parameters go one at a time
+        self._saved: list[_Saved] = []  # undo records of the probe calls
+        self.fast: Any = _MISSING  # narrowed calls: torch's update on prepared lists, or None
 
     # -- transactions ------------------------------------------------------
     def open(self, key: object) -> None:
         """Start the transaction ``key`` unless it is the open one."""
         if key != self._key:
             self._key, self._pre, self._post, self._saved = key, None, None, []
+            self._probing = self._probes_left > 0
 
     def __call__(self, optimizer: Any, params: list[Tensor], key: object) -> None:
         """Update exactly ``params`` (each holds a ``.grad``) within transaction ``key``."""
@@ -171,13 +197,8 @@ class SubsetStepper:
         if self.narrow:
             self._narrowed(optimizer, params)
             return
-        if self._verified:
-            self._transact(optimizer, params)
-            return
-        # Unverified: the first parameters go one at a time, from saved copies,
-        # until two calls show the group values do not depend on the gradients.
-        order = sorted(params, key=lambda p: p.numel())
-        while order and not self._verified:
+        order = sorted(params, key=lambda p: p.numel()) if self._probing else params
+        while self._probing and order:  # one at a time from saved copies (smallest first)
             p = order.pop(0)
             self._saved.append(_Saved(optimizer, [p]))
             self._transact(optimizer, [p])
@@ -190,9 +211,9 @@ class SubsetStepper:
             self._pre = [_values(g) for g in groups]
             self._whole(optimizer, params)
             self._post = [_values(g) for g in groups]
-            moved = self._moved = any(_changed(b, g) for b, g in zip(self._pre, groups))
-            if not moved:  # static group values: nothing to verify
-                self._verified, self._saved = True, []
+            self._moved = any(_changed(b, g) for b, g in zip(self._pre, groups))
+            if not self._moved:  # static group values this step: nothing to compare
+                self._end_probe()
             return
         if self._moved:
             for g, values in zip(groups, self._pre):
@@ -202,8 +223,12 @@ class SubsetStepper:
         keys = sorted({k for b, g in zip(self._post, groups) for k in _changed(b, g)})
         if keys:
             self._refuse(optimizer, keys, GLOBAL_ESTIMATE_ERROR if self._moved else LATE_MOVE_ERROR)
-        if self._saved:
-            self._verified, self._saved = True, []
+        self._end_probe()
+
+    def _end_probe(self) -> None:
+        if self._probing:
+            self._probing, self._saved = False, []
+            self._probes_left -= 1
 
     def _refuse(self, optimizer: Any, keys: list[str], message: str) -> None:
         saved, self._saved = self._saved, []
@@ -223,6 +248,11 @@ class SubsetStepper:
 
     # -- the two ways to call step ----------------------------------------
     def _narrowed(self, optimizer: Any, params: list[Tensor]) -> None:
+        fast = self.fast
+        if fast is _MISSING:
+            fast = self.fast = fast_path_for(type(optimizer))
+        if fast is not None and fast.step(optimizer, params):
+            return  # torch's functional on the lists step would build (layeropt/_fastpath.py)
         groups = optimizer.param_groups
         if len(groups) == 1:
             order, members = [0], [params]
@@ -244,6 +274,8 @@ class SubsetStepper:
             optimizer.param_groups = groups
             for g, ps in zip(narrowed, saved):
                 g["params"] = ps
+        if fast is not None:
+            fast.learn(optimizer, params, order, members)
 
     def _whole(self, optimizer: Any, params: list[Tensor]) -> None:
         keep = {id(p) for p in params}

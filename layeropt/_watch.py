@@ -58,11 +58,17 @@ def scaled_backward() -> bool:
     if not _SCALED:
         return False
     _SCALED[:] = [r for r in _SCALED if r() is not None]
+    will_execute = torch._C._will_engine_execute_node
     for ref in _SCALED:
         t = ref()
-        if t is not None and t.grad_fn is not None:
-            if torch._C._will_engine_execute_node(t.grad_fn):
-                return True
+        node = None if t is None else t.grad_fn
+        if node is None:
+            continue
+        # The root of a backward does not count as "will execute": ask its inputs too.
+        if will_execute(node) or any(
+            n is not None and will_execute(n) for n, _ in node.next_functions
+        ):
+            return True
     return False
 
 

@@ -27,6 +27,7 @@ __all__ = ["attach", "Attachment"]
 _HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 _SPARSE_MODULES = (nn.Embedding, nn.EmbeddingBag)
+_BUILTIN = {"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adafactor"}  # layeropt.<name>
 
 
 def _owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer]:
@@ -43,10 +44,16 @@ def _owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer]:
         optimizers = optimizer_list(optimizer)
     for o in optimizers:
         if not isinstance(o, InBackwardOptimizer):
+            cls = type(o)
+            name = f"{cls.__module__}.{cls.__qualname__}"
+            builtin = cls.__module__.startswith("torch.optim") and cls.__name__ in _BUILTIN
+            fix = (
+                f"layeropt.{cls.__name__}(...) (same arguments)" if builtin
+                else f"layeropt.in_backward({name})(...) (same arguments)"
+            )
             raise AttachError(
-                f"{type(o).__module__}.{type(o).__name__} cannot step in backward. Use "
-                f"the layeropt class of the same name (layeropt.{type(o).__name__}) or "
-                f"layeropt.in_backward({type(o).__name__}) to make one."
+                f"{name} is not a layeropt optimizer, so it cannot step in backward. "
+                f"Build it as {fix} and attach that."
             )
         if any(g.get("differentiable", False) for g in o.param_groups):
             raise AttachError(

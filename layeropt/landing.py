@@ -588,7 +588,13 @@ class Engine:
             if not groups:
                 return
         params = groups[0] if len(groups) == 1 else [p for g in groups for p in g]
-        optimizer._step_params(params)
+        try:
+            optimizer._step_params(params)
+        except BaseException:
+            for p in params:  # refused or failed: drop these gradients, as an abort would
+                if p not in self.held:
+                    p.grad = None
+            raise
         for p in params:
             p.grad = None
         if self.held:

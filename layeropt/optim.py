@@ -30,6 +30,7 @@ from .landing import Engine
 __all__ = [
     "InBackwardOptimizer",
     "in_backward",
+    "unwrap_optimizer",
     "SGD",
     "Adam",
     "AdamW",
@@ -295,6 +296,13 @@ def in_backward(optimizer_class: type[_O]) -> type[_O]:
     if optimizer_class in _GENERATED:
         return _GENERATED[optimizer_class]  # type: ignore[return-value]
     reason = _NOT_PER_PARAMETER.get(optimizer_class.__name__)
+    if isinstance(inspect.getattr_static(optimizer_class, "param_groups", None), property):
+        reason = (
+            "it wraps other optimizers (its param_groups are computed, not its own); "
+            "torchao's CPUOffloadOptimizer, for one, runs every update inside step() on "
+            "CPU copies of the gradients. Make the optimizer it wraps in-backward "
+            "instead, e.g. layeropt.in_backward(torchao.optim.AdamW8bit)"
+        )
     if reason is not None:
         raise TypeError(
             f"{optimizer_class.__name__} cannot step in backward: {reason}. "
@@ -352,13 +360,38 @@ def _call_torch_step(optimizer: InBackwardOptimizer) -> None:
         cls._torch_step_no_grad(optimizer)
 
 
-def optimizer_list(optimizer: Optimizer | Iterable[Optimizer] | None) -> list[Optimizer]:
-    """``None`` -> ``[]``, one optimizer -> ``[it]``, an iterable -> a list."""
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside wrappers that hold it as ``.optimizer``.
+
+    accelerate's ``AcceleratedOptimizer`` and Lightning's ``LightningOptimizer``
+    forward ``step``/``zero_grad``/``param_groups`` to the optimizer they wrap;
+    layeropt attaches that one.
+
+    Args:
+        optimizer: an optimizer, possibly wrapped (several times).
+
+    Returns:
+        The innermost optimizer (``optimizer`` itself if it is not wrapped).
+
+    Example:
+        >>> opt = Adam(torch.nn.Linear(2, 2).parameters())
+        >>> unwrap_optimizer(opt) is opt
+        True
+    """
+    while not isinstance(optimizer, InBackwardOptimizer) and isinstance(
+        getattr(optimizer, "optimizer", None), Optimizer
+    ):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def optimizer_list(optimizer: Any) -> list[Any]:
+    """``None`` -> ``[]``, one optimizer -> ``[it]``, an iterable -> a list; unwrapped."""
     if optimizer is None:
         return []
-    if isinstance(optimizer, Optimizer):
-        return [optimizer]
-    return list(optimizer)
+    if isinstance(optimizer, Optimizer) or hasattr(optimizer, "optimizer"):
+        return [unwrap_optimizer(optimizer)]
+    return [unwrap_optimizer(o) for o in optimizer]
 
 
 def live_optimizers() -> list[InBackwardOptimizer]:

@@ -644,7 +644,8 @@ ERRORS = {
     "other_comm_hook": ["AttachError: this DDP model already has a communication hook",
                         "without register_comm_hook"],
     "attach_twice": ["AttachError: this DDP model is already attached", ".remove()"],
-    "plain_torch_optimizer": ["AttachError: torch.optim.adam.Adam cannot step", "layeropt.Adam"],
+    "plain_torch_optimizer": ["AttachError: torch.optim.adam.Adam is not a layeropt optimizer",
+                              "layeropt.Adam(...)"],
     "global_clipping": ["AttachError: layeropt.backward(loss, max_norm=... or scaler=...) is not "
                         "supported with attach_ddp", "plain torch.optim"],
     "static_graph_unused": ["AttachError: a parameter DDP synchronises got no gradient",

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from ..attach import Attachment, attach
 from ..backward import backward as layeropt_backward
 from ..errors import LayeroptError
-from ..optim import InBackwardOptimizer, in_backward, live_optimizers
+from ..optim import InBackwardOptimizer, in_backward, live_optimizers, unwrap_optimizer
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -64,28 +64,6 @@ __all__ = ["LayeroptTrainer", "LayeroptCallback", "TrainerSetupError", "unwrap_o
 
 class TrainerSetupError(LayeroptError):
     """The Trainer is set up in a way in-backward updates cannot make exact."""
-
-
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """Return the optimizer inside accelerate's ``AcceleratedOptimizer`` wrapper(s).
-
-    Args:
-        optimizer: ``trainer.optimizer`` (wrapped once ``train()`` started) or
-            an optimizer.
-
-    Returns:
-        The innermost optimizer (unchanged if it is not wrapped).
-
-    Example:
-        >>> opt = layeropt.AdamW(torch.nn.Linear(2, 2).parameters())  # doctest: +SKIP
-        >>> unwrap_optimizer(trainer.optimizer) is opt  # doctest: +SKIP
-        True
-    """
-    while not isinstance(optimizer, InBackwardOptimizer) and isinstance(
-        getattr(optimizer, "optimizer", None), torch.optim.Optimizer
-    ):
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 def _check_args(args: Any, *, plain: bool) -> None:

@@ -1,0 +1,244 @@
+"""Third-party optimizers through ``layeropt.in_backward``: equal to themselves, or refused.
+
+Each optimizer is trained twice from the same seed - plainly
+(``backward(); step(); zero_grad()``) and attached - and parameters and
+optimizer state are compared bit for bit. Optimizers whose update of one layer
+depends on the gradients of all (global estimates) must be refused before
+anything changes. Needs the ``integrations`` extra; each case skips if its
+package is missing.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from typing import Any
+
+import pytest
+import torch
+from harness import assert_same
+
+import layeropt
+from layeropt.models import make_model
+
+
+def _cls(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    return getattr(pytest.importorskip(module), name)
+
+
+class Wide(torch.nn.Module):
+    """Layers large enough (4096 elements) for torchao / bitsandbytes to quantize
+    their state, of two shapes only (torchao compiles its step per shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 64)
+        self.body = torch.nn.Linear(64, 64, bias=False)
+        self.norm = torch.nn.LayerNorm(64)
+        self.head = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.relu(self.body(self.emb(ids)))))
+
+
+def _wide() -> tuple[torch.nn.Module, Any, Any]:
+    torch.manual_seed(0)
+    model = Wide()
+
+    def batch(gen: torch.Generator) -> torch.Tensor:
+        return torch.randint(0, 64, (4, 8), generator=gen)
+
+    def loss(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten())
+
+    return model, batch, loss
+
+
+# (optimizer class path, kwargs, model): trained plainly and attached, bit for bit.
+CASES = [
+    ("schedulefree.AdamWScheduleFree", dict(lr=1e-2, warmup_steps=2), "gpt"),
+    ("schedulefree.SGDScheduleFree", dict(lr=1e-2, warmup_steps=2, weight_decay=0.1), "unet"),
+    ("schedulefree.RAdamScheduleFree", dict(lr=1e-2), "gpt"),
+    ("bitsandbytes.optim.Adam8bit", dict(lr=1e-2), "wide"),
+    ("bitsandbytes.optim.AdamW8bit", dict(lr=1e-2, weight_decay=0.1), "wide"),
+    ("bitsandbytes.optim.Lion8bit", dict(lr=1e-3), "wide"),
+    ("torchao.optim.AdamW8bit", dict(lr=1e-2), "wide"),
+    ("torchao.optim.AdamW4bit", dict(lr=1e-2), "wide"),
+    ("torchao.optim.AdamWFp8", dict(lr=1e-2), "wide"),
+    ("torch.optim.NAdam", dict(lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1), "gpt"),
+    ("torch.optim.RAdam", dict(lr=1e-2), "unet"),
+]
+REFUSED = [
+    ("prodigyopt.Prodigy", dict(lr=1.0)),
+    ("dadaptation.DAdaptAdam", dict(lr=1.0)),
+    ("dadaptation.DAdaptSGD", dict(lr=1.0)),
+]
+
+
+def _model(name: str) -> tuple[torch.nn.Module, Any, Any]:
+    return _wide() if name == "wide" else make_model(name)
+
+
+def _groups(model: torch.nn.Module, split: bool) -> Any:
+    params = list(model.parameters())
+    if not split:
+        return params
+    return [{"params": params[::2]}, {"params": params[1::2], "lr": 5e-3}]
+
+
+def _train(cls: Any, kw: dict, model_name: str, *, split: bool = False, steps: int = 3,
+           cap: float | None = None, before: Any = None) -> tuple[Any, Any, Any, Any]:
+    model, batch_fn, loss_fn = _model(model_name)
+    ref = copy.deepcopy(model)
+    ref_opt = cls(_groups(ref, split), **kw)
+    opt = layeropt.in_backward(cls)(_groups(model, split), **kw)
+    for o, m in ((ref_opt, ref), (opt, model)):
+        if hasattr(o, "train"):
+            o.train()  # schedule-free
+        if before is not None:
+            before(o, m)
+    handle = layeropt.attach(model, opt, **({} if cap is None else {"bucket_cap_mb": cap}))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        data = batch_fn(gen)
+        loss_fn(ref, data).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_fn(model, data).backward()
+        assert all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+    handle.remove()
+    return ref, ref_opt, model, opt
+
+
+def _plain(x: Any) -> Any:
+    """Quantized state (tensor subclasses) as the plain tensors they are made of."""
+    if isinstance(x, torch.Tensor) and hasattr(x, "__tensor_flatten__"):
+        names, _ = x.__tensor_flatten__()
+        return {n: getattr(x, n) for n in names}
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _same_training(ref: Any, ref_opt: Any, model: Any, opt: Any) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach(), name)
+    assert_same(_plain(ref_opt.state_dict()), _plain(opt.state_dict()))
+
+
+@pytest.mark.parametrize("cap", [0.0, None], ids=["cap0", "default-cap"])
+@pytest.mark.parametrize("path, kw, model_name", CASES, ids=[c[0] for c in CASES])
+def test_third_party_optimizer_matches_itself(path, kw, model_name, cap):
+    _same_training(*_train(_cls(path), kw, model_name, cap=cap))
+
+
+@pytest.mark.parametrize("path", ["schedulefree.AdamWScheduleFree", "torchao.optim.AdamW8bit"])
+def test_third_party_with_two_param_groups(path):
+    kw = dict(lr=1e-2, warmup_steps=2) if "schedulefree" in path else dict(lr=1e-2)
+    ref, ref_opt, model, opt = _train(_cls(path), kw, "wide", split=True, cap=0.0)
+    _same_training(ref, ref_opt, model, opt)
+
+
+def test_schedulefree_group_counter_advances_once_per_step():
+    """``k`` lives in the param group; one backward with many buckets is one step."""
+    cls = _cls("schedulefree.AdamWScheduleFree")
+    ref, ref_opt, model, opt = _train(cls, dict(lr=1e-2), "gpt", cap=0.0, steps=4)
+    assert [g["k"] for g in opt.param_groups] == [g["k"] for g in ref_opt.param_groups] == [4]
+    _same_training(ref, ref_opt, model, opt)
+
+
+def test_bitsandbytes_module_override_lands_on_its_parameter():
+    """``register_module_override`` keys its config by (group, param) index: kept whole."""
+    bnb = pytest.importorskip("bitsandbytes")
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+
+    def override(opt: Any, model: Any) -> None:
+        manager.register_module_override(model.emb, "weight", {"optim_bits": 32})
+
+    try:
+        ref, ref_opt, model, opt = _train(
+            bnb.optim.Adam8bit, dict(lr=1e-2), "wide", cap=0.0, before=override
+        )
+    finally:
+        manager.module_weight_config_triple.clear()
+        manager.index2config.clear()
+        manager.pid2config.clear()
+    _same_training(ref, ref_opt, model, opt)
+    # the 32-bit override reached the embedding (32-bit state) and nothing else
+    assert opt.state[model.emb.weight]["state1"].dtype == torch.float32
+    assert opt.state[model.body.weight]["state1"].dtype == torch.uint8
+    assert ref_opt.state[ref.body.weight]["state1"].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("path, kw", REFUSED, ids=[r[0] for r in REFUSED])
+def test_global_estimate_optimizers_are_refused_before_any_update(path, kw):
+    """Refused at the first step whose layers would see different estimates, with
+    nothing of that step applied: the model is the plain optimizer's before it."""
+    cls = _cls(path)
+    model, batch_fn, loss_fn = make_model("gpt")
+    ref = copy.deepcopy(model)
+    ref_opt = cls(ref.parameters(), **kw)
+    opt = layeropt.in_backward(cls)(model.parameters(), **kw)
+    handle = layeropt.attach(model, opt, bucket_cap_mb=0)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        data = batch_fn(gen)
+        try:
+            loss_fn(model, data).backward()
+        except layeropt.BackwardStateError as e:
+            assert "global estimate" in str(e) and "Nothing was updated" in str(e)
+            break
+        opt.step()
+        opt.zero_grad()
+        loss_fn(ref, data).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    else:
+        pytest.fail(f"{path} was not refused")
+    _same_training(ref, ref_opt, model, opt)
+    assert all(p.grad is None for p in model.parameters())
+    handle.remove()
+
+
+def test_optimizer_wrappers_are_refused_or_unwrapped():
+    torchao_optim = pytest.importorskip("torchao.optim")
+    with pytest.raises(TypeError, match="wraps other optimizers"):
+        layeropt.in_backward(torchao_optim.CPUOffloadOptimizer)
+
+
+def test_accelerate_prepared_optimizer_is_unwrapped():
+    accelerate = pytest.importorskip("accelerate")
+    model, batch_fn, loss_fn = make_model("mlp")
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    accelerator = accelerate.Accelerator(cpu=True)
+    opt = layeropt.Adam(model.parameters(), lr=1e-2)
+    model, prepared = accelerator.prepare(model, opt)
+    handle = layeropt.attach(model, prepared)  # the wrapper: its layeropt optimizer is attached
+    assert opt.attached
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        data = batch_fn(gen)
+        loss_fn(ref, data).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        accelerator.backward(loss_fn(model, data))
+        prepared.step()
+        prepared.zero_grad()
+    handle.remove()
+    _same_training(ref, ref_opt, model, opt)
+
+
+def test_refusals_name_the_fix():
+    model = torch.nn.Linear(2, 2)
+    plain = torch.optim.NAdam(model.parameters())
+    with pytest.raises(layeropt.AttachError, match=r"layeropt.in_backward\(torch.optim.nadam.NAdam\)"):
+        layeropt.attach(model, plain)
+    with pytest.raises(layeropt.AttachError, match=r"layeropt.AdamW\(\.\.\.\)"):
+        layeropt.attach(model, torch.optim.AdamW(model.parameters()))
+    assert importlib.import_module("layeropt").in_backward(torch.optim.NAdam).__name__ == "NAdam"

@@ -1,0 +1,281 @@
+"""One torch training step is one layeropt step: the recipes users already have.
+
+Each test runs a loop written for ``torch.optim`` with an attached layeropt
+optimizer and compares it with the same loop on plain torch, bit for bit -
+or checks that layeropt refuses it loudly with nothing of the step applied.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from harness import InfGrad, assert_models_equal, assert_same
+
+import layeropt
+from layeropt.models import make_model
+
+
+def _pair(model_name: str = "mlp", opt_name: str = "Adam", **kw):
+    model, batch_fn, loss_fn = make_model(model_name)
+    ref = copy.deepcopy(model)
+    kw = kw or dict(lr=1e-2)
+    ref_opt = getattr(torch.optim, opt_name)(ref.parameters(), **kw)
+    opt = getattr(layeropt, opt_name)(model.parameters(), **kw)
+    return ref, ref_opt, model, opt, batch_fn, loss_fn
+
+
+def _snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+# -- accumulation the torch way ---------------------------------------------
+
+
+def test_torch_style_accumulation_is_refused_before_the_second_backward_applies():
+    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair()
+    layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    opt.zero_grad()  # the loop's first call: from here on it is a torch loop
+    (loss_fn(model, batch_fn(gen)) / 2).backward()
+    after_first = _snapshot(model)
+    with pytest.raises(layeropt.BackwardStateError, match="no_step"):
+        (loss_fn(model, batch_fn(gen)) / 2).backward()
+    assert_same(after_first, model.state_dict())  # nothing of the second applied
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_step_after_several_stepping_backwards_is_refused():
+    """The (i + 1) % n loop: its first step() comes after n attached backwards."""
+    _, _, model, opt, batch_fn, loss_fn = _pair()
+    layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        (loss_fn(model, batch_fn(gen)) / 2).backward()
+    with pytest.raises(layeropt.BackwardStateError, match="ends 2 backwards"):
+        opt.step()
+    opt.zero_grad()  # the counts were reset by the error: the loop can go on
+
+
+def test_retain_graph_double_backward_is_refused():
+    """(Autograd's version check catches it too where backward reads an updated weight.)"""
+    model = torch.nn.Linear(4, 1)
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    opt.zero_grad()
+    loss = model(torch.randn(3, 4)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(layeropt.BackwardStateError, match="retain_graph"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("cap", [0.0, None])
+def test_accumulation_with_no_step_matches_torch(cap):
+    """The fix the errors name: all but the last micro-batch inside no_step()."""
+    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair("gpt")
+    layeropt.attach(model, opt, **({} if cap is None else {"bucket_cap_mb": cap}))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        batches = [batch_fn(gen) for _ in range(3)]
+        for b in batches:
+            (loss_fn(ref, b) / 3).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        for i, b in enumerate(batches):
+            if i < 2:
+                with opt.no_step():
+                    (loss_fn(model, b) / 3).backward()
+            else:
+                (loss_fn(model, b) / 3).backward()
+        opt.step()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_a_loop_without_step_calls_steps_every_backward():
+    """A layeropt-native loop (never calls step/zero_grad): each backward is a step."""
+    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair()
+    layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        data = batch_fn(gen)
+        loss_fn(ref, data).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_fn(model, data).backward()
+    assert_models_equal(ref, model)
+
+
+# -- torch's AMP recipe -------------------------------------------------------
+
+
+def _scaler_loop(model, opt, batch_fn, loss_fn, *, inf_at=None, clip=None, steps=3):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        loss = loss_fn(model, batch_fn(gen))
+        if i == inf_at:
+            loss = InfGrad.apply(loss)
+        scaler.scale(loss).backward()
+        if clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return scaler
+
+
+@pytest.mark.parametrize("opt_name, kw", [
+    ("SGD", dict(lr=0.1, momentum=0.9)),
+    ("Adam", dict(lr=1e-2)),
+    ("Adam", dict(lr=1e-2, fused=True)),  # unscales inside its step: grad_scale / found_inf
+])
+@pytest.mark.parametrize("inf_at, clip", [(None, None), (1, None), (None, 0.05)])
+def test_grad_scaler_recipe_is_exact(opt_name, kw, inf_at, clip):
+    """scale(loss).backward(); [unscale_; clip]; scaler.step(opt); update(): held, exact."""
+    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair("gpt", opt_name, **kw)
+    layeropt.attach(model, opt)
+    ref_scaler = _scaler_loop(ref, ref_opt, batch_fn, loss_fn, inf_at=inf_at, clip=clip)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scaler = _scaler_loop(model, opt, batch_fn, loss_fn, inf_at=inf_at, clip=clip)
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+    assert scaler.get_scale() == ref_scaler.get_scale()
+    held = [w for w in caught if "GradScaler-scaled loss" in str(w.message)]
+    assert held and all(w.filename == __file__ for w in held)  # points at the user's line
+
+
+def test_grad_scaler_recipe_never_changes_weights_during_backward():
+    _, _, model, opt, batch_fn, loss_fn = _pair("mlp", "SGD", lr=0.1)
+    layeropt.attach(model, opt)
+    before = _snapshot(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    with pytest.warns(UserWarning, match="GradScaler"):
+        scaler.scale(loss_fn(model, batch_fn(torch.Generator().manual_seed(1)))).backward()
+    assert_same(before, model.state_dict())
+    assert all(p.grad is not None for p in model.parameters())  # held for scaler.step
+
+
+# -- step(closure): what Lightning does -----------------------------------------
+
+
+def test_step_with_closure_holds_gradients_so_the_caller_may_clip():
+    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair("gpt")
+    layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(1)
+
+    def closure_for(m, o, data):
+        def closure():
+            o.zero_grad()
+            loss = loss_fn(m, data)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)  # inside the closure
+            return loss
+        return closure
+
+    for _ in range(3):
+        data = batch_fn(gen)
+        ref_opt.step(closure_for(ref, ref_opt, data))
+        with pytest.warns(UserWarning, match="step\\(closure\\)"):
+            opt.step(closure_for(model, opt, data))
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+# -- clipping after an attached backward -----------------------------------------
+
+
+def test_clipping_after_an_attached_backward_is_refused():
+    _, _, model, opt, batch_fn, loss_fn = _pair()
+    handle = layeropt.attach(model, opt)
+    loss_fn(model, batch_fn(torch.Generator().manual_seed(1))).backward()
+    with pytest.raises(layeropt.LayeroptError, match="layeropt.backward"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(layeropt.LayeroptError, match="clip_grad_value_"):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+    with pytest.warns(UserWarning, match="not measured"):  # max_norm=inf: a measurement
+        torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    opt.step()
+    opt.zero_grad()  # a new training step: nothing stepped since, nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) == 0
+    handle.remove()
+
+
+def test_clipping_unrelated_parameters_is_untouched():
+    _, _, model, opt, batch_fn, loss_fn = _pair()
+    layeropt.attach(model, opt)
+    loss_fn(model, batch_fn(torch.Generator().manual_seed(1))).backward()
+    other = torch.nn.Linear(3, 3)
+    other(torch.ones(3)).sum().backward()
+    norm = torch.nn.utils.clip_grad_norm_(other.parameters(), 1e-3)
+    assert norm > 1e-3 and torch.linalg.vector_norm(
+        torch.stack([p.grad.norm() for p in other.parameters()])) <= 1e-3 + 1e-9
+
+
+# -- layers unfrozen or frozen after attach ------------------------------------
+
+
+def _unfreeze_schedule(model, step):
+    """Gradual unfreezing: the head trains first, one more layer every step."""
+    layers = [*model.layers, model.head]
+    for i, layer in enumerate(layers):
+        layer.requires_grad_(i >= len(layers) - 1 - step)
+
+
+@pytest.mark.parametrize("cap", [0.0, None])
+def test_gradual_unfreezing_matches_torch(cap):
+    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair("mlp", "AdamW")
+    _unfreeze_schedule(ref, 0)
+    _unfreeze_schedule(model, 0)
+    handle = layeropt.attach(model, opt, **({} if cap is None else {"bucket_cap_mb": cap}))
+    gen = torch.Generator().manual_seed(1)
+    for step in range(5):
+        _unfreeze_schedule(ref, step)
+        _unfreeze_schedule(model, step)
+        data = batch_fn(gen)
+        loss_fn(ref, data).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_fn(model, data).backward()
+        assert all(p.grad is None for p in model.parameters())  # all stepped in backward
+        opt.step()
+        opt.zero_grad()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+    hooked = {id(p) for b in handle.buckets for p in b.params}
+    assert hooked == {id(p) for p in model.parameters()}  # every layer hooked by now
+
+
+def test_unfreezing_with_no_hooked_layer_left_is_stepped_by_step():
+    """Everything trainable so far frozen, new layers unfrozen: no hook fires at all;
+    step() updates them (as torch) and hooks them for the next backward."""
+    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair("mlp", "SGD", lr=0.1)
+    for m in (ref, model):
+        m.requires_grad_(False)
+        m.head.requires_grad_(True)
+    handle = layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        if step == 1:
+            for m in (ref, model):
+                m.requires_grad_(True)
+                m.head.requires_grad_(False)
+        data = batch_fn(gen)
+        loss_fn(ref, data).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_fn(model, data).backward()
+        held = [p for p in model.parameters() if p.grad is not None]
+        trainable = sum(p.requires_grad for p in model.parameters())
+        assert len(held) == (trainable if step == 1 else 0)  # step 1: no hook fired
+        opt.step()
+        opt.zero_grad()
+    assert_models_equal(ref, model)
+    assert model.head.weight not in {p for b in handle.buckets for p in b.params}
