@@ -1,0 +1,230 @@
+"""Lightning's ``Trainer`` with in-backward updates, exact.
+
+With automatic optimization, Lightning runs each training step as a closure
+(``zero_grad``, ``training_step``, backward) handed to ``optimizer.step``,
+then clips (``gradient_clip_val``) and unscales (``precision="16-mixed"``)
+*after* backward, and runs the micro-batches of ``accumulate_grad_batches``
+before the last one outside ``optimizer.step``. An attached layeropt
+optimizer alone stays exact there - layeropt holds the gradients of a
+backward inside ``step(closure)`` or through a ``GradScaler`` until the step,
+and refuses torch-style accumulation - but it then saves no memory.
+
+:class:`LayeroptCallback` puts the in-backward updates back, exactly:
+
+* at ``fit`` start it attaches the module to the layeropt optimizers
+  ``configure_optimizers`` returned (and detaches it when ``fit`` ends);
+* the precision plugin's ``backward`` goes through :func:`layeropt.backward`:
+  micro-batches that accumulate run inside ``optimizer.no_step()``, the last
+  one clips the global norm with ``gradient_clip_val`` (one extra backward
+  pass) and applies the fp16 ``GradScaler`` (skip on inf/NaN);
+  ``gradient_clip_algorithm="value"`` clips each layer's gradient before its
+  update (no extra pass);
+* Lightning's own clipping and unscaling after backward become no-ops for
+  the values the callback applied (anything else raises);
+* ``log_grad_norm=True`` logs the measured global norm as
+  ``grad_2.0_norm_total`` (the name of ``lightning.pytorch.utilities.grad_norm``;
+  without clipping it costs the extra backward pass too).
+
+Parameters and optimizer state equal the same ``Trainer`` with ``torch.optim``
+bit for bit. Single process, automatic optimization (with manual optimization
+layeropt's own rules apply: call ``layeropt.backward`` in ``training_step``).
+Tested with Lightning 2.6.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..attach import Attachment, attach
+from ..backward import backward as layeropt_backward
+from ..errors import LayeroptError
+from ..optim import InBackwardOptimizer, unwrap_optimizer
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+except ImportError as exc:  # pragma: no cover - exercised without lightning
+    raise ImportError(
+        "layeropt.integrations.lightning needs Lightning: pip install 'layeropt[lightning]' "
+        "(or pip install lightning)."
+    ) from exc
+
+__all__ = ["LayeroptCallback", "LightningSetupError"]
+
+
+class LightningSetupError(LayeroptError):
+    """The Trainer is set up in a way in-backward updates cannot make exact."""
+
+
+class LayeroptCallback(Callback):
+    """Update each layer during backward under Lightning's ``Trainer``, exactly.
+
+    Args:
+        bucket_cap_mb: passed to :func:`layeropt.attach` (``None``: its default).
+        log_grad_norm: log the global gradient norm (before clipping) every
+            optimizer step as ``grad_2.0_norm_total``.
+
+    Raises:
+        LightningSetupError: at ``fit`` start, when no optimizer is a layeropt
+            one, the run is distributed, or the module uses manual optimization.
+
+    Example:
+        >>> class Net(L.LightningModule):  # doctest: +SKIP
+        ...     def configure_optimizers(self):
+        ...         return layeropt.AdamW(self.parameters(), lr=1e-3)
+        >>> trainer = L.Trainer(callbacks=[LayeroptCallback()],  # doctest: +SKIP
+        ...                     gradient_clip_val=1.0, accumulate_grad_batches=4)
+        >>> trainer.fit(Net(), loader)  # doctest: +SKIP
+    """
+
+    def __init__(self, bucket_cap_mb: float | None = None, log_grad_norm: bool = False) -> None:
+        self.bucket_cap_mb = bucket_cap_mb
+        self.log_grad_norm = log_grad_norm
+        self._handle: Attachment | None = None
+        self._optimizers: list[InBackwardOptimizer] = []
+        self._patched: list[tuple[Any, str]] = []
+        self._clip: tuple[float, str] | None = None
+
+    # -- setup / teardown ------------------------------------------------------
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Check the set-up, attach the module, route backward through layeropt."""
+        if trainer.world_size > 1:
+            raise LightningSetupError(
+                "LayeroptCallback runs in a single process; this Trainer is distributed. "
+                "Use torch.optim with it, or a custom loop with "
+                "layeropt.distributed (docs/distributed.md)."
+            )
+        if not pl_module.automatic_optimization:
+            raise LightningSetupError(
+                "LayeroptCallback is for automatic optimization. With manual optimization, "
+                "attach the model yourself and call layeropt.backward(loss, ...) instead of "
+                "self.manual_backward(loss)."
+            )
+        self._optimizers = [
+            o for o in map(unwrap_optimizer, trainer.optimizers)
+            if isinstance(o, InBackwardOptimizer)
+        ]
+        if not self._optimizers:
+            raise LightningSetupError(
+                "LayeroptCallback found no layeropt optimizer: return one from "
+                "configure_optimizers, e.g. layeropt.AdamW(self.parameters(), lr=1e-3)."
+            )
+        clip_val = float(trainer.gradient_clip_val or 0.0)
+        algorithm = _algorithm(trainer.gradient_clip_algorithm)
+        self._clip = (clip_val, algorithm) if clip_val > 0 else None
+        kwargs: dict[str, Any] = {}
+        if self.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = self.bucket_cap_mb
+        if self._clip is not None and algorithm == "value":
+            kwargs["clip_value"] = clip_val
+        self._handle = attach(pl_module, self._optimizers, **kwargs)
+        precision = trainer.precision_plugin
+        self._patch(precision, "backward", self._backward(trainer))
+        self._patch(precision, "clip_gradients", self._clip_gradients)
+        scaler = getattr(precision, "scaler", None)
+        if scaler is not None:
+            self._patch(scaler, "unscale_", _unscale_once(scaler))
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Detach the module and restore the precision plugin."""
+        self._restore()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, e: BaseException) -> None:
+        """Detach and restore also when ``fit`` fails."""
+        self._restore()
+
+    def _patch(self, obj: Any, name: str, fn: Any) -> None:
+        setattr(obj, name, fn)  # an instance attribute: only this Trainer's plugin
+        self._patched.append((obj, name))
+
+    def _restore(self) -> None:
+        for obj, name in reversed(self._patched):
+            obj.__dict__.pop(name, None)
+        self._patched.clear()
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    # -- what the precision plugin now does ------------------------------------
+    def _backward(self, trainer: pl.Trainer) -> Any:
+        def backward(tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any,
+                     **kwargs: Any) -> None:
+            unknown = set(kwargs) - {"retain_graph"}
+            if args or unknown:
+                raise LightningSetupError(
+                    f"backward got arguments LayeroptCallback does not support ({args}, "
+                    f"{sorted(unknown)})."
+                )
+            opts = self._optimizers
+            if trainer.fit_loop._should_accumulate():
+                with _no_step(opts):
+                    layeropt_backward(tensor, opts, **kwargs)
+                return
+            max_norm = None
+            if self._clip is not None and self._clip[1] == "norm":
+                max_norm = self._clip[0]
+            elif self.log_grad_norm:
+                max_norm = math.inf  # measure only
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            layeropt_backward(tensor, opts, max_norm=max_norm, scaler=scaler, **kwargs)
+
+        return backward
+
+    def _clip_gradients(self, optimizer: Any, clip_val: float = 0.0,
+                        gradient_clip_algorithm: Any = "norm") -> None:
+        algorithm = _algorithm(gradient_clip_algorithm)
+        if clip_val <= 0:
+            return
+        if self._clip != (float(clip_val), algorithm):
+            raise LightningSetupError(
+                f"clip_gradients({clip_val}, {algorithm!r}) was called after backward, but "
+                f"LayeroptCallback applied {self._clip or 'no clipping'} during backward, "
+                "where the gradients were used and freed. Set the clipping with "
+                "Trainer(gradient_clip_val=..., gradient_clip_algorithm=...) only."
+            )
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: Any) -> None:
+        """Log the global gradient norm measured in backward (``log_grad_norm``)."""
+        if self.log_grad_norm:
+            norm = unwrap_optimizer(optimizer).last_grad_norm
+            if norm is not None:
+                pl_module.log("grad_2.0_norm_total", norm, on_step=True)
+
+
+def _algorithm(value: Any) -> str:
+    """``"norm"`` or ``"value"`` from a string or Lightning's ``GradClipAlgorithmType``."""
+    return str(getattr(value, "value", value) or "norm").lower()
+
+
+class _no_step:
+    """``no_step()`` of several optimizers at once."""
+
+    def __init__(self, optimizers: list[InBackwardOptimizer]) -> None:
+        self._contexts = [o.no_step() for o in optimizers]
+
+    def __enter__(self) -> None:
+        for c in self._contexts:
+            c.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for c in reversed(self._contexts):
+            c.__exit__(*exc)
+
+
+def _unscale_once(scaler: Any) -> Any:
+    """``scaler.unscale_`` that is a no-op where ``layeropt.backward`` already unscaled."""
+    from torch.amp.grad_scaler import OptState
+
+    original = type(scaler).unscale_
+
+    def unscale_(optimizer: Any) -> None:
+        state = scaler._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED and isinstance(optimizer, InBackwardOptimizer):
+            return  # layeropt.backward(scaler=...) checked and unscaled every gradient
+        original(scaler, optimizer)
+
+    return unscale_

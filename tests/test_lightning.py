@@ -1,0 +1,153 @@
+"""Lightning ``Trainer`` + layeropt equals the same ``Trainer`` + torch.optim, bit for bit.
+
+Every set-up is trained twice from the same seed and data: with
+``torch.optim.AdamW`` and with ``layeropt.AdamW`` plus
+:class:`layeropt.integrations.lightning.LayeroptCallback` (or attached by
+hand, without it). Parameters and optimizer state are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from harness import assert_same
+
+L = pytest.importorskip("lightning.pytorch")
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from lightning.pytorch.utilities import grad_norm  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import layeropt  # noqa: E402
+from layeropt.integrations.lightning import LayeroptCallback, LightningSetupError  # noqa: E402
+
+
+class Net(L.LightningModule):
+    def __init__(self, opt_cls: Any, attach_by_hand: bool = False, **kw: Any) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)
+        )
+        self.opt_cls, self.kw, self.attach_by_hand = opt_cls, kw, attach_by_hand
+        self.norms: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x).float(), y)
+
+    def configure_optimizers(self) -> Any:
+        opt = self.opt_cls(self.parameters(), lr=1e-2, **self.kw)
+        if self.attach_by_hand:
+            self.handle = layeropt.attach(self, opt)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        return [opt], [sched]
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if isinstance(self.opt_cls, type) and not issubclass(self.opt_cls, layeropt.InBackwardOptimizer):
+            self.norms.append(float(grad_norm(self, norm_type=2)["grad_2.0_norm_total"]))
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    return DataLoader(TensorDataset(torch.randn(32, 8, generator=g) * 3,
+                                    torch.randn(32, 4, generator=g)), batch_size=4)
+
+
+def _fit(module: Net, callbacks: list = (), steps: int = 3, **trainer_kw: Any) -> L.Trainer:
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=list(callbacks), **trainer_kw)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        warnings.filterwarnings("ignore", ".*litlogger.*")
+        trainer.fit(module, _loader())
+    return trainer
+
+
+def _fp16() -> dict:
+    """Lightning's fp16 recipe with a GradScaler, on CPU (its default there is bf16)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
+    return dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+
+
+SETUPS = {
+    "plain": dict(),
+    "clip-norm": dict(gradient_clip_val=0.05),
+    "clip-value": dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"),
+    "accumulate-2": dict(accumulate_grad_batches=2),
+    "accumulate-3-clip": dict(accumulate_grad_batches=3, gradient_clip_val=0.05),
+    "bf16-mixed": dict(precision="bf16-mixed", gradient_clip_val=0.05),
+    "16-mixed": dict(_fp16=True, gradient_clip_val=0.05, accumulate_grad_batches=2),
+}
+
+
+def _kw(setup: dict) -> dict:
+    kw = dict(setup)
+    if kw.pop("_fp16", False):
+        kw.update(_fp16())
+    return kw
+
+
+@pytest.mark.parametrize("setup", list(SETUPS), ids=list(SETUPS))
+def test_lightning_with_callback_matches_torch_optim(setup):
+    ref = Net(torch.optim.AdamW, weight_decay=0.1)
+    _fit(ref, steps=4, **_kw(SETUPS[setup]))
+    module = Net(layeropt.AdamW, weight_decay=0.1)
+    callback = LayeroptCallback(bucket_cap_mb=0, log_grad_norm=True)
+    trainer = _fit(module, [callback], steps=4, **_kw(SETUPS[setup]))
+    for p, q in zip(module.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach())
+    ref_opt = ref.trainer.optimizers[0]
+    assert_same(ref_opt.state_dict(), trainer.optimizers[0].state_dict())
+    opt = trainer.optimizers[0]
+    assert not opt.attached  # detached when fit ended
+    assert opt.last_grad_norm is not None and float(opt.last_grad_norm) > 0
+    if setup in ("plain", "clip-norm"):  # the norm Lightning's own utility computes
+        assert float(opt.last_grad_norm) == pytest.approx(ref.norms[-1], rel=1e-6)
+
+
+def test_callback_with_library_defaults_matches_torch_optim():
+    setup = _kw(SETUPS["accumulate-3-clip"])
+    ref = Net(torch.optim.AdamW)
+    _fit(ref, **setup)
+    module = Net(layeropt.AdamW)
+    _fit(module, [LayeroptCallback()], **setup)
+    for p, q in zip(module.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("setup", ["clip-norm", "bf16-mixed", "16-mixed"])
+def test_attached_without_callback_is_exact_but_warns(setup):
+    """Without the callback an attached optimizer under Lightning holds its gradients
+    (the closure or the GradScaler) until the step: exact, saves nothing, says so."""
+    kw = _kw(SETUPS[setup])
+    kw.pop("accumulate_grad_batches", None)
+    ref = Net(torch.optim.AdamW)
+    _fit(ref, **kw)
+    module = Net(layeropt.AdamW, attach_by_hand=True)
+    with pytest.warns(UserWarning, match="holds them"):
+        _fit(module, **kw)
+    for p, q in zip(module.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach())
+
+
+def test_attached_without_callback_refuses_accumulation():
+    module = Net(layeropt.AdamW, attach_by_hand=True)
+    with pytest.raises(layeropt.BackwardStateError, match="LayeroptCallback"):
+        _fit(module, accumulate_grad_batches=2)
+
+
+def test_callback_refuses_what_it_cannot_make_exact():
+    with pytest.raises(LightningSetupError, match="no layeropt optimizer"):
+        _fit(Net(torch.optim.AdamW), [LayeroptCallback()])
+
+    class Manual(Net):
+        def __init__(self) -> None:
+            super().__init__(layeropt.AdamW)
+            self.automatic_optimization = False
+
+    with pytest.raises(LightningSetupError, match="manual optimization"):
+        _fit(Manual(), [LayeroptCallback()])
