@@ -1,0 +1,252 @@
+"""accelerate's training loop with in-backward updates, exact.
+
+A loop written for ``accelerate`` calls ``accelerator.backward(loss)`` inside
+``accelerator.accumulate(model)``, then - on the micro-batch that syncs -
+``accelerator.clip_grad_norm_`` (or ``clip_grad_value_``), ``optimizer.step()``
+and ``optimizer.zero_grad()``. With an attached layeropt optimizer alone,
+that loop is refused (accumulation, clipping after backward) or held until
+the step (fp16's ``GradScaler``): exact, but saving nothing.
+
+:class:`LayeroptAccelerator` is an ``Accelerator`` that keeps the same loop
+and updates each layer during backward, with the parameters ``Accelerator`` +
+``torch.optim`` gives, bit for bit:
+
+* ``prepare`` attaches every prepared model to the prepared layeropt
+  optimizers that own its parameters;
+* ``backward`` divides by ``gradient_accumulation_steps`` and scales (fp16)
+  as ``Accelerator.backward`` does, runs micro-batches that do not sync inside
+  ``optimizer.no_step()``, and sends the syncing one through
+  :func:`layeropt.backward` with the loop's clipping and the ``GradScaler``;
+* the clipping the loop asks for is learned on the first optimizer step,
+  which runs exactly as plain accelerate does (its gradients are held until
+  ``optimizer.step()``, so ``clip_grad_norm_`` really clips them): from the
+  second step on, the same ``clip_grad_norm_(parameters, max_norm)`` call
+  returns the norm measured during backward, and ``clip_grad_value_`` is
+  applied to each layer before its update. Pass ``max_grad_norm=`` (or
+  ``clip_value=``) to skip the learning step; a later call with other values
+  raises.
+
+Single process (``num_processes == 1``); tested with accelerate 1.15.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import Tensor
+
+from ..attach import Attachment, attach
+from ..backward import backward as layeropt_backward
+from ..errors import LayeroptError
+from ..optim import InBackwardOptimizer, unwrap_optimizer
+
+try:
+    from accelerate import Accelerator
+except ImportError as exc:  # pragma: no cover - exercised without accelerate
+    raise ImportError(
+        "layeropt.integrations.accelerate needs accelerate: pip install "
+        "'layeropt[accelerate]' (or pip install accelerate)."
+    ) from exc
+
+__all__ = ["LayeroptAccelerator", "AccelerateSetupError"]
+
+
+class AccelerateSetupError(LayeroptError):
+    """The loop asks for something in-backward updates cannot make exact."""
+
+
+_UNSET = object()
+
+
+class LayeroptAccelerator(Accelerator):
+    """``accelerate.Accelerator`` that updates each layer during backward, exactly.
+
+    Args:
+        *args: ``Accelerator``'s positional arguments.
+        max_grad_norm: the ``max_norm`` the loop passes to
+            ``clip_grad_norm_`` (``None``: learned on the first step).
+        norm_type: its ``norm_type``.
+        clip_value: the value the loop passes to ``clip_grad_value_``
+            (``None``: learned on the first step).
+        bucket_cap_mb: passed to :func:`layeropt.attach` (``None``: its default).
+        **kwargs: ``Accelerator``'s keyword arguments.
+
+    Raises:
+        AccelerateSetupError: a distributed run; a clipping call that differs
+            from the one learned or given.
+
+    Example:
+        >>> accelerator = LayeroptAccelerator(gradient_accumulation_steps=4)  # doctest: +SKIP
+        >>> model, opt, loader = accelerator.prepare(  # doctest: +SKIP
+        ...     model, layeropt.AdamW(model.parameters(), lr=1e-3), loader)
+        >>> for x, y in loader:  # doctest: +SKIP
+        ...     with accelerator.accumulate(model):
+        ...         accelerator.backward(loss_fn(model(x), y))
+        ...         if accelerator.sync_gradients:
+        ...             accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        ...         opt.step()
+        ...         opt.zero_grad()
+    """
+
+    def __init__(self, *args: Any, max_grad_norm: float | None = None, norm_type: float = 2.0,
+                 clip_value: float | None = None, bucket_cap_mb: float | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.layeropt_bucket_cap_mb = bucket_cap_mb
+        self._lo_handles: dict[int, Attachment] = {}
+        # (max_norm, norm_type, parameters) / value; _UNSET: learned on the first step
+        given = max_grad_norm is not None or clip_value is not None
+        unset = None if given else _UNSET
+        self._lo_norm: Any = unset if max_grad_norm is None else (
+            float(max_grad_norm), float(norm_type), None)
+        self._lo_value: Any = unset if clip_value is None else float(clip_value)
+        self._lo_learning: int | None = None  # engine txn of the learning step, while it runs
+
+    # -- the layeropt optimizers and attachments -----------------------------
+    @property
+    def layeropt_optimizers(self) -> list[InBackwardOptimizer]:
+        """The prepared layeropt optimizers (unwrapped)."""
+        found = (unwrap_optimizer(o) for o in self._optimizers)
+        return [o for o in found if isinstance(o, InBackwardOptimizer)]
+
+    def prepare(self, *args: Any, **kwargs: Any) -> Any:
+        """``Accelerator.prepare``; then attaches prepared models to their layeropt optimizers."""
+        out = super().prepare(*args, **kwargs)
+        opts = self.layeropt_optimizers
+        if opts and self.num_processes > 1:
+            raise AccelerateSetupError(
+                "LayeroptAccelerator runs in a single process; this run has "
+                f"{self.num_processes}. Use torch.optim with accelerate, or a custom loop "
+                "with layeropt.distributed (docs/distributed.md)."
+            )
+        for model in self._models:
+            if id(model) in self._lo_handles:
+                continue
+            params = list(model.parameters())
+            owners = [o for o in opts if any(o.owns(p) for p in params)]
+            if owners:
+                kw = {} if self.layeropt_bucket_cap_mb is None else {
+                    "bucket_cap_mb": self.layeropt_bucket_cap_mb}
+                self._lo_handles[id(model)] = attach(model, owners, **kw)
+        self._apply_clip_value()
+        return out
+
+    def free_memory(self, *objects: Any) -> Any:
+        """``Accelerator.free_memory``; detaches the models first."""
+        for handle in self._lo_handles.values():
+            handle.remove()
+        self._lo_handles.clear()
+        return super().free_memory(*objects)
+
+    # -- backward ---------------------------------------------------------------
+    def backward(self, loss: Tensor, **kwargs: Any) -> None:
+        """``Accelerator.backward`` through :func:`layeropt.backward` (see the module docstring)."""
+        opts = self.layeropt_optimizers
+        if not opts or not any(o.attached for o in opts):
+            return super().backward(loss, **kwargs)
+        unknown = set(kwargs) - {"retain_graph"}
+        if unknown:
+            raise AccelerateSetupError(
+                f"backward got {sorted(unknown)}, which LayeroptAccelerator does not support."
+            )
+        self._end_learning(opts)
+        loss = loss / self.gradient_accumulation_steps  # as Accelerator.backward
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        learning = self._lo_norm is _UNSET or self._lo_value is _UNSET
+        if not self.sync_gradients or learning:
+            if self.sync_gradients:  # the learning step: plain accelerate, held until step()
+                self._lo_learning = opts[0]._lo_engine.txn
+            with _no_step(opts):
+                layeropt_backward(loss, opts, **kwargs)
+            return
+        max_norm = norm_type = params = None
+        if self._lo_norm is not None:
+            max_norm, norm_type, params = self._lo_norm
+        layeropt_backward(
+            loss, opts, max_norm=max_norm, norm_type=2.0 if norm_type is None else norm_type,
+            scaler=self.scaler, parameters=params, **kwargs,
+        )
+
+    def _end_learning(self, opts: list[InBackwardOptimizer]) -> None:
+        """After the learning step's optimizer.step(): what it did not clip, it never clips."""
+        if self._lo_learning is None or opts[0]._lo_engine.txn == self._lo_learning:
+            return
+        self._lo_learning = None
+        if self._lo_norm is _UNSET:
+            self._lo_norm = None
+        if self._lo_value is _UNSET:
+            self._lo_value = None
+
+    def _apply_clip_value(self) -> None:
+        value = None if self._lo_value is _UNSET else self._lo_value
+        for o in self.layeropt_optimizers:
+            o._lo_engine.clip_value = value
+
+    def _learning_now(self) -> bool:
+        return self._lo_learning is not None
+
+    # -- clipping and unscaling after backward ---------------------------------
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """``Accelerator.unscale_gradients``, except where ``layeropt.backward`` already did."""
+        if self._learning_now() or not self.layeropt_optimizers:
+            return super().unscale_gradients(optimizer)
+        others = [o for o in (optimizer if isinstance(optimizer, (list, tuple)) else
+                              [optimizer] if optimizer is not None else self._optimizers)
+                  if not isinstance(unwrap_optimizer(o), InBackwardOptimizer)]
+        if others:
+            super().unscale_gradients(others)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        """The global norm measured in backward (learned or given ``max_norm``)."""
+        opts = self.layeropt_optimizers
+        if not opts or not any(o.attached for o in opts):
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        parameters = list(parameters)
+        key = (float(max_norm), float(norm_type))
+        if self._learning_now() and self._lo_norm is _UNSET:
+            self._lo_norm = (*key, parameters)
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)  # real gradients
+        if self._lo_norm is None or self._lo_norm is _UNSET or self._lo_norm[:2] != key:
+            raise AccelerateSetupError(
+                f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) after backward, "
+                f"but LayeroptAccelerator clipped {self._describe()} during backward, where "
+                "the gradients were used and freed. Make every optimizer step clip the same "
+                "way, or pass max_grad_norm= to LayeroptAccelerator."
+            )
+        return opts[0].last_grad_norm
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Each layer's gradient is clipped by value before its update (learned or given)."""
+        opts = self.layeropt_optimizers
+        if not opts or not any(o.attached for o in opts):
+            return super().clip_grad_value_(parameters, clip_value)
+        if self._learning_now() and self._lo_value is _UNSET:
+            self._lo_value = float(clip_value)
+            self._apply_clip_value()
+            return super().clip_grad_value_(parameters, clip_value)  # real gradients
+        if self._lo_value != float(clip_value):
+            raise AccelerateSetupError(
+                f"clip_grad_value_({clip_value}) after backward, but LayeroptAccelerator "
+                f"clipped {self._describe()} during backward. Make every optimizer step "
+                "clip the same way, or pass clip_value= to LayeroptAccelerator."
+            )
+        return None
+
+    def _describe(self) -> str:
+        parts = []
+        if self._lo_norm not in (None, _UNSET):
+            parts.append(f"to max_norm={self._lo_norm[0]}")
+        if self._lo_value not in (None, _UNSET):
+            parts.append(f"by value {self._lo_value}")
+        return " and ".join(parts) or "nothing"
+
+
+@contextlib.contextmanager
+def _no_step(optimizers: list[InBackwardOptimizer]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for o in optimizers:
+            stack.enter_context(o.no_step())
+        yield

@@ -1,0 +1,134 @@
+"""accelerate's loop with :class:`LayeroptAccelerator` equals ``Accelerator`` + torch.optim.
+
+The same loop (``accumulate``, ``backward``, clipping on the syncing
+micro-batch, ``step``, ``zero_grad``) runs with ``Accelerator`` +
+``torch.optim.AdamW`` and with ``LayeroptAccelerator`` + ``layeropt.AdamW``;
+parameters, optimizer state and the returned norms are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from harness import InfGrad, assert_same
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+import layeropt  # noqa: E402
+from layeropt.integrations.accelerate import (  # noqa: E402
+    AccelerateSetupError,
+    LayeroptAccelerator,
+)
+from layeropt.models import make_model  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _loop(kind: str, *, ga: int = 1, clip: str | None = None, scaler: bool = False,
+          steps: int = 4, inf_at: int | None = None, accel_kw: dict | None = None,
+          cap: float | None = 0.0) -> tuple[Any, Any, list]:
+    model, batch_fn, loss_fn = make_model("gpt")
+    if kind == "torch":
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ga)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    else:
+        accelerator = LayeroptAccelerator(cpu=True, gradient_accumulation_steps=ga,
+                                          bucket_cap_mb=cap, **(accel_kw or {}))
+        opt = layeropt.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if scaler:  # accelerate makes a GradScaler only for fp16 on a GPU: one by hand on CPU
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
+    model, opt = accelerator.prepare(model, opt)
+    if scaler:  # clip_grad_norm_ unscales first, as with fp16 on a GPU (forward stays fp32)
+        accelerator.native_amp = True
+        accelerator.state._mixed_precision = "fp16"
+    gen = torch.Generator().manual_seed(1)
+    norms = []
+    for i in range(steps * ga):
+        with accelerator.accumulate(model):
+            loss = loss_fn(model, batch_fn(gen))
+            if i == inf_at:
+                loss = InfGrad.apply(loss)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                if clip == "norm":
+                    norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.05))
+                elif clip == "value":
+                    accelerator.clip_grad_value_(model.parameters(), 0.002)
+            opt.step()
+            opt.zero_grad()
+    return model, unwrap(opt), norms
+
+
+def unwrap(opt: Any) -> Any:
+    return layeropt.optim.unwrap_optimizer(opt)
+
+
+def _compare(ref: tuple, got: tuple) -> None:
+    (rm, ro, rn), (m, o, n) = ref, got
+    for p, q in zip(m.parameters(), rm.parameters()):
+        assert_same(p.detach(), q.detach())
+    assert_same(ro.state_dict(), o.state_dict())
+    assert len(n) == len(rn)
+    for a, b in zip(n, rn):  # bit for bit; a skipped step's norm is NaN in both
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+CASES = {
+    "plain": dict(),
+    "ga2": dict(ga=2),
+    "ga2-clip-norm": dict(ga=2, clip="norm"),
+    "clip-value": dict(clip="value"),
+    "ga3-scaler-clip": dict(ga=3, scaler=True, clip="norm"),
+    "scaler-inf-skipped": dict(scaler=True, inf_at=2, clip="norm"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_layeropt_accelerator_matches_accelerate_with_torch_optim(case):
+    ref = _loop("torch", **CASES[case])
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    _compare(ref, _loop("layeropt", **CASES[case]))
+
+
+def test_given_clipping_skips_the_learning_step_and_defaults_cap():
+    ref = _loop("torch", ga=2, clip="norm")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    got = _loop("layeropt", ga=2, clip="norm", accel_kw=dict(max_grad_norm=0.05), cap=None)
+    _compare(ref, got)
+
+
+def test_other_clipping_than_learned_is_refused():
+    accelerator = LayeroptAccelerator(cpu=True, max_grad_norm=1.0)
+    model, batch_fn, loss_fn = make_model("mlp")
+    model, opt = accelerator.prepare(model, layeropt.SGD(model.parameters(), lr=0.1))
+    accelerator.backward(loss_fn(model, batch_fn(torch.Generator().manual_seed(0))))
+    with pytest.raises(AccelerateSetupError, match="max_norm=0.5"):
+        accelerator.clip_grad_norm_(model.parameters(), 0.5)
+
+
+def test_plain_accelerator_with_attached_optimizer_refuses():
+    """Without the integration: accumulation and clipping after backward are refused."""
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, batch_fn, loss_fn = make_model("mlp")
+    model, opt = accelerator.prepare(model, layeropt.SGD(model.parameters(), lr=0.1))
+    layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(0)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(layeropt.BackwardStateError, match="LayeroptAccelerator"):
+        for _ in range(4):
+            with accelerator.accumulate(model):
+                accelerator.backward(loss_fn(model, batch_fn(gen)))
+                opt.step()
+                opt.zero_grad()
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
