@@ -1,0 +1,513 @@
+"""Torch's own update functions on argument lists prepared once per bucket.
+
+Why: a bucket step through torch's ``step`` spends most of its host time
+around the kernel, not in it. ``step`` rebuilds its argument lists every call
+(``_init_group``: a Python loop over the parameters that looks up each one's
+state), and that cost is per parameter - as large as the update itself for
+small tensors. For a bucket those lists never change between steps: the same
+parameters, the same state tensors (updated in place).
+
+What: :class:`FastPath` keeps, per bucket (the exact list of parameters a
+step call is given), the lists torch's ``_init_group`` built for it, and on
+later calls hands them - with the gradients read afresh - to the same
+functional torch's ``step`` calls (``torch.optim.adam.adam``,
+``torch.optim.sgd.sgd``, ...), with every hyperparameter read from the param
+group at each call, exactly as ``step`` passes them (so an LR scheduler, a
+tensor ``lr``, ``GradScaler``'s ``grad_scale`` / ``found_inf`` attributes
+work as in torch). Nothing of the update is re-derived here: the functional
+chooses the for-loop, foreach or fused implementation as it does for ``step``.
+
+Exactness rules:
+
+* state is never created here. A bucket's first call (and any call after an
+  invalidation) goes through torch's ``step`` (``layeropt/_subset.py``,
+  narrowed); :meth:`FastPath.learn` then asks torch's own ``_init_group``
+  for the lists, so they are the very objects ``step`` would pass;
+* each call checks, before using a bucket's lists, that ``_init_group`` would
+  still return them: same ``optimizer.state`` and param-group objects, the
+  same group ``params`` lists, the same values of the group options
+  ``_init_group`` reads (``amsgrad``, ``fused``, ``capturable``, ...), and for
+  every parameter the same state dict holding the same tensors. Anything else
+  (``load_state_dict``, ``add_param_group``, a state tensor replaced, an
+  option toggled) drops the bucket's lists and the call takes torch's
+  ``step``. A parameter's dtype or device (``model.double()``) is not part of
+  the lists: they still hold what ``_init_group`` returns, so the functional
+  sees exactly what ``step`` would (including torch's error when the state's
+  dtype no longer matches);
+* only the exact torch classes in :func:`supported`, through layeropt's own
+  subclasses: a user subclass may change ``_init_group`` or ``step``, and
+  takes the general path.
+
+``FastPath.taken`` counts the calls that took this path (the tests assert it).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from operator import attrgetter, is_
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import Optimizer, _to_scalar
+
+__all__ = ["FastPath", "fast_path_for", "supported"]
+
+_GRAD = attrgetter("grad")
+
+
+def _module(name: str) -> Any:
+    """``torch.optim.<name>`` (``torch.optim`` does not expose every submodule)."""
+    try:
+        return importlib.import_module(f"torch.optim.{name}")
+    except ImportError:  # pragma: no cover - an older torch without it
+        return None
+
+
+# The functionals are looked up in their modules at each call, as torch's step does.
+_ADAM, _SGD, _ADAGRAD, _RMSPROP, _ADAFACTOR = map(
+    _module, ("adam", "sgd", "adagrad", "rmsprop", "_adafactor")
+)
+_MAX_ENTRIES = 4096  # buckets remembered per optimizer; all forgotten beyond it
+
+
+# -- per optimizer kind: how torch's step calls its functional -------------------
+# Each ``call`` repeats one iteration of the torch class's ``step`` loop body after
+# ``_init_group``: the same functional, the same arguments, from the same places.
+
+
+def _adam(opt: Any, g: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+          lists: list[list[Any]], flags: Any) -> None:  # fmt: skip
+    exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps = lists
+    beta1, beta2 = g["betas"]
+    _ADAM.adam(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+        amsgrad=g["amsgrad"], has_complex=flags, beta1=beta1, beta2=beta2, lr=g["lr"],
+        weight_decay=g["weight_decay"], eps=g["eps"], maximize=g["maximize"],
+        foreach=g["foreach"], capturable=g["capturable"], differentiable=g["differentiable"],
+        fused=g["fused"], grad_scale=getattr(opt, "grad_scale", None),
+        found_inf=getattr(opt, "found_inf", None),
+        decoupled_weight_decay=g["decoupled_weight_decay"],
+    )  # fmt: skip
+
+
+def _adam_fused(opt: Any, g: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                lists: list[list[Any]], device: torch.device) -> None:  # fmt: skip
+    """``_fused_adam``'s loop body for a bucket that is one (device, dtype) group.
+
+    What ``adam(..., fused=True)`` runs for it, minus the grouping (done once,
+    in :meth:`FastPath.learn`): the step counters, then torch's fused kernel.
+    """
+    exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps = lists
+    beta1, beta2 = g["betas"]
+    lr = g["lr"]
+    grad_scale = getattr(opt, "grad_scale", None)
+    found_inf = getattr(opt, "found_inf", None)
+    if grad_scale is not None:
+        grad_scale = grad_scale.to(device, non_blocking=True)
+    if found_inf is not None:
+        found_inf = found_inf.to(device, non_blocking=True)
+    if isinstance(lr, Tensor) and str(lr.device) != "cpu" and lr.device != device:
+        lr = lr.to(device=device, non_blocking=True)
+    torch._foreach_add_(state_steps, 1)
+    kernel = torch._fused_adamw_ if g["decoupled_weight_decay"] else torch._fused_adam_
+    kernel(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+        amsgrad=g["amsgrad"], lr=lr, beta1=_to_scalar(beta1), beta2=_to_scalar(beta2),
+        weight_decay=g["weight_decay"], eps=g["eps"], maximize=g["maximize"],
+        grad_scale=grad_scale, found_inf=found_inf,
+    )  # fmt: skip
+    if found_inf is not None:
+        torch._foreach_sub_(state_steps, [found_inf] * len(state_steps))
+
+
+def _sgd(opt: Any, g: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+         lists: list[list[Any]], flags: Any) -> None:  # fmt: skip
+    (momentum_buffer_list,) = lists
+    _SGD.sgd(
+        params, grads, momentum_buffer_list, weight_decay=g["weight_decay"],
+        momentum=g["momentum"], lr=g["lr"], dampening=g["dampening"], nesterov=g["nesterov"],
+        maximize=g["maximize"], has_sparse_grad=flags, foreach=g["foreach"], fused=g["fused"],
+        grad_scale=getattr(opt, "grad_scale", None), found_inf=getattr(opt, "found_inf", None),
+    )  # fmt: skip
+
+
+def _adagrad(opt: Any, g: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+             lists: list[list[Any]], flags: Any) -> None:  # fmt: skip
+    state_sums, state_steps = lists
+    has_sparse_grad, has_complex = flags
+    _ADAGRAD.adagrad(
+        params, grads, state_sums, state_steps, lr=g["lr"], weight_decay=g["weight_decay"],
+        lr_decay=g["lr_decay"], eps=g["eps"], has_sparse_grad=has_sparse_grad,
+        foreach=g["foreach"], maximize=g["maximize"], differentiable=g["differentiable"],
+        has_complex=has_complex, fused=g["fused"], grad_scale=getattr(opt, "grad_scale", None),
+        found_inf=getattr(opt, "found_inf", None),
+    )  # fmt: skip
+
+
+def _rmsprop(opt: Any, g: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+             lists: list[list[Any]], flags: Any) -> None:  # fmt: skip
+    square_avgs, momentum_buffer_list, grad_avgs, state_steps = lists  # _init_group's order
+    _RMSPROP.rmsprop(
+        params, grads, square_avgs, grad_avgs, momentum_buffer_list, state_steps,
+        lr=g["lr"], alpha=g["alpha"], eps=g["eps"], weight_decay=g["weight_decay"],
+        momentum=g["momentum"], centered=g["centered"], foreach=g["foreach"],
+        maximize=g["maximize"], differentiable=g["differentiable"], capturable=g["capturable"],
+        has_complex=flags,
+    )  # fmt: skip
+
+
+def _adafactor(opt: Any, g: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+               lists: list[list[Any]], flags: Any) -> None:  # fmt: skip
+    row_vars, col_vars, variances, state_steps = lists
+    eps1, eps2 = g["eps"]
+    _ADAFACTOR.adafactor(
+        params, grads, row_vars, col_vars, variances, state_steps, d=g["d"], lr=g["lr"],
+        beta2_decay=g["beta2_decay"], weight_decay=g["weight_decay"], eps1=eps1, eps2=eps2,
+        foreach=g["foreach"], maximize=g["maximize"],
+        grad_scale=getattr(opt, "grad_scale", None), found_inf=getattr(opt, "found_inf", None),
+        has_complex=flags,
+    )  # fmt: skip
+
+
+class _Kind:
+    """How one torch optimizer class's ``step`` feeds its functional.
+
+    Attributes:
+        name: the torch class's name.
+        lists: how many lists ``_init_group`` fills after params and grads.
+        options: group keys ``_init_group`` reads (a change rebuilds the lists).
+        call: one iteration of ``step``'s loop body after ``_init_group``.
+        health_check: whether ``step`` starts with
+            ``_accelerator_graph_capture_health_check()``.
+        writeback: ``(list index, state key)`` that ``step`` stores back into the
+            state after the functional (SGD's momentum buffers), if any.
+        fused: for a ``fused=True`` group whose bucket is one (device, dtype)
+            group, the functional's own loop body for that group (skipping the
+            per-call grouping), if any.
+    """
+
+    __slots__ = ("name", "lists", "options", "call", "health_check", "writeback", "fused")
+
+    def __init__(self, name: str, lists: int, options: tuple[str, ...], call: Callable[..., None],
+                 health_check: bool, writeback: tuple[int, str] | None = None,
+                 fused: Callable[..., None] | None = None) -> None:  # fmt: skip
+        self.name, self.lists, self.options, self.call = name, lists, options, call
+        self.health_check, self.writeback, self.fused = health_check, writeback, fused
+
+
+# (module, class, functional, _init_group's list arguments after params/grads,
+#  kind). A kind is used only if torch's signatures are the ones it was written for.
+_CANDIDATES: list[tuple[str, str, str, tuple[str, ...], _Kind]] = [
+    ("adam", "Adam", "adam",
+     ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps"),
+     _Kind("Adam", 4, ("amsgrad", "fused", "capturable", "differentiable", "foreach"), _adam, True,
+           fused=_adam_fused)),
+    ("adamw", "AdamW", "adam",  # AdamW is Adam with decoupled_weight_decay=True
+     ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps"),
+     _Kind("AdamW", 4, ("amsgrad", "fused", "capturable", "differentiable", "foreach"), _adam, True,
+           fused=_adam_fused)),
+    ("sgd", "SGD", "sgd", ("momentum_buffer_list",),
+     _Kind("SGD", 1, ("momentum", "fused"), _sgd, False, writeback=(0, "momentum_buffer"))),
+    ("adagrad", "Adagrad", "adagrad", ("state_sums", "state_steps"),
+     _Kind("Adagrad", 2, ("fused", "differentiable"), _adagrad, False)),
+    ("rmsprop", "RMSprop", "rmsprop",
+     ("square_avgs", "momentum_buffer_list", "grad_avgs", "state_steps"),
+     _Kind("RMSprop", 4, ("momentum", "centered", "capturable", "differentiable"), _rmsprop, True)),
+    ("_adafactor", "Adafactor", "adafactor", ("row_vars", "col_vars", "variances", "state_steps"),
+     _Kind("Adafactor", 4, (), _adafactor, True)),
+]  # fmt: skip
+
+# The functional keyword arguments each call passes (checked against torch's).
+_CALL_KEYWORDS = {
+    "adam": {"amsgrad", "has_complex", "beta1", "beta2", "lr", "weight_decay", "eps", "maximize",
+             "foreach", "capturable", "differentiable", "fused", "grad_scale", "found_inf",
+             "decoupled_weight_decay"},
+    "sgd": {"weight_decay", "momentum", "lr", "dampening", "nesterov", "maximize",
+            "has_sparse_grad", "foreach", "fused", "grad_scale", "found_inf"},
+    "adagrad": {"lr", "weight_decay", "lr_decay", "eps", "has_sparse_grad", "foreach", "maximize",
+                "differentiable", "has_complex", "fused", "grad_scale", "found_inf"},
+    "rmsprop": {"lr", "alpha", "eps", "weight_decay", "momentum", "centered", "foreach",
+                "maximize", "differentiable", "capturable", "has_complex"},
+    "adafactor": {"d", "lr", "beta2_decay", "weight_decay", "eps1", "eps2", "foreach", "maximize",
+                  "grad_scale", "found_inf", "has_complex"},
+}  # fmt: skip
+
+
+@functools.cache
+def supported() -> dict[type, _Kind]:
+    """The torch.optim classes the fast path serves, each with its :class:`_Kind`.
+
+    A kind is used only where the installed torch's ``_init_group`` and
+    functional have the signatures it was written for (torch 2.6 and later;
+    older versions take the general path).
+
+    Returns:
+        ``{torch class: kind}``.
+    """
+    from .optim import _raw_step
+
+    table: dict[type, _Kind] = {}
+    for module, cls_name, fn_name, init_args, kind in _CANDIDATES:
+        try:
+            mod = _module(module)
+            cls = getattr(mod, cls_name)
+            fn = getattr(mod if module != "adamw" else _ADAM, fn_name)
+            init = inspect.signature(cls._init_group).parameters
+            call = inspect.signature(fn).parameters
+        except (AttributeError, TypeError, ValueError):
+            continue  # an older torch without this class or function
+        if module == "adamw" and _raw_step(cls) is not _raw_step(torch.optim.Adam):
+            continue  # torch < 2.6: AdamW has its own step and functional
+        if tuple(init)[1:] != ("group", "params_with_grad" if cls_name != "SGD" else "params",
+                               "grads", *init_args):  # fmt: skip
+            continue
+        if not _CALL_KEYWORDS[fn_name] <= set(call):
+            continue
+        table[cls] = kind
+    return table
+
+
+def fast_path_for(cls: type) -> FastPath | None:
+    """A :class:`FastPath` for a layeropt optimizer class, or ``None``.
+
+    Args:
+        cls: the optimizer's class (``type(optimizer)``).
+
+    Returns:
+        A new :class:`FastPath` if ``cls`` is layeropt's in-backward variant of
+        a class in :func:`supported` with nothing of its own in between (a user
+        subclass may change ``_init_group`` or ``step``), else ``None``.
+    """
+    from .optim import InBackwardOptimizer
+
+    mro = cls.__mro__
+    base = next((k for k in mro if k.__module__.startswith("torch.optim")), None)
+    kind = supported().get(base) if base is not None else None
+    if kind is None:
+        return None
+    for k in mro[: mro.index(base)]:
+        if k is not InBackwardOptimizer and k.__module__ != "layeropt.optim":
+            return None  # a user class between layeropt's and torch's
+        if k is not InBackwardOptimizer and ("_init_group" in vars(k) or "__setstate__" in vars(k)):
+            return None
+    return FastPath(kind)
+
+
+def _one_group(params: list[Tensor], grads: list[Tensor], lists: list[list[Any]]) -> Any:
+    """The device if torch's grouping leaves these lists one group, as they are; else None."""
+    if not params:
+        return None
+    lists_in = [params, grads, *lists]
+    grouped = Optimizer._group_tensors_by_device_and_dtype(lists_in)  # type: ignore[arg-type]
+    if len(grouped) != 1:
+        return None
+    ((device, _), (lists_out, _)), = grouped.items()
+    for a, b in zip(lists_in, lists_out):
+        if len(a) != len(b) or not all(map(is_, a, b)):
+            return None
+    return device
+
+
+class _Chunk:
+    """One param group's share of a bucket: what ``step``'s loop body gets for it."""
+
+    __slots__ = ("index", "group", "group_params", "group_len", "options", "params", "lists",
+                 "flags", "device")  # fmt: skip
+
+    def __init__(self, index: int, group: dict[str, Any], options: tuple[Any, ...],
+                 params: list[Tensor], lists: list[list[Any]], flags: Any) -> None:  # fmt: skip
+        self.index, self.group, self.options = index, group, options
+        self.group_params = group["params"]
+        self.group_len = len(self.group_params)
+        self.params, self.lists, self.flags = params, lists, flags
+        self.device: torch.device | None = None  # set: the kind's fused loop body applies
+
+
+class _Entry:
+    """A bucket's prepared lists and what must still hold for them to be used."""
+
+    __slots__ = ("chunks", "check_params", "check_dicts", "t_dicts", "t_keys", "t_values")
+
+    def __init__(self, chunks: list[_Chunk], state: Any) -> None:
+        self.chunks = chunks
+        self.check_params: list[Tensor] = []  # parameters whose state dict the lists use
+        self.check_dicts: list[dict[str, Any]] = []
+        self.t_dicts: list[dict[str, Any]] = []  # (state dict, key, tensor) the lists hold
+        self.t_keys: list[str] = []
+        self.t_values: list[Tensor] = []
+        for c in chunks:
+            for i, p in enumerate(c.params):
+                d = state.get(p)
+                used = False
+                for values in c.lists:
+                    if i >= len(values) or values[i] is None:
+                        continue
+                    t = values[i]
+                    key = next((k for k, v in (d or {}).items() if v is t), None)
+                    if key is None:
+                        raise LookupError("a list element is not in the parameter's state")
+                    self.t_dicts.append(d)  # type: ignore[arg-type]
+                    self.t_keys.append(key)
+                    self.t_values.append(t)
+                    used = True
+                if used:
+                    self.check_params.append(p)
+                    self.check_dicts.append(d)  # type: ignore[arg-type]
+
+
+class FastPath:
+    """Per-optimizer prepared lists, one entry per bucket (see the module docstring).
+
+    Attributes:
+        taken: calls served by the fast path.
+        built: entries built (a bucket's first call, or after an invalidation).
+        dropped: entries found invalid and dropped.
+    """
+
+    def __init__(self, kind: _Kind) -> None:
+        self.kind = kind
+        self.taken = 0
+        self.built = 0
+        self.dropped = 0
+        self._entries: dict[tuple[int, ...], _Entry] = {}
+        self._state: Any = None  # the optimizer.state / param_groups the entries belong to
+        self._groups: Any = None
+        self._ngroups = -1
+
+    def _current(self, optimizer: Any) -> bool:
+        """Whether the entries belong to the optimizer's present state and groups."""
+        groups = optimizer.param_groups
+        if (
+            optimizer.state is self._state
+            and groups is self._groups
+            and len(groups) == self._ngroups
+        ):
+            return True
+        if self._entries:
+            self.dropped += len(self._entries)
+            self._entries = {}
+        self._state, self._groups, self._ngroups = optimizer.state, groups, len(groups)
+        return False
+
+    def _valid(self, optimizer: Any, entry: _Entry) -> bool:
+        groups = self._groups
+        options = self.kind.options
+        for c in entry.chunks:
+            g = c.group
+            if (
+                groups[c.index] is not g
+                or g["params"] is not c.group_params
+                or len(c.group_params) != c.group_len
+                or tuple(map(g.get, options)) != c.options
+            ):
+                return False
+        if entry.check_params and not all(
+            map(is_, map(optimizer.state.get, entry.check_params), entry.check_dicts)
+        ):
+            return False
+        return all(map(is_, map(dict.get, entry.t_dicts, entry.t_keys), entry.t_values))
+
+    def step(self, optimizer: Any, params: list[Tensor]) -> bool:
+        """Update ``params`` with torch's functional on their prepared lists, if valid.
+
+        Args:
+            optimizer: the layeropt optimizer (a class this path serves).
+            params: the parameters of one step call, each holding a dense ``.grad``.
+
+        Returns:
+            ``True`` if they were updated; ``False`` if the bucket has no valid
+            lists (nothing was touched: take torch's ``step``, then :meth:`learn`).
+        """
+        if not self._current(optimizer):
+            return False
+        key = tuple(map(id, params))
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        if not self._valid(optimizer, entry):
+            del self._entries[key]
+            self.dropped += 1
+            return False
+        if self.kind.health_check:
+            optimizer._accelerator_graph_capture_health_check()
+        if torch.is_grad_enabled():  # torch's step runs its update under no_grad
+            with torch.no_grad():
+                self._run(optimizer, entry, key)
+        else:
+            self._run(optimizer, entry, key)
+        self.taken += 1
+        return True
+
+    def _run(self, optimizer: Any, entry: _Entry, key: tuple[int, ...]) -> None:
+        kind = self.kind
+        for c in entry.chunks:
+            grads = list(map(_GRAD, c.params))
+            if c.device is not None:  # a fused group that is one (device, dtype) group
+                kind.fused(optimizer, c.group, c.params, grads, c.lists, c.device)  # type: ignore[misc]
+                continue
+            lists = [list(values) for values in c.lists]  # the functional may write into them
+            kind.call(optimizer, c.group, c.params, grads, lists, c.flags)
+            wb = kind.writeback
+            if wb is not None and c.group["momentum"] != 0:
+                index, skey = wb
+                new, old = lists[index], c.lists[index]
+                if not all(map(is_, new, old)):  # as step: store what the functional made
+                    state = optimizer.state
+                    for p, value in zip(c.params, new):
+                        state[p][skey] = value
+                    self._entries.pop(key, None)
+
+    def learn(
+        self, optimizer: Any, params: list[Tensor], order: list[int], members: list[list[Tensor]]
+    ) -> None:
+        """Remember the lists torch's ``_init_group`` gives for a call just stepped.
+
+        Called right after torch's ``step`` updated these parameters (their
+        gradients still set), so their state exists and ``_init_group``
+        only collects it.
+
+        Args:
+            optimizer: the optimizer.
+            params: the call's parameters, as :meth:`step` will be given them.
+            order: indices of the param groups the call touched, ascending.
+            members: the call's parameters in each of those groups.
+
+        Returns:
+            None. A call whose lists cannot be checked is not remembered.
+        """
+        self._current(optimizer)
+        if len(self._entries) >= _MAX_ENTRIES:
+            self.dropped += len(self._entries)
+            self._entries = {}
+        kind = self.kind
+        groups = optimizer.param_groups
+        chunks = []
+        for i, ps in zip(order, members):
+            g = groups[i]
+            if any(p.grad is None for p in ps):
+                return
+            got: list[Tensor] = []
+            grads: list[Tensor] = []
+            lists: list[list[Any]] = [[] for _ in range(kind.lists)]
+            try:
+                with torch.no_grad():
+                    flags = optimizer._init_group({**g, "params": ps}, got, grads, *lists)
+            except Exception:  # noqa: BLE001 - torch's step just ran this; leave it to step
+                return
+            if len(got) != len(ps) or not all(map(is_, got, ps)):
+                return
+            chunk = _Chunk(i, g, tuple(map(g.get, kind.options)), list(ps), lists, flags)
+            if kind.fused is not None and g["fused"] and not g["differentiable"]:
+                chunk.device = _one_group(ps, grads, lists)
+            chunks.append(chunk)
+        try:
+            entry = _Entry(chunks, optimizer.state)
+        except LookupError:
+            return
+        self._entries[tuple(map(id, params))] = entry
+        self.built += 1
+
