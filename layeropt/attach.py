@@ -185,6 +185,11 @@ class Attachment:
             self._hook_all()
 
     @property
+    def model(self) -> nn.Module | None:
+        """The attached model (``None`` once it was deleted)."""
+        return self._model()
+
+    @property
     def owned(self) -> list[Tensor]:
         """The model's parameters owned by the attached optimizers (trainable or not)."""
         return self._owned

@@ -130,8 +130,11 @@ def backward(
         inv_scale = scale.double().reciprocal().float()
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
 
-    # Pass 1: measure.
+    # Pass 1: measure. Its recomputations (activation checkpointing) must leave no
+    # trace in the modules' buffers (BatchNorm's running statistics): pass 2
+    # recomputes again, as the single backward of plain training does.
     measured: dict[Tensor, Tensor] = {}
+    buffers = _BufferSnapshot(engines)
     for e in engines:
         e.start_measure(measured, norm_type if max_norm is not None else None, inv_scale, found_inf)
     try:
@@ -141,6 +144,7 @@ def backward(
     finally:
         for e in engines:
             e.measure = None
+        buffers.restore()
 
     total = None
     if max_norm is not None:
@@ -164,6 +168,32 @@ def backward(
     for o in optimizers:
         o.last_grad_norm = total
     return total
+
+
+class _BufferSnapshot:
+    """The attached models' buffers, to undo what the measure pass's recomputes wrote.
+
+    Compared by value: kernels such as ``batch_norm`` update running statistics
+    without bumping their version counter. Restored through ``.data``, which
+    leaves the version counter alone: the values are the ones the graph saw.
+    """
+
+    def __init__(self, engines: list[Any]) -> None:
+        seen: set[int] = set()
+        self.saved: list[tuple[Tensor, int, Tensor]] = []
+        for e in engines:
+            for attachment in list(e.attachments):
+                model = attachment.model
+                for b in model.buffers() if model is not None else ():
+                    if id(b) not in seen:
+                        seen.add(id(b))
+                        self.saved.append((b, b._version, b.detach().clone()))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for b, version, value in self.saved:
+                if b._version != version or not torch.equal(b, value):
+                    b.data.copy_(value)
 
 
 def _attached_backward(

@@ -290,6 +290,11 @@ class DDPAttachment:
     stale = False  # requires_grad changes are not followed under DDP
     owned: list[Tensor] = []
 
+    @property
+    def model(self) -> nn.Module | None:
+        """The DDP model (``None`` once it was deleted)."""
+        return self._ddp()
+
     def sync_trainable(self, in_backward: bool = False) -> bool:
         """DDP fixes the set of synchronised parameters when wrapping: nothing to follow."""
         return False

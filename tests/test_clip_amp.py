@@ -181,3 +181,55 @@ def test_bf16_parameters_match_torch():
         ref_opt.zero_grad()
         loss_fn(model, (x.bfloat16(), y.bfloat16())).backward()
     assert_models_equal(ref, model)
+
+
+class _CheckpointedBN(torch.nn.Module):
+    """A checkpointed segment with a BatchNorm: its recompute updates running stats."""
+
+    def __init__(self, checkpoint):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.b = torch.nn.Linear(8, 2)
+        self.checkpoint = checkpoint
+
+    def forward(self, x):
+        return self.b(self.checkpoint(lambda t: torch.relu(self.bn(t)), self.a(x)))
+
+
+_CHECKPOINTS = {
+    "torch-nonreentrant": lambda f, t: torch.utils.checkpoint.checkpoint(f, t, use_reentrant=False),
+    "layeropt-nonreentrant": lambda f, t: layeropt.checkpoint(f, t, use_reentrant=False),
+    "layeropt-reentrant": lambda f, t: layeropt.checkpoint(f, t, use_reentrant=True),
+}
+
+
+@pytest.mark.parametrize("kind", list(_CHECKPOINTS))
+@pytest.mark.parametrize("scaler", [False, True])
+def test_measure_pass_leaves_no_trace_in_buffers(kind, scaler):
+    """The extra backward of layeropt.backward recomputes checkpointed segments once
+    more; their buffer updates (BatchNorm's running stats) must not count twice."""
+    torch.manual_seed(0)
+    model = _CheckpointedBN(_CHECKPOINTS[kind])
+    ref = copy.deepcopy(model)
+    ref.checkpoint = _CHECKPOINTS["torch-nonreentrant"]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=scaler)
+    lo_scaler = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=scaler)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(5, 6, generator=gen)
+        ref_scaler.scale(ref(x).sum()).backward()
+        ref_scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        layeropt.backward(lo_scaler.scale(model(x).sum()), max_norm=0.1, scaler=lo_scaler)
+        lo_scaler.step(opt)
+        lo_scaler.update()
+        opt.zero_grad()
+    assert_same(ref.state_dict(), model.state_dict())  # parameters and buffers
+    assert int(model.bn.num_batches_tracked) == 6  # forward + one recompute per step
