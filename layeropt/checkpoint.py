@@ -52,7 +52,10 @@ class _Reads(TorchFunctionMode):
     """Sees the tensors every torch function reads; records or replaces some of them.
 
     Records those that require grad (only leaves with ``leaves_only``), except
-    ``skip`` ids; replaces those in ``swap`` (by id) with their stand-ins.
+    ``skip`` ids and tensors the function created itself (``created``: e.g. a
+    ``torch.zeros(...)`` it marks ``requires_grad``, as Hugging Face's T5 does
+    under checkpointing - not a parameter, its gradient is thrown away, as in
+    torch's checkpoint); replaces those in ``swap`` (by id) with their stand-ins.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class _Reads(TorchFunctionMode):
         self.leaves_only = leaves_only
         self.swap = swap
         self.found: dict[int, Tensor] = {}
+        self.created: set[int] = set()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -80,9 +84,14 @@ class _Reads(TorchFunctionMode):
                     and x.requires_grad
                     and (x.is_leaf or not self.leaves_only)
                     and id(x) not in self.skip
+                    and id(x) not in self.created
                 ):
                     self.found.setdefault(id(x), x)
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        for x in tree_leaves(result):
+            if isinstance(x, Tensor):
+                self.created.add(id(x))
+        return result
 
     def __enter__(self) -> _Reads:
         if self.swap is not None:
@@ -154,15 +163,14 @@ class _Segment:
             stack.enter_context(torch.amp.autocast("cpu", **cpu_kwargs))
             stack.enter_context(torch.enable_grad())
             stack.enter_context(self.recompute_ctx)
-            if swap:
-                stack.enter_context(_Reads(swap=swap))
+            reads = stack.enter_context(_Reads(swap=swap))
             out = self.fn(*fn_args, **fn_kwargs)
         outputs = [x for x in tree_leaves(out) if isinstance(x, Tensor)]
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         targets = [t for t in args if t.requires_grad] + leaves + stand_ins
         if not pairs or not targets:
             return (None,) * len(saved)
-        _check_leaves([o for o, _ in pairs], targets)
+        _check_leaves([o for o, _ in pairs], targets, reads.created)
         found = iter(
             torch.autograd.grad(
                 [o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True
@@ -173,9 +181,12 @@ class _Segment:
         )
 
 
-def _check_leaves(outputs: list[Tensor], targets: list[Tensor]) -> None:
-    """Fail loudly if the recomputation reached a leaf the forward did not see."""
-    known = {id(t) for t in targets}
+def _check_leaves(outputs: list[Tensor], targets: list[Tensor], created: set[int]) -> None:
+    """Fail loudly if the recomputation reached a leaf the forward did not see.
+
+    Leaves the recomputation created itself are not parameters: skipped.
+    """
+    known = {id(t) for t in targets} | created
     stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
     seen: set[Any] = set()
     while stack:

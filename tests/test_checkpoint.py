@@ -647,3 +647,43 @@ def test_debug_needs_non_reentrant_and_no_grad_runs_plainly():
         checkpoint(torch.tanh, x, use_reentrant=True, debug=True)
     with torch.no_grad():
         assert checkpoint(torch.tanh, x, use_reentrant=True).grad_fn is None
+
+
+class _MakesLeafInside(torch.nn.Module):
+    """Creates a tensor and marks it requires_grad inside the segment (HF T5's
+    position bias under gradient checkpointing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = torch.zeros(x.shape[-1])
+        bias.requires_grad = True
+        return torch.tanh(self.lin(x) + bias)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_segment_creating_a_leaf_that_requires_grad(use_reentrant):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(_MakesLeafInside() for _ in range(3))
+    ref = copy.deepcopy(blocks)
+    opt = layeropt.Adam(blocks.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    layeropt.attach(blocks, opt)
+    x = torch.randn(4, 8, requires_grad=True)
+    for _ in range(3):
+        h = x
+        for b in ref:
+            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False)
+        h.sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        h = x
+        for b in blocks:
+            h = layeropt.checkpoint(b, h, use_reentrant=use_reentrant)
+        h.sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert_models_equal(ref, blocks)
+    assert_same(ref_opt.state_dict(), opt.state_dict())

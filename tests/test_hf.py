@@ -27,6 +27,8 @@ from transformers import (  # noqa: E402
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
     Trainer,
     TrainerCallback,
     TrainingArguments,
@@ -101,6 +103,30 @@ def test_hf_model_matches_torch_optim(arch, opt_name, kw):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert_same(p.detach(), q.detach(), name)
     assert_same(opt.state_dict(), ref_opt.state_dict())
+
+
+def test_hf_t5_with_layeropt_reentrant_checkpoint_is_exact():
+    """T5 makes its position bias a requires_grad leaf inside each checkpointed block."""
+    cfg = T5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=2,
+                   num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+                   decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(cfg)
+    ref = copy.deepcopy(model)
+    for m in (model, ref):  # route HF's checkpointing through layeropt.checkpoint
+        _enable_checkpointing(m, {"use_reentrant": True})
+        for module in m.modules():
+            if isinstance(getattr(module, "_gradient_checkpointing_func", None),
+                          functools.partial):
+                module._gradient_checkpointing_func = functools.partial(
+                    layeropt.checkpoint, use_reentrant=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = layeropt.AdamW(model.parameters(), lr=1e-2)
+    _train_plain(ref, ref_opt)
+    with layeropt.attach(model, opt):
+        _train_plain(model, opt)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach(), name)
 
 
 LAYEROPT_DEFERS = "nested backward"  # layeropt's warning under torch's reentrant checkpoint
