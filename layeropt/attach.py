@@ -335,8 +335,9 @@ def attach(
     if isinstance(model, DistributedDataParallel):
         if max_grad_norm is not None or clip_value is not None or bucket_max_norm is not None:
             raise AttachError(
-                "gradient clipping is not supported on a DistributedDataParallel model "
-                "yet: attach without max_grad_norm/clip_value/bucket_max_norm."
+                "attach(ddp_model, ...) takes no clipping options: under DDP clip the "
+                "global norm (and use a GradScaler) with layeropt.backward(loss, "
+                "max_norm=..., scaler=...), which averages each bucket before measuring it."
             )
         from .distributed import attach_ddp
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .distributed import two_passes
 from .errors import LayeroptError
 from .optim import InBackwardOptimizer, live_optimizers, optimizer_list
 
@@ -135,10 +136,12 @@ def backward(
     # recomputes again, as the single backward of plain training does.
     measured: dict[Tensor, Tensor] = {}
     buffers = _BufferSnapshot(engines)
+    ddp = two_passes(engines)  # DDP models: average before measuring, and again in pass 2
     for e in engines:
         e.start_measure(measured, norm_type if max_norm is not None else None, inv_scale, found_inf)
     try:
-        loss.backward(retain_graph=True)
+        with ddp.measure():
+            loss.backward(retain_graph=True)
         for e in engines:
             e.finish_measure()
     finally:
@@ -164,7 +167,8 @@ def backward(
             e.discard_held()
     else:  # Pass 2: the ordinary attached backward, unscale/clip before each step.
         coef = None if total is None else torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        _attached_backward(loss, engines, retain_graph, (inv_scale, coef))
+        with ddp.step():
+            _attached_backward(loss, engines, retain_graph, (inv_scale, coef))
     for o in optimizers:
         o.last_grad_norm = total
     return total

@@ -17,9 +17,10 @@ See ``docs/distributed.md`` for accumulation, checkpointing and memory.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from functools import partial
 from typing import Any
 
@@ -129,6 +130,8 @@ class _HookState:
         self.lock = threading.Lock()  # bucket steps may land on comm threads
         self.task = -2  # autograd graph task of the current backward
         self.steps: dict[int, int] = {}  # id(optimizer) -> updates this backward
+        self.recording: list[list[Tensor]] | None = None  # buckets seen in a measure pass
+        self.buckets: list[list[Tensor]] = []  # those of the latest measure pass
 
     def begin(self) -> None:
         from .landing import _graph_task_id
@@ -142,13 +145,13 @@ class _HookState:
                     if opt is not None:
                         _check_engine(opt._lo_engine)
                         opt._lo_engine.last_backward_steps = 0
+                        if opt._lo_engine.measure is None:
+                            opt._lo_engine.txn += 1  # a new training step (transaction)
                 self.steps = {}
 
 
 # Engine settings the DDP hook does not apply: (attribute, what sets it).
 _NOT_UNDER_DDP = (
-    ("measure", "layeropt.backward(loss, max_norm=... or scaler=...)"),
-    ("transform", "layeropt.backward(loss, max_norm=... or scaler=...)"),
     ("max_grad_norm", "attach(..., max_grad_norm=...)"),
     ("clip_value", "attach(..., clip_value=...)"),
     ("bucket_max_norm", "attach(..., bucket_max_norm=...)"),
@@ -159,11 +162,11 @@ def _check_engine(engine: Any) -> None:
     for name, what in _NOT_UNDER_DDP:
         if getattr(engine, name, None) is not None:
             raise AttachError(
-                f"{what} is not supported with attach_ddp yet: the DDP hook steps each "
-                "bucket on its averaged gradient without clipping or unscaling. Use "
-                "loss.backward(), or train this DDP model with a plain torch.optim "
-                "optimizer to clip or scale."
+                f"{what} is not supported with attach_ddp: under DDP clip the global norm "
+                "(and use a GradScaler) with layeropt.backward(loss, max_norm=..., "
+                "scaler=...), which averages each bucket before measuring it."
             )
+
 
 
 def _grad_view(p: Tensor, g: Tensor) -> Tensor:
@@ -211,9 +214,14 @@ def _land_bucket(state: _HookState, bucket: Any, fut: Any) -> Tensor:
                 _write_back(p, view)
             elif p.grad is None:
                 raise AttachError(_UNUSED)
+            elif opt._lo_engine.measure is not None:  # layeropt.backward's first pass
+                opt._lo_engine.measure.reduce(p, view.clone())
+                opt._lo_engine.measure.seen.add(id(p))
             else:
                 p.grad = view
                 todo.setdefault(opt, []).append(p)
+        if state.recording is not None:
+            state.recording.append(list(bucket.parameters()))
         for opt, params in todo.items():
             opt._step_params(params)
             for p in params:
@@ -221,6 +229,117 @@ def _land_bucket(state: _HookState, bucket: Any, fut: Any) -> Tensor:
             n = state.steps[id(opt)] = state.steps.get(id(opt), 0) + len(params)
             opt._lo_engine.last_backward_steps = n
     return bucket.buffer()
+
+
+class _TwoPasses:
+    """``layeropt.backward``'s two passes on DDP models (clipping, GradScaler).
+
+    Pass 1 (measure): the comm hook averages each bucket as usual and the
+    engines reduce the averaged gradients to norms / inf flags; the buckets
+    are recorded. Each parameter's ``.grad`` is then put back as it was
+    before the pass (only what ``no_step()`` accumulated), since the reducer
+    left the pass's local gradient in it. Pass 2 (step): DDP's reducer does
+    not run a second time for one forward, so post-accumulate hooks average
+    each recorded bucket exactly as DDP does (one flat buffer in the bucket's
+    layout, ``mul_(1 / world)``, all-reduce), then unscale / clip and step it.
+    """
+
+    def __init__(self, engines: list[Any]) -> None:
+        self.states = []
+        for e in engines:
+            for a in list(e.attachments):
+                if isinstance(a, DDPAttachment) and a._state not in self.states:
+                    self.states.append(a._state)
+        self._before: dict[Tensor, Tensor | None] = {}
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        if not self.states:
+            yield
+            return
+        params = [p for state in self.states for p in state.owner]
+        self._before = {p: None if p.grad is None else p.grad.detach().clone() for p in params}
+        for state in self.states:
+            state.recording = []
+        try:
+            yield
+        finally:
+            for state in self.states:
+                state.buckets, state.recording = state.recording, None
+            for p, grad in self._before.items():
+                p.grad = grad
+            self._before = {}
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        if not self.states:
+            yield
+            return
+        passes = [_StepPass(state) for state in self.states]
+        try:
+            yield
+            for one in passes:
+                one.check_done()
+        finally:
+            for one in passes:
+                one.remove()
+
+
+class _StepPass:
+    """Pass 2 on one DDP model: average each recorded bucket, then step it."""
+
+    def __init__(self, state: _HookState) -> None:
+        self.state = state
+        self.buckets = state.buckets
+        self.left = [len(b) for b in self.buckets]
+        where = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.handles = [
+            p.register_post_accumulate_grad_hook(partial(self._landed, where[id(p)]))
+            for b in self.buckets for p in b
+        ]
+
+    def _landed(self, index: int, param: Tensor) -> None:
+        self.left[index] -= 1
+        if self.left[index] == 0:
+            self._average_and_step(self.buckets[index])
+
+    def _average_and_step(self, params: list[Tensor]) -> None:
+        state = self.state
+        first = params[0]
+        buffer = torch.empty(sum(p.numel() for p in params), dtype=first.dtype,
+                             device=first.device)
+        views, offset = [], 0
+        for p in params:  # the layout of DDP's bucket: each gradient with its parameter's strides
+            view = buffer.as_strided(p.size(), p.stride(), offset)
+            view.copy_(p.grad)
+            views.append(view)
+            offset += p.numel()
+        buffer.mul_(1.0 / state.world)  # as the comm hook (and DDP's reducer) does
+        dist.all_reduce(buffer, group=state.group)
+        todo: dict[Any, list[Tensor]] = {}
+        for p, view in zip(params, views):
+            p.grad = view
+            ref = state.owner.get(p)
+            opt = None if ref is None else ref()
+            if opt is not None and not opt._lo_engine.no_step_depth:
+                todo.setdefault(opt, []).append(p)
+        for opt, owned in todo.items():
+            opt._lo_engine.step_averaged(owned)
+            n = state.steps[id(opt)] = state.steps.get(id(opt), 0) + len(owned)
+            opt._lo_engine.last_backward_steps = n
+
+    def check_done(self) -> None:
+        if any(self.left):
+            raise AttachError(_UNUSED)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def two_passes(engines: list[Any]) -> _TwoPasses:
+    """The DDP side of ``layeropt.backward``'s passes for these engines (no-op without DDP)."""
+    return _TwoPasses(engines)
 
 
 class DDPAttachment:

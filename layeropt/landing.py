@@ -647,6 +647,11 @@ class Engine:
             p.grad = None
         self.held.clear()
 
+    def step_averaged(self, params: list[Tensor]) -> None:
+        """Step ``params`` now: their gradients are complete and averaged (DDP's second
+        pass of ``layeropt.backward``); unscaling and clipping apply as to any bucket."""
+        self._step([params])
+
     def flush_leftovers(self) -> None:
         """Step and free every gradient the hooks did not consume (``step()``)."""
         optimizer = self._optimizer()
