@@ -14,6 +14,9 @@ and its gradient freed at once:
   clipping** (``layeropt.backward(loss, max_norm=...)``);
 * **warmup + cosine** LR schedule (``torch.optim.lr_scheduler.LambdaLR``),
   optional bf16 autocast, a progress bar (tqdm if installed);
+* optional **gradual unfreezing** (``--unfreeze N``): only the last block and
+  the head train at first, one more block below every N steps; the attached
+  optimizer picks each newly trainable block up at the next backward;
 * **save / resume** (``--save``, ``--resume``): model, optimizer, scheduler,
   step and RNG state; the batches are a function of the step, so a resumed
   run continues exactly where the saved one stopped.
@@ -30,6 +33,7 @@ Usage:
     python examples/finetune_lm.py --steps 40 --resume run.pt --save run.pt
     python examples/finetune_lm.py --model ./my-llama --bf16
     python examples/finetune_lm.py --tiny --check-resume    # prove resume is exact
+    python examples/finetune_lm.py --unfreeze 5             # gradual unfreezing
 """
 
 from __future__ import annotations
@@ -112,6 +116,25 @@ def layerwise_groups(model: nn.Module, lr: float, decay: float) -> list[dict[str
         g["params"].append(p)
         g["names"].append(name)
     return [groups[k] for k in sorted(groups)]
+
+
+def unfreeze(model: nn.Module, step: int, every: int) -> int:
+    """Gradual unfreezing: the last ``1 + step // every`` blocks train (all with ``every=0``).
+
+    The embeddings train once every block does; the head trains from the start.
+    Returns the number of trainable blocks.
+    """
+    blocks = blocks_of(model)
+    if every <= 0:
+        return len(blocks)
+    n = min(len(blocks), 1 + step // every)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    for name, p in model.named_parameters():
+        if id(p) not in in_blocks and any(s in name for s in ("embed", "pos", "wte", "wpe")):
+            p.requires_grad_(n == len(blocks))
+    for i, block in enumerate(blocks):
+        block.requires_grad_(i >= len(blocks) - n)
+    return n
 
 
 def warmup_cosine(warmup: int, total: int, floor: float = 0.1):
@@ -197,6 +220,10 @@ def run(args: argparse.Namespace, steps: int, resume: str | None = None,
     peak = 0
     bar = progress(range(start, steps), enabled=not (quiet or args.no_progress))
     for step in bar:
+        trainable = unfreeze(model, step, args.unfreeze)
+        if args.unfreeze and not quiet and (step == start or trainable > unfreeze.last):
+            print(f"step {step}: {trainable} of {len(blocks_of(model))} blocks trainable")
+        unfreeze.last = trainable
         with PeakMemory() as mem:
             losses.append(train_step(model, opt, text, step, args, ctx))
         sched.step()
@@ -222,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr-decay", type=float, default=0.8, help="per block, top to bottom")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--unfreeze", type=int, default=0, metavar="N",
+                   help="gradual unfreezing: one more block every N steps (0: all train)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", help="write model/optimizer/scheduler/step here at the end")
@@ -236,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     model, losses, peak = run(args, args.steps, resume=args.resume, save=args.save)
+    unfreeze(model, args.steps * max(args.unfreeze, 1), args.unfreeze)  # all, for the count
     groups = layerwise_groups(model, args.lr, args.lr_decay)
     n = sum(p.numel() for g in groups for p in g["params"])
     print(f"{type(model).__name__}: {n:,} parameters in {len(groups)} layer-wise LR groups "

@@ -67,6 +67,16 @@ def test_example_smoke_run(script, tmp_path):
     assert not any(tmp_path.iterdir()), f"{script.name} wrote files unasked: {list(tmp_path.iterdir())}"
 
 
+def test_finetune_lm_gradual_unfreezing(tmp_path):
+    """``--unfreeze 1``: one more block each step, picked up by the attached optimizer;
+    save + resume mid-way (a different set of trainable blocks) is still exact."""
+    out = _run(ROOT / "examples" / "finetune_lm.py",
+               ["--tiny", "--no-progress", "--check-resume", "--unfreeze", "1"], tmp_path)
+    for pattern in (r"step 0: 1 of 2 blocks trainable", r"step 1: 2 of 2 blocks trainable",
+                    r"resume check: 2 steps \+ save \+ resume to 4 vs one run: .*\(bit for bit\)"):
+        assert re.search(pattern, out), f"no match for {pattern!r} in:\n{out}"
+
+
 def test_finetune_lm_with_local_hf_model(tmp_path):
     """``--model PATH``: a Hugging Face checkpoint saved with ``save_pretrained``."""
     transformers = pytest.importorskip("transformers")
