@@ -275,7 +275,10 @@ def attach(
     """Update ``model``'s parameters during backward, as their gradients complete.
 
     Each trainable parameter of ``model`` owned by a layeropt optimizer gets a
-    post-accumulate-grad hook. Parameters are grouped into layer buckets (a
+    post-accumulate-grad hook. A ``DistributedDataParallel`` model is handed to
+    :func:`layeropt.distributed.attach_ddp` instead (each bucket is stepped
+    right after its all-reduce; no clipping options here - use
+    :func:`layeropt.backward`); under FSDP2, attach after ``fully_shard``. Parameters are grouped into layer buckets (a
     module's own parameters); a bucket is stepped with torch's own ``step``
     the moment all its gradients have accumulated, and its ``.grad`` is freed.
 
