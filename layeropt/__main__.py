@@ -1,11 +1,13 @@
-"""Command line: ``python -m layeropt demo`` (also installed as ``layeropt``)."""
+"""Command line: ``python -m layeropt demo`` / ``plan`` (also installed as ``layeropt``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from . import __version__
 from .demo import DEMO_MODELS, run_demo
+from .plan import cli as plan_cli
 from .report import PlotDependencyError
 
 __all__ = ["main"]
@@ -16,6 +18,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="layeropt",
         description="Update each layer during backward and free its gradient at once.",
     )
+    parser.add_argument("--version", action="version", version=f"layeropt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser(
         "demo",
@@ -36,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--plot", metavar="OUT.png", help="write the memory timeline (matplotlib)")
     demo.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (1e-3)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    plan_cli.add_parser(sub)
     return parser
 
 
@@ -51,9 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     Example:
         >>> main(["demo", "--tiny", "--model", "mlp"])  # doctest: +SKIP
         0
+        >>> main(["plan", "llama-2-7b", "--gpu-memory", "24GiB"])  # doctest: +SKIP
+        0
     """
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return plan_cli.run(args)
     if args.command != "demo":
         parser.print_help(sys.stderr)
         return 2

@@ -1,0 +1,248 @@
+"""Will a training step fit, and with which settings: answered on a laptop, for any size.
+
+``layeropt.plan`` *executes* one steady-state training step on fake tensors
+(``FakeTensorMode``: shapes and dtypes, no memory) under a dispatcher-level
+count of live tensor bytes, once per configuration: ``torch.optim.AdamW``
+(fused, foreach), ``layeropt.AdamW`` updating each layer in backward,
+activation checkpointing, a chunked LM loss, low-bit optimizer states. Each
+row gives the step's peak, what is alive at the peak (parameters, optimizer
+state, gradients, activations, other), where in the step it falls, and
+whether it fits a GPU's memory with a stated margin. A 7B model plans in
+about a minute and a few hundred MiB of RAM.
+
+On CPU the planned peak equals the live tensor bytes of the real run to the
+byte (``tests/test_plan.py``); on a GPU it leaves out what no tensor count
+sees (CUDA context, allocator fragmentation, library workspaces), which the
+margin covers (``docs/plan.md``).
+
+Command line: ``python -m layeropt plan llama-2-7b --gpu-memory 24GiB``.
+
+Example:
+    >>> import layeropt.plan
+    >>> p = layeropt.plan.plan("llama-3.2-1b", seq=2048, gpu_memory="24GiB")  # doctest: +SKIP
+    >>> print(p.table())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .devices import TARGETS
+from .execute import Measurement, simulate
+from .render import Margin, Plan, parse_size
+from .tracker import CATEGORIES, LiveBytes
+from .variants import OPTIMIZERS, Variant, default_variants
+from .workloads import BUILTIN_SHAPES, PlanError, Workload, hf_workload
+
+__all__ = [
+    "plan",
+    "Plan",
+    "Variant",
+    "Measurement",
+    "Margin",
+    "Workload",
+    "PlanError",
+    "LiveBytes",
+    "CATEGORIES",
+    "OPTIMIZERS",
+    "BUILTIN_SHAPES",
+    "parse_size",
+]
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+           "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
+_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
+
+
+def plan(
+    model: str | os.PathLike[str] | Callable[[], nn.Module] | Workload | Any,
+    *,
+    inputs: Callable[[], Any] | None = None,
+    loss: Callable[[nn.Module, Any], Tensor] | None = None,
+    checkpoint: Callable[[nn.Module], Any] | None = None,
+    chunked_loss: Callable[[nn.Module, Any], Tensor] | None = None,
+    seq: int | None = None,
+    batch: int = 1,
+    dtype: str | torch.dtype | None = None,
+    gpu_memory: int | str | None = None,
+    margin: Margin | str | None = None,
+    variants: Iterable[Variant] | str | None = None,
+    optimizers: Iterable[str] | None = None,
+    device: str = "cuda",
+    bucket_cap_mb: float | None = None,
+    progress: Callable[[int, int, Variant], None] | None = None,
+) -> Plan:
+    """Plan one training step's memory under several configurations.
+
+    Args:
+        model: a Hugging Face causal LM - a ``config.json`` path, a directory
+            holding one, a model name whose config is in the local HF cache,
+            a built-in shape (:data:`BUILTIN_SHAPES`: ``"llama-2-7b"``,
+            ``"llama-3.2-1b"``, ``"gpt2"`` ...) or a ``transformers`` config -
+            or, for any other model, a factory ``() -> nn.Module`` (with
+            ``inputs`` and ``loss``), or a :class:`Workload`.
+        inputs: for a model factory: ``() -> batch``.
+        loss: for a model factory: ``(model, batch) -> scalar loss``.
+        checkpoint: for a model factory: ``(model) -> handle`` turning
+            activation checkpointing on (e.g. ``lambda m:
+            layeropt.checkpoint_modules(m, names="blocks.*")``); the handle's
+            ``remove()`` (or the handle itself, if callable) turns it off.
+            Without it there are no checkpointing rows.
+        chunked_loss: for a model factory: the same loss without full logits.
+        seq: tokens per sequence (Hugging Face models; default 2048, or the
+            model's positions if fewer).
+        batch: sequences per batch (Hugging Face models).
+        dtype: ``"bf16"`` (default for Hugging Face models) or ``"fp32"``:
+            the parameters' dtype. For a factory: torch's default dtype while
+            ``model`` and ``inputs`` run (build the model in its dtype there:
+            ``.to(dtype)`` fails on fake parameters).
+        gpu_memory: the GPU's memory (``"24GiB"``, bytes as an int), to say
+            what fits.
+        margin: what fitting leaves free (:class:`Margin`, or ``"1GiB+5%"``).
+        variants: the configurations (default: :func:`default_variants`);
+            ``"all"`` for every combination.
+        optimizers: keep only these optimizer names (:data:`OPTIMIZERS`).
+        device: ``"cuda"`` (default) models a GPU's kernels; ``"cpu"`` models
+            torch's reference CPU kernels (what the tests compare against).
+        bucket_cap_mb: ``layeropt.attach``'s ``bucket_cap_mb`` (default: the
+            library's).
+        progress: called as ``progress(i, n, variant)`` before each row.
+
+    Returns:
+        The :class:`Plan`: ``.table()``, ``.to_dict()``, ``.plot(path)``,
+        ``.choice``, ``.rows``.
+
+    Raises:
+        PlanError: the model or an argument cannot be planned (the message
+            says how to fix it).
+
+    Example:
+        >>> from layeropt.models import MLP
+        >>> p = plan(lambda: MLP(64, 256), inputs=lambda: torch.randn(32, 64),
+        ...          loss=lambda m, x: m(x).square().mean(), dtype="fp32",
+        ...          optimizers=["torch.optim.AdamW", "layeropt.AdamW"])
+        >>> [r.variant.label for r in p.rows][0]
+        'layeropt.AdamW (fused)'
+    """
+    torch_dtype = _dtype(dtype)
+    if device not in TARGETS:
+        raise PlanError(f"device must be one of {TARGETS}, got {device!r}")
+    gpu = None if gpu_memory is None else parse_size(gpu_memory)
+    margin = Margin.parse(margin) if isinstance(margin, str) else (margin or Margin())
+    if isinstance(model, Workload):
+        workload = model
+    elif callable(model) and not isinstance(model, (str, os.PathLike)):
+        workload = _custom(model, inputs, loss, checkpoint, chunked_loss, torch_dtype)
+    else:
+        torch_dtype = torch_dtype or torch.bfloat16
+        workload = hf_workload(model, seq=seq, batch=batch, dtype=torch_dtype)
+    rows = _variants(workload, variants, optimizers)
+    n_params, measured = simulate(
+        workload, rows, device=device, bucket_cap_mb=bucket_cap_mb, progress=progress
+    )
+    return Plan(
+        model=workload.name,
+        parameters=n_params,
+        rows=measured,
+        dtype=_NAMES.get(torch_dtype, "") if torch_dtype else "",
+        seq=workload.seq,
+        batch=workload.batch,
+        device=device,
+        gpu_memory=gpu,
+        margin=margin,
+    )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """The factories run with ``dtype`` as torch's default dtype.
+
+    (Not ``model.to(dtype)``: converting a module of fake parameters fails in
+    ``FakeTensorMode``, which holds weak references to them.)
+    """
+    if dtype is None:
+        yield
+        return
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype.lower() not in _DTYPES:
+        raise PlanError(f"dtype must be bf16 or fp32 (or fp16), got {dtype!r}")
+    return _DTYPES[dtype.lower()]
+
+
+def _variants(
+    workload: Workload, variants: Iterable[Variant] | str | None, optimizers: Iterable[str] | None
+) -> list[Variant]:
+    if variants is None or variants == "default":
+        rows = default_variants(workload, optimizers)
+    elif variants == "all":
+        rows = default_variants(workload, optimizers, every=True)
+    elif isinstance(variants, str):
+        raise PlanError(f"variants must be 'default', 'all' or a list of Variant, got {variants!r}")
+    else:
+        rows = list(variants)
+        if optimizers is not None:
+            wanted = set(optimizers)
+            rows = [v for v in rows if v.optimizer in wanted]
+    if not rows:
+        raise PlanError(
+            "no configuration to plan: the optimizers asked for are not installed or "
+            f"not known (known: {', '.join(OPTIMIZERS)})"
+        )
+    return rows
+
+
+def _custom(
+    factory: Callable[[], nn.Module],
+    inputs: Callable[[], Any] | None,
+    loss: Callable[[nn.Module, Any], Tensor] | None,
+    checkpoint: Callable[[nn.Module], Any] | None,
+    chunked_loss: Callable[[nn.Module, Any], Tensor] | None,
+    dtype: torch.dtype | None,
+) -> Workload:
+    if inputs is None or loss is None:
+        raise PlanError(
+            "a model factory needs inputs= (() -> batch) and loss= ((model, batch) -> "
+            "scalar); or pass a Hugging Face config / built-in shape name instead"
+        )
+
+    def build() -> nn.Module:
+        with _default_dtype(dtype):
+            m = factory()
+        if not isinstance(m, nn.Module):
+            raise PlanError(f"the model factory returned {type(m).__name__}, not an nn.Module")
+        return m.train()
+
+    def make_inputs(m: nn.Module) -> Any:
+        with _default_dtype(dtype):
+            return inputs()
+
+    def on(m: nn.Module) -> Callable[[], None]:
+        assert checkpoint is not None
+        handle = checkpoint(m)
+        return handle if callable(handle) else getattr(handle, "remove", lambda: None)
+
+    name = getattr(factory, "__name__", type(factory).__name__)
+    return Workload(
+        name="model" if name == "<lambda>" else name,
+        build=build,
+        inputs=make_inputs,
+        loss=loss,
+        checkpoint=None if checkpoint is None else on,
+        chunked_loss=chunked_loss,
+    )

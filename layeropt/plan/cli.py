@@ -1,0 +1,105 @@
+"""``python -m layeropt plan MODEL``: the plan as a table, JSON or a plot.
+
+Example:
+    >>> from layeropt.__main__ import main
+    >>> main(["plan", "llama-3.2-3b", "--gpu-memory", "24GiB"])  # doctest: +SKIP
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .variants import OPTIMIZERS, Variant
+from .workloads import BUILTIN_SHAPES, PlanError
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``plan`` subcommand to the ``layeropt`` parser's subparsers."""
+    p = sub.add_parser(
+        "plan",
+        help="will a training step fit on my GPU, and with which settings (no GPU needed)",
+        description=(
+            "Run one steady-state training step of MODEL on fake tensors (no memory, any "
+            "size) under torch.optim.AdamW, layeropt.AdamW, checkpointing, a chunked loss "
+            "and low-bit optimizer states; print each configuration's peak memory, what is "
+            "alive at the peak, and what fits in --gpu-memory."
+        ),
+        epilog=f"built-in shapes: {', '.join(sorted(BUILTIN_SHAPES))}",
+    )
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a Hugging Face config.json, a directory holding one, a model name whose "
+        "config is in the local HF cache, or a built-in shape (llama-2-7b, gpt2, ...)",
+    )
+    p.add_argument("--seq", type=int, default=None,
+                   help="tokens per sequence (2048, or the model's positions if fewer)")  # fmt: skip
+    p.add_argument("--batch", type=int, default=1, help="sequences per batch (1)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="parameter dtype: pure bf16 (default) or fp32 training")  # fmt: skip
+    p.add_argument("--gpu-memory", metavar="SIZE",
+                   help="the GPU's memory, e.g. 24GiB, 80GB or 16 (GiB): say what fits")  # fmt: skip
+    p.add_argument("--margin", metavar="SPEC", default="1GiB+5%",
+                   help="left free on the GPU: fixed + %% of the peak (default 1GiB+5%%)")  # fmt: skip
+    p.add_argument("--optimizer", action="append", metavar="NAME", choices=OPTIMIZERS,
+                   help="only this optimizer (repeatable): " + ", ".join(OPTIMIZERS))  # fmt: skip
+    p.add_argument("--all", action="store_true",
+                   help="every combination (low-bit ones too; twice as many rows)")  # fmt: skip
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="whose kernels to model: cuda (default) or torch's CPU kernels")  # fmt: skip
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="layeropt.attach's bucket_cap_mb (default: the library's)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    p.add_argument("--plot", metavar="OUT.png", help="draw the categories as stacked bars")
+    p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``layeropt plan`` with parsed arguments; returns the exit status."""
+    from ..report import PlotDependencyError
+    from . import plan
+
+    progress = None
+    if not (args.no_progress or args.json):
+        progress = _progress
+    try:
+        result = plan(
+            args.model,
+            seq=args.seq,
+            batch=args.batch,
+            dtype=args.dtype,
+            gpu_memory=args.gpu_memory,
+            margin=args.margin,
+            variants="all" if args.all else None,
+            optimizers=args.optimizer,
+            device=args.device,
+            bucket_cap_mb=args.bucket_cap_mb,
+            progress=progress,
+        )
+        if progress is not None:
+            print(file=sys.stderr)
+        if args.plot:
+            result.plot(args.plot)
+    except (PlanError, PlotDependencyError) as e:
+        if progress is not None:
+            print(file=sys.stderr)
+        print(f"layeropt plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        print(result.table())
+        if args.plot:
+            print(f"wrote {args.plot}")
+    return 0
+
+
+def _progress(i: int, n: int, variant: Variant) -> None:
+    print(f"\r\033[K[{i + 1}/{n}] {variant.label}", end="", file=sys.stderr, flush=True)

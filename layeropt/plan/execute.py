@@ -1,0 +1,419 @@
+"""Run training steps on fake tensors and measure each one's peak.
+
+For each :class:`~layeropt.plan.variants.Variant`, on one model built under
+``FakeTensorMode``, the steady-state step ``loss = loss_fn(model, batch);
+loss.backward(); opt.step(); opt.zero_grad()`` is counted by
+:class:`~layeropt.plan.tracker.LiveBytes` with the target device's kernels
+(:mod:`layeropt.plan.devices`):
+
+* *in-backward* (layeropt) variants: every trainable parameter gets a zero
+  gradient and the optimizer steps once, which creates its state exactly as a
+  first real step would; then the model is attached (:func:`layeropt.attach`)
+  and the whole step is measured;
+* optimizers that step after backward leave forward and backward alone, so
+  those are measured once per (checkpointing, loss) and the optimizer's state
+  added; then each optimizer steps once on the gradients (warm-up) and its
+  second ``step()`` is measured. The larger peak is the step's.
+
+Gradients are recognised by a post-accumulate-grad hook registered before
+layeropt's, parameters and optimizer state by identity. Library code that
+treats a fake tensor as a sign of tracing is patched for the run (see
+:func:`library_quirks`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import importlib
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .devices import Target, target
+from .tracker import GRADIENTS, PARAMETERS, STATE, LiveBytes
+from .variants import Variant
+from .workloads import PlanError, Workload
+
+__all__ = ["Measurement", "simulate", "library_quirks"]
+
+PHASES = ("forward", "backward", "optimizer step", "zero_grad")
+
+
+@dataclasses.dataclass
+class Measurement:
+    """The memory of one variant's steady-state training step, in bytes.
+
+    Attributes:
+        variant: the configuration measured.
+        peak_bytes: live tensor bytes at the step's peak (parameters and
+            optimizer state included).
+        start_bytes: live bytes when the step started (parameters, optimizer
+            state, buffers, the batch).
+        end_bytes: live bytes when it ended (equal to ``start_bytes`` in a
+            steady state).
+        at_peak: bytes per category at the peak (sums to ``peak_bytes``).
+        phase: ``"forward"``, ``"backward"``, ``"optimizer step"`` or
+            ``"zero_grad"``: where the peak falls.
+        phase_progress: how far into that phase, from 0 (its first operator)
+            to 1 (its last).
+        peak_op: the operator at the peak.
+    """
+
+    variant: Variant
+    peak_bytes: int
+    start_bytes: int
+    end_bytes: int
+    at_peak: dict[str, int]
+    phase: str
+    phase_progress: float
+    peak_op: str
+
+
+def simulate(
+    workload: Workload,
+    variants: list[Variant],
+    *,
+    device: str | Target = "cuda",
+    bucket_cap_mb: float | None = None,
+    progress: Callable[[int, int, Variant], None] | None = None,
+) -> tuple[int, list[Measurement]]:
+    """Measure one steady-state training step per variant, on fake tensors.
+
+    Args:
+        workload: the model, batch and loss.
+        variants: the configurations to measure.
+        device: the device whose kernels to model (``"cuda"`` or ``"cpu"``).
+        bucket_cap_mb: ``layeropt.attach``'s ``bucket_cap_mb`` (``None``:
+            the library default).
+        progress: called as ``progress(i, n, variant)`` before each variant.
+
+    Returns:
+        ``(number of parameters, one Measurement per variant)``.
+
+    Raises:
+        PlanError: a variant does not apply to this workload.
+    """
+    tgt = target(device)
+    for v in variants:
+        if v.checkpointing and workload.checkpoint is None:
+            raise PlanError(
+                f"{v.label}: this workload has no checkpointing; pass checkpoint= "
+                "(e.g. lambda m: layeropt.checkpoint_modules(m, names='blocks.*').remove)"
+            )
+        if v.chunked_loss and workload.chunked_loss is None:
+            raise PlanError(f"{v.label}: this workload has no chunked loss (chunked_loss=)")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _prime_caches(variants)
+    live = LiveBytes()
+    with contextlib.ExitStack() as stack:
+        fake = stack.enter_context(FakeTensorMode())
+        stack.enter_context(live)
+        stack.enter_context(tgt.kernels(live))
+        stack.enter_context(library_quirks(live, fake, variants))
+        model = workload.build()
+        params = _unique(model.parameters())
+        n_params = sum(p.numel() for p in params)
+        live.mark(params, PARAMETERS)
+        trainable = [p for p in params if p.requires_grad]
+        if not trainable:
+            raise PlanError(f"{workload.name} has no trainable parameters")
+        for p in trainable:
+            p.register_post_accumulate_grad_hook(_GradMarker(live))
+        batch = workload.inputs(model)
+        done = [0]
+
+        def tick(v: Variant) -> None:
+            if progress is not None:
+                progress(done[0], len(variants), v)
+            done[0] += 1
+
+        run = _Run(model, batch, trainable, workload, live, bucket_cap_mb, tick)
+        results: dict[Variant, Measurement] = {}
+        groups: dict[tuple[bool, bool], list[Variant]] = {}
+        for v in dict.fromkeys(variants):
+            if v.in_backward:
+                results[v] = _measure_in_backward(run, v)
+            else:
+                groups.setdefault((v.checkpointing, v.chunked_loss), []).append(v)
+        for (checkpointing, chunked), members in groups.items():
+            for m in _measure_plain(run, checkpointing, chunked, members):
+                results[m.variant] = m
+    return n_params, [results[v] for v in variants]
+
+
+def _prime_caches(variants: list[Variant]) -> None:
+    """Fill caches that libraries fill lazily by reading tensor values.
+
+    torchao builds its quantization maps with ``.tolist()`` on first use,
+    which a fake tensor cannot answer: build them now, on real tensors.
+    """
+    if any(v.base.startswith("torchao.") for v in variants):
+        for name in ("torchao.optim.subclass_8bit", "torchao.optim.subclass_4bit"):
+            try:
+                module = importlib.import_module(name)
+            except ImportError:  # pragma: no cover - another torchao layout
+                continue
+            for fn in ("get_qmap_signed", "get_qmap_unsigned"):
+                if hasattr(module, fn):
+                    getattr(module, fn)()
+
+
+def _unique(params: Any) -> list[nn.Parameter]:
+    return list({id(p): p for p in params}.values())
+
+
+class _GradMarker:
+    """Post-accumulate-grad hook: the parameter's ``.grad`` is a gradient."""
+
+    def __init__(self, live: LiveBytes) -> None:
+        self.live = live
+
+    def __call__(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self.live.mark(p.grad, GRADIENTS)
+
+
+@dataclasses.dataclass
+class _Run:
+    """What one simulation needs: the model, its batch, the tracker, the options."""
+
+    model: nn.Module
+    batch: Any
+    params: list[nn.Parameter]
+    workload: Workload
+    live: LiveBytes
+    bucket_cap_mb: float | None
+    tick: Callable[[Variant], None]
+
+
+def _snapshot(live: LiveBytes) -> dict[str, Any]:
+    phase = live.peak_phase
+    ops = live.ops_per_phase.get(phase, 1)
+    return dict(
+        peak_bytes=live.peak,
+        at_peak=dict(live.at_peak),
+        phase=phase,
+        phase_progress=min(live.peak_op_in_phase / max(ops - 1, 1), 1.0),
+        peak_op=live.op_names_at_peak,
+    )
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """As in PeakMemory: tensors kept by reference cycles count until the step ends."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _configured(run: _Run, checkpointing: bool) -> Iterator[None]:
+    """Checkpointing on (if asked) for the block; gradients dropped after it."""
+    undo = run.workload.checkpoint(run.model) if checkpointing else None  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        for p in run.params:
+            p.grad = None
+        if undo is not None:
+            undo()
+
+
+def _measure_plain(
+    run: _Run, checkpointing: bool, chunked: bool, variants: list[Variant]
+) -> list[Measurement]:
+    """Optimizers that step after backward: one forward and backward for all of them.
+
+    Forward and backward do not touch the optimizer, so a step's memory there
+    is the optimizer's (constant) state plus what forward and backward
+    allocate, the same for every such optimizer: they are measured once,
+    without an optimizer, then each optimizer's ``step()`` on the resulting
+    gradients. The step's peak is the larger of the two.
+    """
+    live = run.live
+    loss_fn = run.workload.chunked_loss if chunked else run.workload.loss
+    out = []
+    with _configured(run, checkpointing), _gc_paused():
+        live.start()
+        try:
+            live.phase = "forward"
+            loss = loss_fn(run.model, run.batch)  # type: ignore[misc]
+            live.phase = "backward"
+            loss.backward()
+        finally:
+            live.phase = "idle"
+        start, passes = live.start_bytes, _snapshot(live)
+        for v in variants:
+            run.tick(v)
+            before = live.total
+            opt = v.make_optimizer(run.params)
+            opt.step()  # warm-up on these gradients: creates the state
+            live.mark(list(opt.state.values()), STATE)
+            kept = live.total - before  # the optimizer's state (and its maps)
+            live.start()
+            try:
+                live.phase = "optimizer step"
+                opt.step()
+            finally:
+                live.phase = "idle"
+            step = _snapshot(live)
+            del opt
+            top = dict(passes)
+            top["peak_bytes"] += kept
+            top["at_peak"] = dict(passes["at_peak"])
+            top["at_peak"][STATE] += kept
+            best = step if step["peak_bytes"] > top["peak_bytes"] else top
+            out.append(Measurement(v, start_bytes=start + kept, end_bytes=start + kept, **best))
+        del loss
+    return out
+
+
+def _measure_in_backward(run: _Run, variant: Variant) -> Measurement:
+    """A layeropt variant: warm up, attach, and run the whole step."""
+    import layeropt
+
+    run.tick(variant)
+    live = run.live
+    loss_fn = run.workload.chunked_loss if variant.chunked_loss else run.workload.loss
+    opt = variant.make_optimizer(run.params)
+    handle = None
+    try:
+        with _configured(run, variant.checkpointing):
+            with torch.no_grad():  # warm-up: the state a first step creates
+                for p in run.params:
+                    p.grad = torch.zeros_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            live.mark(list(opt.state.values()), STATE)
+            cap = {} if run.bucket_cap_mb is None else {"bucket_cap_mb": run.bucket_cap_mb}
+            handle = layeropt.attach(run.model, opt, **cap)
+            with _gc_paused():
+                live.start()
+                _step(run.model, run.batch, loss_fn, opt, live)
+            return Measurement(
+                variant, start_bytes=live.start_bytes, end_bytes=live.total, **_snapshot(live)
+            )
+    finally:
+        if handle is not None:
+            handle.remove()
+        del opt
+
+
+def _step(model: nn.Module, batch: Any, loss_fn: Any, opt: Any, live: LiveBytes) -> None:
+    """``loss = loss_fn(model, batch); loss.backward(); opt.step(); opt.zero_grad()``."""
+    try:
+        live.phase = "forward"
+        loss = loss_fn(model, batch)
+        live.phase = "backward"
+        loss.backward()
+        live.phase = "optimizer step"
+        opt.step()
+        live.phase = "zero_grad"
+        opt.zero_grad()
+    finally:
+        live.phase = "idle"
+
+
+@contextlib.contextmanager
+def library_quirks(live: LiveBytes, fake: Any, variants: list[Variant]) -> Iterator[None]:
+    """Patch, for one fake run, library code that misreads fake tensors.
+
+    * ``transformers.masking_utils.find_packed_sequence_indices`` treats a
+      fake tensor as tracing and reports packed sequences, so a
+      ``[b, 1, T, T]`` causal mask is built (and attention cannot use
+      ``is_causal``). The plan's batches are never packed: it returns ``None``
+      for fake position ids.
+    * ``torch.compile`` (torchao's low-bit optimizers compile their update)
+      cannot run inside ``FakeTensorMode``; the compiled function is a no-op
+      (:func:`_fused_kernel`).
+    * bitsandbytes builds its quantization map with ``.tolist()``, which a
+      fake tensor cannot answer: it is built on real tensors, then made fake.
+
+    Args:
+        live: the tracker.
+        fake: the ``FakeTensorMode`` of the run.
+        variants: the variants to run (which libraries to patch).
+    """
+    with contextlib.ExitStack() as stack:
+        if "transformers" in sys.modules:
+            try:
+                masking = importlib.import_module("transformers.masking_utils")
+            except ImportError:  # pragma: no cover - old transformers
+                masking = None
+            if masking is not None and hasattr(masking, "find_packed_sequence_indices"):
+                stack.enter_context(
+                    _patched(masking, "find_packed_sequence_indices",
+                             _unpacked(masking.find_packed_sequence_indices))
+                )  # fmt: skip
+        stack.enter_context(_patched(torch, "compile", _fused_kernel))
+        if any(v.base.startswith("bitsandbytes.") for v in variants):
+            bnb = importlib.import_module("bitsandbytes.functional")
+            real = _computed_for_real(bnb.create_dynamic_map, live, fake)
+            stack.enter_context(_patched(bnb, "create_dynamic_map", real))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated")
+            yield
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _unpacked(original: Callable[..., Any]) -> Callable[..., Any]:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
+        if isinstance(position_ids, FakeTensor):
+            return None
+        return original(position_ids)
+
+    return find_packed_sequence_indices
+
+
+def _computed_for_real(fn: Callable[..., Any], live: LiveBytes, fake: Any) -> Callable[..., Any]:
+    """``fn`` run on real tensors; its tensor result made fake (and counted)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily(), live.paused():
+            out = fn(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            out = fake.from_tensor(out)
+            live.track(out)
+        return out
+
+    return run
+
+
+def _fused_kernel(model: Any = None, **kwargs: Any) -> Any:
+    """``torch.compile`` for a fake run: the compiled function becomes a no-op.
+
+    torchao compiles each low-bit update into one kernel that works in place
+    (its temporaries stay in registers), so in memory it is a no-op; running it
+    eagerly would count temporaries the kernel never makes (and be slow).
+    """
+    if model is None:
+        return lambda fn: _fused_kernel(fn, **kwargs)
+
+    def run(*args: Any, **kw: Any) -> None:
+        return None
+
+    return run

@@ -1,0 +1,406 @@
+"""A plan's answer: which configurations fit, the smallest change that does, and why.
+
+:class:`Plan` holds one :class:`~layeropt.plan.execute.Measurement` per
+configuration, sorted by peak, and renders them as a text table
+(:meth:`Plan.table`), one JSON object (:meth:`Plan.to_dict`) or stacked bars
+(:meth:`Plan.plot`). A configuration *fits* when its peak plus the
+:class:`Margin` is at most the GPU's memory.
+
+Example:
+    >>> Margin().budget(24 * 2**30) / 2**30
+    21.904761904761905
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+from ..memory import format_bytes
+from .execute import Measurement
+from .tracker import ACTIVATIONS, CATEGORIES, GRADIENTS, OTHER, STATE
+from .variants import LOW_BIT, Variant
+from .workloads import PlanError
+
+__all__ = ["Margin", "Plan", "parse_size"]
+
+_UNITS = {"": 2**30, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20,
+          "mb": 10**6, "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40,
+          "tb": 10**12}  # fmt: skip
+
+
+def parse_size(text: str | int) -> int:
+    """``"24GiB"`` -> bytes. A bare number in a string is GiB; ``GB``/``MB`` are powers of ten.
+
+    Args:
+        text: an ``int`` (bytes), or a string: a number with an optional unit
+            (``B``, ``KiB``, ``MiB``, ``GiB``, ``TiB``, ``KB``, ``MB``, ``GB``,
+            ``TB``; ``K``/``M``/``G`` mean the binary units, none means GiB).
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        PlanError: not a size.
+
+    Example:
+        >>> parse_size("24GiB"), parse_size("80"), parse_size("512 MiB")
+        (25769803776, 85899345920, 536870912)
+    """
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise PlanError(
+            f"cannot read {text!r} as a memory size; write it like 24GiB, 80GB or 16 (GiB)"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclasses.dataclass(frozen=True)
+class Margin:
+    """What a GPU needs beyond the live tensor bytes a plan counts.
+
+    A configuration fits when ``peak * (1 + fraction) + fixed <= gpu_memory``.
+
+    Attributes:
+        fixed: bytes for the CUDA context, cuBLAS/cuDNN workspaces and the
+            NCCL/driver reserve (default 1 GiB).
+        fraction: share of the peak for the caching allocator's rounding and
+            fragmentation (reserved minus allocated; default 5%).
+
+    Both are estimates, not calibrated on a GPU yet: run
+    ``benchmarks/plan_calibrate.py`` on one and see ``docs/plan.md``.
+    """
+
+    fixed: int = 2**30
+    fraction: float = 0.05
+
+    def budget(self, gpu_memory: int) -> int:
+        """The largest peak that fits in ``gpu_memory`` bytes."""
+        return int((gpu_memory - self.fixed) / (1 + self.fraction))
+
+    def describe(self) -> str:
+        """``"1.0 GiB + 5% of the peak"``."""
+        return f"{format_bytes(self.fixed)} + {self.fraction:.0%} of the peak"
+
+    @classmethod
+    def parse(cls, text: str) -> Margin:
+        """``"1GiB+5%"`` -> ``Margin(2**30, 0.05)``; ``"0"`` -> no margin."""
+        fixed, fraction = 0, 0.0
+        for part in (p.strip() for p in text.split("+") if p.strip()):
+            if part.endswith("%"):
+                try:
+                    fraction += float(part[:-1]) / 100
+                except ValueError:
+                    raise PlanError(f"cannot read {part!r} in --margin {text!r}") from None
+            else:
+                fixed += parse_size(part)
+        return cls(fixed, fraction)
+
+
+_CHANGE_TEXT = {
+    "fused": ("optimizer temporaries", OTHER, "fused AdamW updates in place"),
+    "layeropt": ("gradients", GRADIENTS, "layeropt frees each gradient as its layer is updated"),
+    "checkpointing": ("activations", ACTIVATIONS, "checkpointing keeps one input per block"),
+    "chunked loss": ("activations", ACTIVATIONS, "the chunked loss never holds full logits"),
+    "low-bit": ("optimizer state", STATE, "low-bit states are 4-8x smaller"),
+}
+
+
+@dataclasses.dataclass
+class Plan:
+    """The memory of one training step under each configuration.
+
+    Attributes:
+        model: the model's name.
+        parameters: number of parameters.
+        rows: one measurement per configuration, smallest peak first.
+        dtype: the parameters' dtype (``"bf16"``, ``"fp32"``, or as built).
+        seq: tokens per sequence (``None`` for a custom model).
+        batch: sequences per batch (``None`` for a custom model).
+        device: the device whose kernels were modelled.
+        gpu_memory: the GPU's memory in bytes, or ``None``.
+        margin: what fitting leaves free (:class:`Margin`).
+    """
+
+    model: str
+    parameters: int
+    rows: list[Measurement]
+    dtype: str = ""
+    seq: int | None = None
+    batch: int | None = None
+    device: str = "cuda"
+    gpu_memory: int | None = None
+    margin: Margin = dataclasses.field(default_factory=Margin)
+
+    def __post_init__(self) -> None:
+        self.rows = sorted(self.rows, key=lambda r: (r.peak_bytes, len(r.variant.changes())))
+
+    # -- answers ------------------------------------------------------------
+    @property
+    def budget(self) -> int | None:
+        """The largest peak that fits (``None`` without ``gpu_memory``)."""
+        return None if self.gpu_memory is None else self.margin.budget(self.gpu_memory)
+
+    def fits(self, row: Measurement) -> bool | None:
+        """Whether ``row`` fits on the GPU (``None`` without ``gpu_memory``)."""
+        budget = self.budget
+        return None if budget is None else row.peak_bytes <= budget
+
+    def row(self, variant: Variant) -> Measurement | None:
+        """The measurement of ``variant``, if it was planned."""
+        return next((r for r in self.rows if r.variant == variant), None)
+
+    @property
+    def baseline(self) -> Measurement:
+        """Plain ``torch.optim.AdamW`` (foreach, torch's GPU default), or the simplest row."""
+        return min(self.rows, key=lambda r: (len(r.variant.changes()), r.peak_bytes))
+
+    @property
+    def choice(self) -> Measurement | None:
+        """The least invasive configuration that fits.
+
+        Exact configurations (the update math unchanged: fused, layeropt,
+        checkpointing, chunked loss) come before low-bit states; then the
+        fewest changes; then the smallest peak.
+        """
+        fitting = [r for r in self.rows if self.fits(r)]
+        if not fitting:
+            return None
+        return min(fitting, key=_invasiveness)
+
+    def why(self, row: Measurement | None = None) -> str:
+        """One line: where the baseline peaks, and what each change of ``row`` removes.
+
+        Args:
+            row: the configuration to explain (default: :attr:`choice`, or
+                the smallest peak when nothing fits).
+        """
+        row = row or self.choice or self.rows[0]
+        current = self.baseline
+        steps: list[str] = []
+        remaining = row.variant.changes() - current.variant.changes()
+        while remaining:
+            options = []
+            for change in remaining:
+                nxt = self.row(_with_changes(row.variant, current.variant.changes() | {change}))
+                if nxt is not None:
+                    options.append((nxt.peak_bytes, change, nxt))
+            if not options:
+                break
+            _, change, nxt = min(options, key=lambda o: (o[0], o[1]))
+            remaining.discard(change)
+            what, category, fix = _CHANGE_TEXT[change]
+            saved = current.peak_bytes - nxt.peak_bytes
+            if abs(saved) < 0.005 * current.peak_bytes:
+                current = nxt  # no effect on its own here
+                continue
+            steps.append(
+                f"{'then ' if steps else ''}the peak is {what} "
+                f"({format_bytes(current.at_peak[category])}) {_where(current)}: {fix} "
+                f"({'-' if saved >= 0 else '+'}{format_bytes(abs(saved))})"
+            )
+            current = nxt
+        if not steps:
+            top = max((c for c in CATEGORIES[2:]), key=lambda c: current.at_peak[c])
+            return (
+                f"the peak is {top} ({format_bytes(current.at_peak[top])}) {_where(current)}"
+            )
+        return "; ".join(steps)
+
+    # -- rendering ----------------------------------------------------------
+    def header(self) -> str:
+        """Two lines: the model and step, and the fitting rule."""
+        shape = ""
+        if self.seq is not None:
+            shape = f", batch {self.batch} x {self.seq} tokens"
+        lines = [
+            f"layeropt plan: {self.model} ({self.parameters / 1e9:.2f}B parameters"
+            f"{', ' + self.dtype if self.dtype else ''}{shape}), one steady-state training "
+            f"step on {self.device}"
+        ]
+        if self.gpu_memory is not None:
+            lines.append(
+                f"fits in {format_bytes(self.gpu_memory)}: peak + {self.margin.describe()} "
+                f"<= {format_bytes(self.gpu_memory)}, i.e. peak <= {format_bytes(self.budget)}"
+            )
+        return "\n".join(lines)
+
+    def table(self) -> str:
+        """The whole report as text: header, one row per configuration, the answer."""
+        names = {"parameters": "params", "optimizer state": "opt state",
+                 "gradients": "grads", "activations": "activations", "other": "other"}  # fmt: skip
+        head = f"{'peak':>10}  " + "".join(f"{names[c]:>12}" for c in CATEGORIES)
+        head += f"  {'peak falls in':<22}" + ("fits  " if self.gpu_memory else "")
+        head += "configuration"
+        lines = [self.header(), "", head]
+        for r in self.rows:
+            cells = "".join(f"{_gib(r.at_peak[c]):>12}" for c in CATEGORIES)
+            fit = {True: "yes   ", False: "no    ", None: ""}[self.fits(r)]
+            lines.append(
+                f"{format_bytes(r.peak_bytes):>10}  {cells}  {_where(r, short=True):<22}{fit}"
+                f"{r.variant.label}"
+            )
+        lines.append("(categories in GiB, at the peak)")
+        lines += ["", *self.answer()]
+        return "\n".join(lines)
+
+    def answer(self) -> list[str]:
+        """The last lines: what to use, and why."""
+        if self.gpu_memory is None:
+            best = self.rows[0]
+            return [
+                f"smallest peak: {best.variant.label} ({format_bytes(best.peak_bytes)}); "
+                "pass --gpu-memory to see what fits",
+                f"why: {self.why(best)}",
+            ]
+        choice = self.choice
+        if choice is None:
+            best = self.rows[0]
+            need = best.peak_bytes - (self.budget or 0)
+            return [
+                f"nothing fits in {format_bytes(self.gpu_memory)}: the smallest peak, "
+                f"{best.variant.label}, needs {format_bytes(need)} more. Try a shorter "
+                "--seq or smaller --batch (with gradient accumulation), or shard the "
+                "model across GPUs (FSDP).",
+                f"why: {self.why(best)}",
+            ]
+        return [
+            f"fits in {format_bytes(self.gpu_memory)} with the fewest changes: "
+            f"{choice.variant.label} ({format_bytes(choice.peak_bytes)})",
+            f"why: {self.why(choice)}",
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        """One JSON-ready object (the ``--json`` output).
+
+        Returns:
+            ``{"model", "parameters", "dtype", "seq", "batch", "device",
+            "gpu_memory_bytes", "budget_bytes", "margin", "variants": [...],
+            "recommendation"}``; each variant has ``optimizer``,
+            ``implementation``, ``checkpointing``, ``chunked_loss``,
+            ``in_backward``, ``label``, ``peak_bytes``, ``start_bytes``,
+            ``at_peak`` (bytes per category), ``phase``, ``phase_progress``
+            and ``fits`` (``None`` without ``gpu_memory``).
+        """
+        choice = self.choice
+        return {
+            "model": self.model,
+            "parameters": self.parameters,
+            "dtype": self.dtype,
+            "seq": self.seq,
+            "batch": self.batch,
+            "device": self.device,
+            "gpu_memory_bytes": self.gpu_memory,
+            "budget_bytes": self.budget,
+            "margin": {"fixed_bytes": self.margin.fixed, "fraction": self.margin.fraction},
+            "variants": [
+                {
+                    "optimizer": r.variant.optimizer,
+                    "implementation": r.variant.implementation,
+                    "checkpointing": r.variant.checkpointing,
+                    "chunked_loss": r.variant.chunked_loss,
+                    "in_backward": r.variant.in_backward,
+                    "label": r.variant.label,
+                    "peak_bytes": r.peak_bytes,
+                    "start_bytes": r.start_bytes,
+                    "at_peak": dict(r.at_peak),
+                    "phase": r.phase,
+                    "phase_progress": round(r.phase_progress, 4),
+                    "fits": self.fits(r),
+                }
+                for r in self.rows
+            ],
+            "recommendation": None if choice is None else {
+                "label": choice.variant.label, "peak_bytes": choice.peak_bytes,
+                "why": self.why(choice),
+            },
+        }  # fmt: skip
+
+    def plot(self, path: str | os.PathLike[str]) -> str:
+        """Save a PNG: one stacked bar per configuration, the budget as a line.
+
+        Args:
+            path: where to write the image.
+
+        Returns:
+            ``path`` as a string.
+
+        Raises:
+            PlotDependencyError: matplotlib is not installed.
+        """
+        from ..report import _COLORS, PlotDependencyError
+
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+        except ImportError as e:
+            raise PlotDependencyError(
+                "--plot needs matplotlib: pip install 'layeropt[plot]' (or pip install "
+                "matplotlib), or leave out --plot."
+            ) from e
+        colors = {"parameters": _COLORS["parameters"], "optimizer state": _COLORS["optimizer state"],
+                  "gradients": _COLORS["gradients"], "activations": _COLORS["activations/other"],
+                  "other": "#8e8e8e"}  # fmt: skip
+        rows = self.rows[::-1]
+        fig = Figure(figsize=(11, 1.2 + 0.32 * len(rows)), layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        left = [0.0] * len(rows)
+        for c in CATEGORIES:
+            widths = [r.at_peak[c] / 2**30 for r in rows]
+            ax.barh(range(len(rows)), widths, left=left, color=colors[c], label=c)
+            left = [a + b for a, b in zip(left, widths)]
+        ax.set_yticks(range(len(rows)), [r.variant.label for r in rows], fontsize="small")
+        if self.gpu_memory is not None:
+            ax.axvline(self.gpu_memory / 2**30, color="black", lw=1.2)
+            ax.axvline((self.budget or 0) / 2**30, color="black", lw=1, ls="--",
+                       label=f"fits (margin: {self.margin.describe()})")  # fmt: skip
+        ax.set_xlabel("GiB at the peak of the step")
+        ax.set_title(self.header().splitlines()[0].removeprefix("layeropt plan: "),
+                     fontsize="medium")  # fmt: skip
+        ax.grid(axis="x", alpha=0.3)
+        ax.legend(loc="lower right", fontsize="small")
+        fig.savefig(os.fspath(path), dpi=110)
+        return os.fspath(path)
+
+
+def _invasiveness(row: Measurement) -> tuple[bool, int, int]:
+    changes = row.variant.changes()
+    return ("low-bit" in changes, len(changes), row.peak_bytes)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def _where(row: Measurement, short: bool = False) -> str:
+    """``"at the start of backward"`` / ``"backward (43%)"``."""
+    p = row.phase_progress
+    if row.phase in ("optimizer step", "zero_grad"):
+        return row.phase if short else f"in the {row.phase}"
+    if p <= 0.05:
+        return f"start of {row.phase}" if short else f"at the start of {row.phase}"
+    if p >= 0.95:
+        return f"end of {row.phase}" if short else f"at the end of {row.phase}"
+    return f"{row.phase} ({p:.0%})" if short else f"{p:.0%} into {row.phase}"
+
+
+def _with_changes(like: Variant, changes: set[str]) -> Variant:
+    """The variant with exactly ``changes`` (the low-bit library of ``like``)."""
+    low_bit = like.base if like.base in LOW_BIT else next(iter(LOW_BIT))
+    base = low_bit if "low-bit" in changes else "torch.optim.AdamW"
+    if "layeropt" in changes:
+        optimizer = "layeropt.AdamW" if base == "torch.optim.AdamW" else f"layeropt.in_backward({base})"
+    else:
+        optimizer = base
+    fused = "fused" in changes or "low-bit" in changes
+    return Variant(
+        optimizer,
+        "fused" if fused else "foreach",
+        "checkpointing" in changes,
+        "chunked loss" in changes,
+    )

@@ -1,0 +1,283 @@
+"""What a plan trains: a model, its inputs, its loss, and how to checkpoint it.
+
+A :class:`Workload` is built inside ``FakeTensorMode``, so every function in it
+makes fake tensors: no memory, any size. :func:`hf_workload` makes one from a
+Hugging Face causal-LM config - a ``config.json``, a directory holding one, a
+model name whose config is in the local Hugging Face cache, or one of the
+public shapes in :data:`BUILTIN_SHAPES` (nothing is downloaded).
+
+Example:
+    >>> sorted(BUILTIN_SHAPES)[:3]
+    ['gpt2', 'gpt2-large', 'gpt2-medium']
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import LayeroptError
+
+__all__ = ["Workload", "PlanError", "BUILTIN_SHAPES", "hf_workload", "load_config"]
+
+
+class PlanError(LayeroptError, ValueError):
+    """A plan cannot be made as asked (see the message for the fix)."""
+
+
+@dataclasses.dataclass
+class Workload:
+    """One training step to simulate, as functions run on fake tensors.
+
+    Attributes:
+        name: what to call the model in the report.
+        build: ``() -> nn.Module``, the model (built under ``FakeTensorMode``).
+        inputs: ``(model) -> batch``, one batch.
+        loss: ``(model, batch) -> Tensor``, the scalar loss.
+        checkpoint: ``(model) -> undo``: turns activation checkpointing on
+            and returns a callable that turns it off; ``None``: no
+            checkpointing variants.
+        chunked_loss: ``(model, batch) -> Tensor``, the same loss computed
+            without full logits (:func:`layeropt.losses.linear_cross_entropy`);
+            ``None`` where it does not apply.
+        description: a short line about the shape (for the report).
+        seq: tokens per sequence, for language models (for the report).
+        batch: sequences per batch, for language models (for the report).
+    """
+
+    name: str
+    build: Callable[[], nn.Module]
+    inputs: Callable[[nn.Module], Any]
+    loss: Callable[[nn.Module, Any], Tensor]
+    checkpoint: Callable[[nn.Module], Callable[[], None]] | None = None
+    chunked_loss: Callable[[nn.Module, Any], Tensor] | None = None
+    description: str = ""
+    seq: int | None = None
+    batch: int | None = None
+
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+#: Public model shapes, as the ``config.json`` fields that set memory.
+BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-2-7b": dict(
+        model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    "llama-2-13b": dict(
+        model_type="llama", vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+        num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=_LLAMA3_ROPE, tie_word_embeddings=True,
+    ),
+    "llama-3.2-3b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192,
+        num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=_LLAMA3_ROPE, tie_word_embeddings=True,
+    ),
+    "llama-3.1-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=dict(_LLAMA3_ROPE, factor=8.0), tie_word_embeddings=False,
+    ),
+    "gpt2": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768,
+                 n_layer=12, n_head=12),
+    "gpt2-medium": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=1024,
+                        n_layer=24, n_head=16),
+    "gpt2-large": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=1280,
+                       n_layer=36, n_head=20),
+    "gpt2-xl": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=1600,
+                    n_layer=48, n_head=25),
+}  # fmt: skip
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as e:
+        raise PlanError(
+            "planning a Hugging Face model needs transformers: pip install 'layeropt[hf]' "
+            "(or pip install transformers), or pass a model factory to layeropt.plan.plan()."
+        ) from e
+    return transformers
+
+
+def load_config(model: str | os.PathLike[str] | Any) -> tuple[str, Any]:
+    """Find a Hugging Face config without downloading anything.
+
+    Args:
+        model: a ``config.json`` path, a directory holding one, a name in
+            :data:`BUILTIN_SHAPES`, a model name whose config is in the local
+            Hugging Face cache (``"meta-llama/Llama-3.2-1B"``), or a
+            ``transformers`` config object.
+
+    Returns:
+        ``(name, config)``.
+
+    Raises:
+        PlanError: none of these (the message lists what was tried).
+
+    Example:
+        >>> name, config = load_config("gpt2")  # doctest: +SKIP
+        >>> config.n_layer  # doctest: +SKIP
+        12
+    """
+    transformers = _transformers()
+    if isinstance(model, transformers.PretrainedConfig):
+        name = getattr(model, "name_or_path", "") or type(model).__name__
+        return name, copy.deepcopy(model)
+    text = os.fspath(model)
+    path = text
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise PlanError(f"directory {text!r} holds no config.json; pass the config file itself")
+    if os.path.isfile(path):
+        return os.path.basename(os.path.dirname(os.path.abspath(path))) or text, _from_json(path)
+    if text.lower() in BUILTIN_SHAPES:
+        fields = dict(BUILTIN_SHAPES[text.lower()])
+        return text.lower(), transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if text.endswith(".json"):
+        raise PlanError(f"config file {text!r} does not exist")
+    try:
+        config = transformers.AutoConfig.from_pretrained(text, local_files_only=True)
+    except Exception as e:  # OSError, ValueError, ...: not in the cache
+        raise PlanError(
+            f"{text!r} is not a config.json, a directory holding one, a built-in shape "
+            f"({', '.join(sorted(BUILTIN_SHAPES))}) or a model whose config is in the local "
+            "Hugging Face cache. Download its config.json (a few KiB) and pass its path, "
+            f"or run huggingface-cli download {text} config.json first. ({type(e).__name__})"
+        ) from None
+    return text, config
+
+
+def _from_json(path: str) -> Any:
+    transformers = _transformers()
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanError(f"cannot read {path!r} as JSON: {e}") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise PlanError(
+            f"{path!r} has no \"model_type\": it is not a Hugging Face config.json"
+        )
+    model_type = fields.pop("model_type")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError) as e:
+        raise PlanError(
+            f"transformers {transformers.__version__} does not know model_type "
+            f"{model_type!r} (from {path!r}): upgrade transformers or pass a model factory"
+        ) from e
+
+
+def hf_workload(
+    model: str | os.PathLike[str] | Any,
+    *,
+    seq: int | None = None,
+    batch: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Workload:
+    """A :class:`Workload` for a Hugging Face causal LM: ``model(input_ids=ids, labels=ids).loss``.
+
+    Args:
+        model: anything :func:`load_config` takes.
+        seq: tokens per sequence (default 2048, or the model's positions if
+            fewer).
+        batch: sequences per batch.
+        dtype: the dtype of the parameters (pure ``bfloat16`` or ``float32``
+            training; no autocast).
+
+    Returns:
+        The workload: attention through ``sdpa``, ``use_cache=False``,
+        checkpointing with ``use_reentrant=False``, and a chunked-loss variant
+        when the output layer is an ``nn.Linear``.
+    """
+    transformers = _transformers()
+    name, config = load_config(model)
+    config.use_cache = False
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if seq is None:
+        seq = min(2048, limit or 2048)
+    if limit is not None and seq > limit:
+        raise PlanError(f"--seq {seq} is longer than {name}'s {limit} positions")
+    if not (seq >= 1 and batch >= 1):
+        raise PlanError(f"seq and batch must be >= 1, got seq={seq}, batch={batch}")
+    vocab = config.vocab_size
+
+    def build() -> nn.Module:
+        try:
+            m = transformers.AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation="sdpa"
+            )
+        except ValueError as e:
+            raise PlanError(
+                f"{name} ({type(config).__name__}) is not a causal LM transformers can build "
+                f"with sdpa attention: {e}"
+            ) from e
+        return m.train()
+
+    def inputs(m: nn.Module) -> Tensor:
+        return torch.randint(0, vocab, (batch, seq))
+
+    def loss(m: nn.Module, ids: Tensor) -> Tensor:
+        return m(input_ids=ids, labels=ids).loss
+
+    def checkpoint(m: nn.Module) -> Callable[[], None]:
+        kwargs = {"use_reentrant": False}
+        if hasattr(m, "activation_checkpointing_enable"):
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            return m.activation_checkpointing_disable
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return m.gradient_checkpointing_disable
+
+    def chunked(m: nn.Module, ids: Tensor) -> Tensor:
+        from ..losses import linear_cross_entropy
+
+        base = getattr(m, m.base_model_prefix)
+        hidden = base(input_ids=ids).last_hidden_state
+        head = m.get_output_embeddings()
+        targets = F.pad(ids[:, 1:], (0, 1), value=-100)  # HF's shift, last position ignored
+        return linear_cross_entropy(hidden, head.weight, targets, head.bias)
+
+    return Workload(
+        name=name,
+        seq=seq,
+        batch=batch,
+        build=build,
+        inputs=inputs,
+        loss=loss,
+        checkpoint=checkpoint,
+        chunked_loss=chunked if _plain_head(config) else None,
+        description=type(config).__name__,
+    )
+
+
+def _plain_head(config: Any) -> bool:
+    """Whether the loss is cross-entropy of a plain linear head (chunking applies)."""
+    return not any(
+        getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale")
+    )
