@@ -8,7 +8,12 @@ backward, its gradient freed at once). The demo prints, for both:
 * the peak memory of a training step, split into parameters, optimizer
   state, gradients and activations/other (:mod:`layeropt.report`);
 * the step time of layeropt relative to torch: the median, over interleaved
-  pairs of steps, of the ratio of the two times;
+  pairs of steps, of the ratio of the two times. On CPU both train with one
+  intra-op thread and a step is timed by this process's CPU time
+  (``time.process_time``), which a busy machine barely moves, unlike the
+  wall clock; on CUDA by the wall clock around a synchronised step. Each
+  pair runs the two back to back, alternating which goes first, with the
+  cyclic garbage collector paused, as in ``benchmarks/bench_step.py``;
 * the largest difference between the two models' parameters afterwards
   (``0.0`` on CPU in fp32: the update math is torch's own).
 
@@ -20,13 +25,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import gc
 import importlib.util
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 import torch
@@ -38,9 +45,11 @@ import layeropt
 
 from .memory import format_bytes
 from .models import MLP, LoopNet, TinyGPT, UNet
-from .report import PlotDependencyError, StepMemory, plot_timelines, report_step
+from .report import _COLORS, CATEGORIES, GRADIENTS, PlotDependencyError, StepMemory, report_step
 
-__all__ = ["DEMO_MODELS", "Checkpointed", "DemoResult", "checkpoint_blocks", "run_demo"]
+__all__ = [
+    "DEMO_MODELS", "Checkpointed", "DemoResult", "checkpoint_blocks", "plot_demo", "run_demo",
+]  # fmt: skip
 
 TORCH, LAYEROPT = "torch.optim.Adam", "layeropt.Adam"
 
@@ -255,30 +264,39 @@ def run_demo(
     batches = [_to(spec.batch(base, gen), dev) for _ in range(steps)]
     runs = {TORCH: (ref, ref_opt), LAYEROPT: (lo, lo_opt)}
 
+    now = _clock(dev)
+
     def step(name: str, i: int) -> float:
         m, opt = runs[name]
         _sync(dev)
-        start = time.perf_counter()
+        start = now()
         spec.loss(m, batches[i]).backward()
         opt.step()
         opt.zero_grad()
         _sync(dev)
-        return time.perf_counter() - start
+        return now() - start
 
     bar = progress and steps > 1
     memory: dict[str, StepMemory] = {}
     ratios: list[float] = []
-    for i in range(steps):
-        if i == 1:
-            for name, (m, opt) in runs.items():
-                memory[name] = report_step(lambda n=name: step(n, 1), m, opt, dev)
-        else:
-            order = [TORCH, LAYEROPT] if i % 2 else [LAYEROPT, TORCH]
-            t = {name: step(name, i) for name in order}
-            if i > 1:
-                ratios.append(t[LAYEROPT] / t[TORCH])
-        if bar:
-            _progress(i + 1, steps, sys.stderr)
+    with _timing_threads(dev):
+        for i in range(steps):
+            if i == 1:
+                for name, (m, opt) in runs.items():
+                    memory[name] = report_step(lambda n=name: step(n, 1), m, opt, dev)
+            else:
+                order = [TORCH, LAYEROPT] if i % 2 else [LAYEROPT, TORCH]
+                paused = gc.isenabled()
+                gc.disable()  # a collection inside one step of a pair would skew its ratio
+                try:
+                    t = {name: step(name, i) for name in order}
+                finally:
+                    if paused:
+                        gc.enable()
+                if i > 1:
+                    ratios.append(t[LAYEROPT] / t[TORCH])
+            if bar:
+                _progress(i + 1, steps, sys.stderr)
     handle.remove()
     diff = max(
         (a.detach() - b.detach()).abs().max().item()
@@ -287,16 +305,83 @@ def run_demo(
     n_params = sum(p.numel() for p in ref.parameters())
     title = (
         f"layeropt demo: {model} - {spec.describe}\n"
-        f"{n_params / 1e6:.2f}M parameters, {dev}, {steps} steps, Adam(lr={lr:g}, fused=True)"
+        f"{n_params / 1e6:.2f}M parameters, {_where(dev)}, {steps} steps, "
+        f"Adam(lr={lr:g}, fused=True)"
         + (", per-block activation checkpointing" if use_checkpoint else "")
     )
     ratio = statistics.median(ratios) if ratios else None
     table = title + "\n\n" + _table(memory, ratio, len(ratios), diff)
     print(table, file=out)
     if plot is not None:
-        plot_timelines(memory, plot)
+        plot_demo(memory, plot)
         print(f"\nmemory timeline written to {plot}", file=out)
     return DemoResult(memory, ratio, len(ratios), diff, table)
+
+
+def plot_demo(memory: dict[str, StepMemory], path: str) -> str:
+    """Save the demo's PNG: memory over one step per run, on one time axis.
+
+    Top row: each run's memory stacked by category (one memory scale for
+    all). Bottom row: the gradients alone, each run on its own scale, so
+    that a band too thin to see above (layeropt's one layer at a time) shows
+    its shape; its peak is written on it. Every panel shares the time axis.
+
+    Args:
+        memory: run name -> its :class:`~layeropt.report.StepMemory`.
+        path: where to write the PNG.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        PlotDependencyError: matplotlib is not installed.
+
+    Example:
+        >>> plot_demo(run_demo("mlp", tiny=True).memory, "demo.png")  # doctest: +SKIP
+        'demo.png'
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise PlotDependencyError(
+            "plotting needs matplotlib: pip install 'layeropt[plot]' (or leave out --plot)"
+        ) from e
+    mib = 2**20
+    runs = list(memory.items())
+    fig = Figure(figsize=(5.5 * len(runs), 5.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, len(runs), sharex=True, squeeze=False,
+                        gridspec_kw={"height_ratios": [3, 1.3]})  # fmt: skip
+    top = max(r.peak for _, r in runs) / mib
+    end = max(r.times_ms[-1] for _, r in runs if r.times_ms)
+    grad_color = _COLORS[GRADIENTS]
+    for col, (name, r) in enumerate(runs):
+        ax, gax = axes[0][col], axes[1][col]
+        ax.stackplot(
+            r.times_ms, *[[b / mib for b in r.series[c]] for c in CATEGORIES],
+            labels=CATEGORIES, colors=[_COLORS[c] for c in CATEGORIES], step="post",
+        )  # fmt: skip
+        ax.set_title(f"{name}: peak {format_bytes(r.peak)}")
+        ax.set_ylim(0, top * 1.08)
+        ax.grid(alpha=0.3)
+        grads = [b / mib for b in r.series[GRADIENTS]]
+        gax.fill_between(r.times_ms, grads, step="post", color=grad_color, alpha=0.35, lw=0)
+        gax.step(r.times_ms, grads, where="post", color=grad_color, lw=1.2)
+        peak_g = r.max_by_category[GRADIENTS]
+        gax.set_ylim(0, max(peak_g / mib, 1e-9) * 1.35)
+        gax.text(0.01, 0.95, f"gradients alone (own scale); most held at once: "
+                 f"{format_bytes(peak_g)}",
+                 transform=gax.transAxes, va="top", fontsize="small")  # fmt: skip
+        gax.set_xlabel("time in step (ms)")
+        gax.grid(alpha=0.3)
+    axes[0][0].set_xlim(0, end * 1.02)
+    axes[0][0].set_ylabel(f"memory on {runs[0][1].device} (MiB)")
+    axes[1][0].set_ylabel("gradients (MiB)")
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    axes[0][-1].legend(handles[::-1], labels[::-1], loc="upper right", fontsize="small")
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def _table(memory: dict[str, StepMemory], ratio: float | None, pairs: int, diff: float) -> str:
@@ -325,6 +410,39 @@ def _to(batch: Any, dev: torch.device) -> Any:
     if isinstance(batch, Tensor):
         return batch.to(dev)
     return tuple(t.to(dev) for t in batch)
+
+
+@contextlib.contextmanager
+def _timing_threads(dev: torch.device) -> Iterator[None]:
+    """On CPU, train with one intra-op thread (restored afterwards).
+
+    Several threads spin-wait for each other, and on a busy machine that
+    spinning counts as CPU time in one step and not in the next; one thread
+    makes the CPU-time ratio steady (measured under two busy-loop processes
+    on 2 cores, six runs each: one thread and CPU time 0.97-1.04x; the
+    default threads and CPU time 0.89-1.83x; one thread and the wall clock
+    0.94-1.18x).
+    """
+    if dev.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _clock(dev: torch.device) -> Callable[[], float]:
+    """The step timer: process CPU time on CPU (steady on a busy machine), wall on CUDA."""
+    return time.perf_counter if dev.type == "cuda" else time.process_time
+
+
+def _where(dev: torch.device) -> str:
+    if dev.type == "cpu":
+        return "cpu (1 thread; step time by CPU time)"
+    return f"{dev} (step time by wall clock)"
 
 
 def _sync(dev: torch.device) -> None:

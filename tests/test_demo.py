@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 
 import pytest
 import torch
 
+from layeropt import demo
 from layeropt.__main__ import main
 from layeropt.demo import DEMO_MODELS, run_demo
 
@@ -61,6 +63,30 @@ def test_run_demo_result_matches_table(model):
     assert lo_mem.end["optimizer state"] == torch_mem.end["optimizer state"] > 0
     assert lo_mem.max_by_category["gradients"] < torch_mem.max_by_category["gradients"]
     assert "max |parameter difference|" in result.table
+
+
+def test_cpu_timing_uses_one_thread_and_restores_the_count(capsys):
+    """Steps are timed single-threaded by CPU time; the user's thread count comes back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # a user's setting other than the demo's one thread
+    seen: list[int] = []
+    spec_loss = demo._spec("mlp", True).loss
+
+    def loss(m, batch):
+        seen.append(torch.get_num_threads())
+        return spec_loss(m, batch)
+
+    real_spec = demo._spec
+    try:
+        demo._spec = lambda name, tiny: dataclasses.replace(real_spec(name, tiny), loss=loss)
+        result = run_demo("mlp", tiny=True, progress=False, stream=_Null())
+    finally:
+        demo._spec = real_spec
+        after = torch.get_num_threads()
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}
+    assert after == 2
+    assert "cpu (1 thread; step time by CPU time)" in result.table
 
 
 def test_progress_bar_on_stderr(capsys):

@@ -1,4 +1,4 @@
-"""Looped forwards (one extractor looped over transmit ids): exactness against the full-graph loop, memory in bytes.
+"""Looped forwards (one extractor run per transmit id): exactness vs the full graph, bytes.
 
 The reference for every shape is the plain loop a user would write, with the
 whole graph kept until one ``backward`` and a plain ``torch.optim`` step.
