@@ -57,6 +57,7 @@ from torch.optim.optimizer import Optimizer, _to_scalar
 __all__ = ["FastPath", "fast_path_for", "supported"]
 
 _GRAD = attrgetter("grad")
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 def _module(name: str) -> Any:
@@ -271,19 +272,23 @@ def supported() -> dict[type, _Kind]:
     return table
 
 
-def fast_path_for(cls: type) -> FastPath | None:
-    """A :class:`FastPath` for a layeropt optimizer class, or ``None``.
+def fast_path_for(optimizer: Any) -> FastPath | None:
+    """A :class:`FastPath` for a layeropt optimizer, or ``None``.
 
     Args:
-        cls: the optimizer's class (``type(optimizer)``).
+        optimizer: the optimizer.
 
     Returns:
-        A new :class:`FastPath` if ``cls`` is layeropt's in-backward variant of
-        a class in :func:`supported` with nothing of its own in between (a user
-        subclass may change ``_init_group`` or ``step``), else ``None``.
+        A new :class:`FastPath` if the optimizer's class is layeropt's
+        in-backward variant of a class in :func:`supported` with nothing of its
+        own in between (a user subclass may change ``_init_group`` or
+        ``step``), else ``None``. Its lists are forgotten whenever the
+        optimizer loads a state dict (a load-state-dict post hook), so they
+        never keep replaced state tensors alive.
     """
     from .optim import InBackwardOptimizer
 
+    cls = type(optimizer)
     mro = cls.__mro__
     base = next((k for k in mro if k.__module__.startswith("torch.optim")), None)
     kind = supported().get(base) if base is not None else None
@@ -294,7 +299,11 @@ def fast_path_for(cls: type) -> FastPath | None:
             return None  # a user class between layeropt's and torch's
         if k is not InBackwardOptimizer and ("_init_group" in vars(k) or "__setstate__" in vars(k)):
             return None
-    return FastPath(kind)
+    fast = FastPath(kind)
+    register = getattr(optimizer, "register_load_state_dict_post_hook", None)
+    if register is not None:
+        register(fast.forget)
+    return fast
 
 
 def _one_group(params: list[Tensor], grads: list[Tensor], lists: list[list[Any]]) -> Any:
@@ -379,7 +388,11 @@ class FastPath:
         self._ngroups = -1
 
     def _current(self, optimizer: Any) -> bool:
-        """Whether the entries belong to the optimizer's present state and groups."""
+        """Whether the entries belong to the optimizer's present state and groups.
+
+        If not, they are all dropped (they would hold the old state's tensors)
+        and the present objects recorded.
+        """
         groups = optimizer.param_groups
         if (
             optimizer.state is self._state
@@ -393,24 +406,6 @@ class FastPath:
         self._state, self._groups, self._ngroups = optimizer.state, groups, len(groups)
         return False
 
-    def _valid(self, optimizer: Any, entry: _Entry) -> bool:
-        groups = self._groups
-        options = self.kind.options
-        for c in entry.chunks:
-            g = c.group
-            if (
-                groups[c.index] is not g
-                or g["params"] is not c.group_params
-                or len(c.group_params) != c.group_len
-                or tuple(map(g.get, options)) != c.options
-            ):
-                return False
-        if entry.check_params and not all(
-            map(is_, map(optimizer.state.get, entry.check_params), entry.check_dicts)
-        ):
-            return False
-        return all(map(is_, map(dict.get, entry.t_dicts, entry.t_keys), entry.t_values))
-
     def step(self, optimizer: Any, params: list[Tensor]) -> bool:
         """Update ``params`` with torch's functional on their prepared lists, if valid.
 
@@ -422,25 +417,61 @@ class FastPath:
             ``True`` if they were updated; ``False`` if the bucket has no valid
             lists (nothing was touched: take torch's ``step``, then :meth:`learn`).
         """
-        if not self._current(optimizer):
+        # Runs once per bucket, often with caches cold from backward: few Python steps.
+        state, groups = optimizer.state, optimizer.param_groups
+        if state is not self._state or groups is not self._groups or len(groups) != self._ngroups:
+            self._current(optimizer)
             return False
         key = tuple(map(id, params))
         entry = self._entries.get(key)
         if entry is None:
             return False
-        if not self._valid(optimizer, entry):
-            del self._entries[key]
-            self.dropped += 1
-            return False
+        options = self.kind.options
+        for c in entry.chunks:  # the lists _init_group would build from these groups
+            g = c.group
+            if (
+                groups[c.index] is not g
+                or g["params"] is not c.group_params
+                or len(c.group_params) != c.group_len
+                or tuple(map(g.get, options)) != c.options
+            ):
+                return self._drop(key)
+        if not (  # each parameter's state dict, holding the same tensors
+            all(map(is_, map(state.get, entry.check_params), entry.check_dicts))
+            and all(map(is_, map(dict.get, entry.t_dicts, entry.t_keys), entry.t_values))
+        ):
+            return self._drop(key)
         if self.kind.health_check:
             optimizer._accelerator_graph_capture_health_check()
-        if torch.is_grad_enabled():  # torch's step runs its update under no_grad
-            with torch.no_grad():
-                self._run(optimizer, entry, key)
-        else:
+        grad_mode = torch.is_grad_enabled()
+        if grad_mode:  # torch's step updates under no_grad (torch.no_grad() costs more)
+            _set_grad_enabled(False)
+        try:
             self._run(optimizer, entry, key)
+        finally:
+            if grad_mode:
+                _set_grad_enabled(True)
         self.taken += 1
         return True
+
+    def forget(self, optimizer: Any = None) -> None:
+        """Drop every entry (also the optimizer's load-state-dict post hook).
+
+        Args:
+            optimizer: ignored (the hook's argument).
+
+        Returns:
+            None.
+        """
+        self.dropped += len(self._entries)
+        self._entries = {}
+        self._state = self._groups = None
+        self._ngroups = -1
+
+    def _drop(self, key: tuple[int, ...]) -> bool:
+        del self._entries[key]
+        self.dropped += 1
+        return False
 
     def _run(self, optimizer: Any, entry: _Entry, key: tuple[int, ...]) -> None:
         kind = self.kind

@@ -250,7 +250,7 @@ class SubsetStepper:
     def _narrowed(self, optimizer: Any, params: list[Tensor]) -> None:
         fast = self.fast
         if fast is _MISSING:
-            fast = self.fast = fast_path_for(type(optimizer))
+            fast = self.fast = fast_path_for(optimizer)
         if fast is not None and fast.step(optimizer, params):
             return  # torch's functional on the lists step would build (layeropt/_fastpath.py)
         groups = optimizer.param_groups

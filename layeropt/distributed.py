@@ -204,31 +204,51 @@ def _allreduce_then_step(state, bucket):  # no annotations: DDP inspects them
 def _land_bucket(state: _HookState, bucket: Any, fut: Any) -> Tensor:
     """Averaged gradients have landed: step owned parameters, write back the rest."""
     fut.value()  # re-raise a failed all-reduce
-    with state.lock, torch.no_grad():  # grad mode is not inherited by comm threads
-        todo: dict[Any, list[Tensor]] = {}
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
-            view = _grad_view(p, g)
-            ref = state.owner.get(p) if state.active else None
-            opt = None if ref is None else ref()
-            if opt is None or opt._lo_engine.no_step_depth:
-                _write_back(p, view)
-            elif p.grad is None:
-                raise AttachError(_UNUSED)
-            elif opt._lo_engine.measure is not None:  # layeropt.backward's first pass
-                opt._lo_engine.measure.reduce(p, view.clone())
-                opt._lo_engine.measure.seen.add(id(p))
-            else:
-                p.grad = view
-                todo.setdefault(opt, []).append(p)
-        if state.recording is not None:
-            state.recording.append(list(bucket.parameters()))
-        for opt, params in todo.items():
-            opt._step_params(params)
-            for p in params:
-                p.grad = None
-            n = state.steps[id(opt)] = state.steps.get(id(opt), 0) + len(params)
-            opt._lo_engine.last_backward_steps = n
+    # Runs once per bucket, amid backward (cold caches): few Python steps per parameter.
+    with state.lock:
+        grad_mode = torch.is_grad_enabled()  # not inherited by comm threads
+        torch._C._set_grad_enabled(False)  # what torch.no_grad() does, for less
+        try:
+            todo: dict[Any, list[Tensor]] = {}
+            owner = state.owner if state.active else {}
+            modes: dict[int, Any] = {}  # id(owner ref) -> what its parameters get, this bucket
+            for p, g in zip(bucket.parameters(), bucket.gradients()):
+                view = _grad_view(p, g)
+                ref = owner.get(p)
+                mode = modes.get(id(ref), _WRITE_BACK if ref is None else None)
+                if mode is None:  # the optimizer's first parameter in this bucket
+                    opt = ref()  # type: ignore[misc]
+                    if opt is None or opt._lo_engine.no_step_depth:
+                        mode = _WRITE_BACK
+                    elif opt._lo_engine.measure is not None:  # layeropt.backward's first pass
+                        mode = opt._lo_engine.measure
+                    else:
+                        mode = todo.setdefault(opt, [])
+                    modes[id(ref)] = mode
+                if mode is _WRITE_BACK:
+                    _write_back(p, view)
+                elif p.grad is None:
+                    raise AttachError(_UNUSED)
+                elif type(mode) is list:
+                    p.grad = view
+                    mode.append(p)
+                else:
+                    mode.reduce(p, view.clone())
+                    mode.seen.add(id(p))
+            if state.recording is not None:
+                state.recording.append(list(bucket.parameters()))
+            for opt, params in todo.items():
+                opt._step_params(params)
+                for p in params:
+                    p.grad = None
+                n = state.steps[id(opt)] = state.steps.get(id(opt), 0) + len(params)
+                opt._lo_engine.last_backward_steps = n
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
     return bucket.buffer()
+
+
+_WRITE_BACK = object()  # _land_bucket: leave the averaged gradient in .grad, as DDP would
 
 
 class _TwoPasses:

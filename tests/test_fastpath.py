@@ -157,6 +157,14 @@ def test_load_state_dict_mid_training(fused):
     assert fast.dropped > 0 and fast.taken > 0
 
 
+def test_load_state_dict_forgets_the_lists_at_once():
+    """No replaced state tensor stays alive in the cache (a load-state-dict post hook)."""
+    _, _, _, lo_opt = train_pair("mlp", "Adam", dict(lr=0.01, fused=True), steps=2)
+    assert _fast(lo_opt)._entries
+    lo_opt.load_state_dict(copy.deepcopy(lo_opt.state_dict()))
+    assert not _fast(lo_opt)._entries
+
+
 @pytest.mark.parametrize("kw", [
     dict(lr=0.01, fused=True),
     dict(lr=0.01, foreach=True),
