@@ -101,6 +101,10 @@ def _adam_fused(opt: Any, g: dict[str, Any], params: list[Tensor], grads: list[T
 
     What ``adam(..., fused=True)`` runs for it, minus the grouping (done once,
     in :meth:`FastPath.learn`): the step counters, then torch's fused kernel.
+    CPU step counters are incremented as torch's foreach Adam does it (a
+    tensor ``1.0``; a Python ``1`` is wrapped into a tensor once per counter,
+    which makes the increment cost more than the update of a small tensor):
+    the same float32 ``+ 1``, bit for bit.
     """
     exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps = lists
     beta1, beta2 = g["betas"]
@@ -113,7 +117,10 @@ def _adam_fused(opt: Any, g: dict[str, Any], params: list[Tensor], grads: list[T
         found_inf = found_inf.to(device, non_blocking=True)
     if isinstance(lr, Tensor) and str(lr.device) != "cpu" and lr.device != device:
         lr = lr.to(device=device, non_blocking=True)
-    torch._foreach_add_(state_steps, 1)
+    if device.type == "cpu":  # the form torch's foreach Adam uses for CPU steps: the same
+        torch._foreach_add_(state_steps, torch.tensor(1.0, device="cpu"), alpha=1.0)  # +1, faster
+    else:
+        torch._foreach_add_(state_steps, 1)
     kernel = torch._fused_adamw_ if g["decoupled_weight_decay"] else torch._fused_adam_
     kernel(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
