@@ -3,11 +3,17 @@
 For buckets of ``k`` small parameters this times, per bucket (median of many
 calls, interleaved):
 
-* ``kernel``: ``torch._fused_adam_`` on the bucket's tensors, nothing else;
+* ``kernel``: what torch's fused Adam runs on the bucket's tensors, nothing
+  else: the step counters ``+ 1`` (``torch._foreach_add_(steps, 1)``), then
+  ``torch._fused_adam_``;
 * ``torch step``: ``torch.optim.Adam(fused=True).step()`` of an optimizer
   owning exactly the bucket (torch's Python around the kernel);
 * ``layeropt step``: ``layeropt.Adam._step_params(bucket)`` on an optimizer
-  owning *all* buckets (layeropt narrows the param groups, then torch's step);
+  owning *all* buckets: the fast path (``layeropt/_fastpath.py``: the
+  bucket's argument lists prepared once, checked, then the same kernel; its
+  CPU step counters ``+ 1`` as torch's foreach Adam does them, which is
+  cheaper than the ``kernel`` column's form, so ``layeropt - kernel`` is
+  what is left of layeropt's Python net of that saving);
 * ``hook path``: a whole attached backward through ``Engine.hook`` minus the
   same backward with gradients only dropped, divided by the bucket count; and
   the same with ``_step_params`` replaced by a no-op (the engine's own
