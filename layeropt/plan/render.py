@@ -218,7 +218,7 @@ class Plan:
         if self.seq is not None:
             shape = f", batch {self.batch} x {self.seq} tokens"
         lines = [
-            f"layeropt plan: {self.model} ({self.parameters / 1e9:.2f}B parameters"
+            f"layeropt plan: {self.model} ({_count(self.parameters)} parameters"
             f"{', ' + self.dtype if self.dtype else ''}{shape}), one steady-state training "
             f"step on {self.device}"
         ]
@@ -237,14 +237,15 @@ class Plan:
         head += f"  {'peak falls in':<22}" + ("fits  " if self.gpu_memory else "")
         head += "configuration"
         lines = [self.header(), "", head]
+        unit, scale = _unit(max(r.peak_bytes for r in self.rows))
         for r in self.rows:
-            cells = "".join(f"{_gib(r.at_peak[c]):>12}" for c in CATEGORIES)
+            cells = "".join(f"{r.at_peak[c] / scale:>12.2f}" for c in CATEGORIES)
             fit = {True: "yes   ", False: "no    ", None: ""}[self.fits(r)]
             lines.append(
                 f"{format_bytes(r.peak_bytes):>10}  {cells}  {_where(r, short=True):<22}{fit}"
                 f"{r.variant.label}"
             )
-        lines.append("(categories in GiB, at the peak)")
+        lines.append(f"(categories in {unit}, at the peak)")
         lines += ["", *self.answer()]
         return "\n".join(lines)
 
@@ -373,8 +374,19 @@ def _invasiveness(row: Measurement) -> tuple[bool, int, int]:
     return ("low-bit" in changes, len(changes), row.peak_bytes)
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f}"
+def _unit(n: int) -> tuple[str, int]:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return unit, scale
+    return "B", 1
+
+
+def _count(n: int) -> str:
+    """``6738415616`` -> ``'6.74B'``."""
+    for suffix, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.{2 if n < 10 * scale else 1 if n < 100 * scale else 0}f}{suffix}"
+    return str(n)
 
 
 def _where(row: Measurement, short: bool = False) -> str:

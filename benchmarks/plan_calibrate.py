@@ -1,0 +1,130 @@
+"""Calibrate ``layeropt plan``'s margin on a GPU: planned peak vs the allocator's.
+
+For a few models and configurations, plan the step (fake tensors, the
+``"cuda"`` target), then run the same step for real on the GPU (a warm-up step,
+then the measured one) and print, in MiB:
+
+* ``planned``: the plan's peak (live tensor bytes);
+* ``allocated``: ``torch.cuda.max_memory_allocated`` over the measured step
+  (tensor bytes the caching allocator handed out, rounded up to 512 B, plus
+  the kernels' workspaces: cuBLAS, cuDNN, flash attention's backward buffers);
+* ``reserved``: ``torch.cuda.max_memory_reserved`` (what the allocator took
+  from the driver: allocated plus rounding and fragmentation);
+* ``used``: the device's used memory (``torch.cuda.mem_get_info``) at the end:
+  reserved plus the CUDA context and libraries;
+
+and the margin each one implies: ``(reserved - planned) / planned`` (the
+margin's fraction) and ``used - reserved`` (its fixed part). The plan's
+default margin is ``1 GiB + 5%`` (``layeropt.plan.Margin``); a GPU session
+should paste this output into ``docs/plan.md`` and adjust the default.
+
+Usage (one GPU, a few minutes):
+    python benchmarks/plan_calibrate.py                  # gpt2 and llama-3.2-1b
+    python benchmarks/plan_calibrate.py --models gpt2 --seq 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+
+import torch
+
+import layeropt
+from layeropt.plan import Variant, plan
+from layeropt.plan.workloads import load_config
+
+VARIANTS = [
+    Variant("torch.optim.AdamW", "fused"),
+    Variant("torch.optim.AdamW", "foreach"),
+    Variant("layeropt.AdamW", "fused"),
+    Variant("torch.optim.AdamW", "fused", checkpointing=True),
+    Variant("layeropt.AdamW", "fused", checkpointing=True),
+]
+MiB = 2**20
+
+
+def real_step(name: str, variant: Variant, seq: int, batch: int, dtype: torch.dtype) -> dict:
+    """One real warm-up step, then the measured one; the allocator's peaks."""
+    import transformers
+
+    _, config = load_config(name)
+    config.use_cache = False
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation="sdpa"
+        ).train()
+        ids = torch.randint(0, config.vocab_size, (batch, seq))
+    if variant.checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+    params = [p for p in model.parameters() if p.requires_grad]
+    impl = {"fused": True} if variant.implementation == "fused" else {"foreach": True}
+    cls = layeropt.AdamW if variant.in_backward else torch.optim.AdamW
+    opt = cls(params, **impl)
+    handle = layeropt.attach(model, opt) if variant.in_backward else None
+
+    def step() -> None:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    out = {
+        "allocated": torch.cuda.max_memory_allocated(),
+        "reserved": torch.cuda.max_memory_reserved(),
+        "used": total - free,
+    }
+    if handle is not None:
+        handle.remove()
+    del model, opt, ids, params, handle
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["gpt2", "llama-3.2-1b"])
+    parser.add_argument("--seq", type=int, default=None, help="default: 2048 or the model's")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("plan_calibrate.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}")
+    print(f"{'model':<14}{'configuration':<46}{'planned':>9}{'allocated':>11}{'reserved':>10}"
+          f"{'used':>9}{'alloc-plan':>11}{'res/plan-1':>11}{'used-res':>10}  (MiB)")  # fmt: skip
+    worst_fraction, worst_fixed = 0.0, 0
+    for name in args.models:
+        p = plan(name, seq=args.seq, batch=args.batch, dtype=args.dtype, variants=VARIANTS)
+        for row in p.rows:
+            real = real_step(name, row.variant, p.seq, args.batch, dtype)
+            fraction = real["reserved"] / row.peak_bytes - 1
+            fixed = real["used"] - real["reserved"]
+            worst_fraction, worst_fixed = max(worst_fraction, fraction), max(worst_fixed, fixed)
+            print(
+                f"{name:<14}{row.variant.label:<46}{row.peak_bytes / MiB:>9.0f}"
+                f"{real['allocated'] / MiB:>11.0f}{real['reserved'] / MiB:>10.0f}"
+                f"{real['used'] / MiB:>9.0f}{(real['allocated'] - row.peak_bytes) / MiB:>11.0f}"
+                f"{fraction:>11.1%}{fixed / MiB:>10.0f}",
+                flush=True,
+            )
+    print(f"margin that covers every row: {worst_fixed / 2**30:.2f} GiB + {worst_fraction:.1%} "
+          "(layeropt.plan.Margin(fixed, fraction); the default is 1 GiB + 5%)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
