@@ -30,10 +30,11 @@ import copy
 import dataclasses
 import gc
 import importlib.util
+import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TextIO
 
 import torch
@@ -318,7 +319,7 @@ def run_demo(
     return DemoResult(memory, ratio, len(ratios), diff, table)
 
 
-def plot_demo(memory: dict[str, StepMemory], path: str) -> str:
+def plot_demo(memory: Mapping[str, StepMemory], path: str | os.PathLike[str]) -> str:
     """Save the demo's PNG: memory over one step per run, on one time axis.
 
     Top row: each run's memory stacked by category (one memory scale for
@@ -331,7 +332,7 @@ def plot_demo(memory: dict[str, StepMemory], path: str) -> str:
         path: where to write the PNG.
 
     Returns:
-        ``path``.
+        ``path`` as a string.
 
     Raises:
         PlotDependencyError: matplotlib is not installed.
@@ -380,8 +381,8 @@ def plot_demo(memory: dict[str, StepMemory], path: str) -> str:
     axes[1][0].set_ylabel("gradients (MiB)")
     handles, labels = axes[0][-1].get_legend_handles_labels()
     axes[0][-1].legend(handles[::-1], labels[::-1], loc="upper right", fontsize="small")
-    fig.savefig(path, dpi=110)
-    return path
+    fig.savefig(os.fspath(path), dpi=110)
+    return os.fspath(path)
 
 
 def _table(memory: dict[str, StepMemory], ratio: float | None, pairs: int, diff: float) -> str:
