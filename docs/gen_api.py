@@ -21,10 +21,11 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "api.md"
 MODULES = [
-    "layeropt.optim", "layeropt.attach", "layeropt.backward", "layeropt.landing",
-    "layeropt.checkpoint", "layeropt.loop", "layeropt.losses", "layeropt.memory",
-    "layeropt.distributed", "layeropt.integrations.hf", "layeropt.report", "layeropt.demo",
-    "layeropt.models", "layeropt.errors",
+    "layeropt.optim", "layeropt.attaching", "layeropt.backward_pass", "layeropt.landing",
+    "layeropt.checkpointing", "layeropt.loop", "layeropt.losses", "layeropt.memory",
+    "layeropt.distributed", "layeropt.integrations.hf", "layeropt.integrations.lightning",
+    "layeropt.integrations.accelerate", "layeropt.report", "layeropt.demo",
+    "layeropt.models", "layeropt.plan", "layeropt.errors",
 ]
 WIDTH = 88
 PROTOCOL = {"forward", "extra_repr"}

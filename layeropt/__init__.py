@@ -13,9 +13,9 @@ Example:
 """
 
 from . import distributed, losses, memory, report
-from .attach import Attachment, attach
-from .backward import backward
-from .checkpoint import CheckpointHandle, checkpoint, checkpoint_modules
+from .attaching import Attachment, attach
+from .backward_pass import backward
+from .checkpointing import CheckpointHandle, checkpoint, checkpoint_modules
 from .errors import AttachError, BackwardStateError, LayeroptError
 from .landing import Bucket
 from .loop import LoopAccumulator, LoopStateError, loop_recurrent, loop_stack

@@ -8,29 +8,34 @@ post-accumulate-grad hook per parameter. What the hook does is in
 
 from __future__ import annotations
 
-import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.weak import WeakIdKeyDictionary
 
+from ._registry import hooked_by, mark_hooked, unmark_hooked
 from .errors import AttachError
 from .landing import Bucket
 from .optim import InBackwardOptimizer, live_optimizers, optimizer_list
 
 __all__ = ["attach", "Attachment"]
 
-# parameter -> the Attachment whose hook it carries (one hook per parameter)
-_HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Model wrappers attached their own way (DistributedDataParallel: layeropt.distributed).
+_WRAPPERS: dict[type, Callable[..., Any]] = {}
+
+
+def register_wrapper(cls: type, attach_fn: Callable[..., Any]) -> None:
+    """``attach(model, opt)`` on an instance of ``cls`` calls ``attach_fn(model, opt)``."""
+    _WRAPPERS[cls] = attach_fn
 
 _SPARSE_MODULES = (nn.Embedding, nn.EmbeddingBag)
 _BUILTIN = {"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adafactor"}  # layeropt.<name>
 
 
-def _owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer]:
+def resolve_owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer]:
+    """The layeropt optimizers to attach ``model`` to (checked; see ``attach``)."""
     if optimizer is None:
         params = list(model.parameters())
         optimizers = [o for o in live_optimizers() if any(o.owns(p) for p in params)]
@@ -79,7 +84,7 @@ def _check_param(name: str, p: Tensor, module: nn.Module) -> None:
         )
 
 
-def _layer_buckets(
+def layer_buckets(
     model: nn.Module, optimizers: list[InBackwardOptimizer]
 ) -> list[tuple[InBackwardOptimizer, Bucket]]:
     """One bucket per (module, optimizer) of the module's own trainable params.
@@ -140,9 +145,6 @@ class Attachment:
         self.stale = False  # requires_grad changed during a backward: rebuild at its end
         self._removed = False
         self._hook_all()
-        me = weakref.ref(self)
-        for o in optimizers:
-            weakref.finalize(o, _on_optimizer_deleted, me).atexit = False
 
     @property
     def optimizers(self) -> list[InBackwardOptimizer]:
@@ -157,11 +159,14 @@ class Attachment:
         self._owned = [p for p in model.parameters() if any(o.owns(p) for o in optimizers)]
         self._trainable = tuple(p.requires_grad for p in self._owned)
         self.stale = False
-        pairs = _layer_buckets(model, optimizers)
+        pairs = layer_buckets(model, optimizers)
         for _, b in pairs:
             for p in b.params:
-                other = _HOOKED.get(p)
+                other = hooked_by(p)
                 if other is not None and other is not self:
+                    if not other.optimizers:  # its optimizers are gone: nothing to keep
+                        other.remove()
+                        continue
                     raise AttachError(
                         f"a parameter of {b.name!r} is already attached (by {other!r}). "
                         "Call .remove() on that attachment before attaching again."
@@ -170,13 +175,19 @@ class Attachment:
             engine = opt._lo_engine
             engine.attachments.add(self)
             for i, p in enumerate(b.params):
-                self._handles.append(
-                    p.register_post_accumulate_grad_hook(engine.hook(b, i))
-                )
-                _HOOKED[p] = self
+                hook = engine.hook(b, i)
+                hook.attachment = self  # the handle lives as long as its hooked parameters
+                self._handles.append((p, p.register_post_accumulate_grad_hook(hook)))
+                mark_hooked(p, self)
                 engine.hook_count += 1
             self.buckets.append(b)
             self._engines.append(engine)
+        self._hooked_ids = {id(p) for p, _ in self._handles}
+        self._impls = [p._cdata for p, _ in self._handles]  # the C++ tensor behind each
+
+    def hooks(self, param: Tensor) -> bool:
+        """Whether ``param`` carries one of this attachment's hooks."""
+        return id(param) in self._hooked_ids and any(p is param for p, _ in self._handles)
 
     def _rebuild(self) -> None:
         """Re-hook after the optimizers' param groups changed (add_param_group)."""
@@ -194,19 +205,29 @@ class Attachment:
         """The model's parameters owned by the attached optimizers (trainable or not)."""
         return self._owned
 
-    def sync_trainable(self, in_backward: bool = False) -> bool:
-        """Follow ``requires_grad`` changes made since the hooks were registered.
+    def sync(self, in_backward: bool = False) -> bool:
+        """Follow what changed since the hooks were registered.
 
         A layer unfrozen after ``attach`` (gradual unfreezing) gets hooks, a
-        frozen one leaves its bucket. Outside backward the hooks are rebuilt at
-        once; inside one (``in_backward``) hooks cannot be removed, so the
-        attachment is marked :attr:`stale`: the engine steps every gradient
-        this backward left at its end and rebuilds then.
+        frozen one leaves its bucket, and hooks that module conversion took
+        away (``model.double()`` with ``torch.__future__.
+        set_swap_module_params_on_conversion(True)`` swaps each parameter's
+        C++ tensor, whose hook registration goes with it) are registered again. Outside backward the
+        hooks are rebuilt at once; inside one (``in_backward``) hooks cannot be
+        removed, so the attachment is marked :attr:`stale`: the engine steps
+        every gradient this backward left at its end and rebuilds then.
 
         Returns:
             Whether anything changed.
         """
-        if self._removed or all(
+        if self._removed:
+            return False
+        swapped = [p for (p, _), impl in zip(self._handles, self._impls) if p._cdata != impl]
+        for p in swapped:
+            # swap_tensors moved the C++ side of p's hooks to the old tensor: putting the
+            # hook dict back registers it on the tensor p holds now (torch's own setter)
+            p._post_accumulate_grad_hooks = p._post_accumulate_grad_hooks
+        if not swapped and all(
             p.requires_grad is t for p, t in zip(self._owned, self._trainable)
         ):
             return False
@@ -217,14 +238,13 @@ class Attachment:
         return True
 
     def _release(self) -> None:
-        for h in self._handles:
+        for p, h in self._handles:
             h.remove()
+            unmark_hooked(p, self)
         for engine, b in zip(self._engines, self.buckets):
             engine.hook_count -= len(b.params)
-            for p in b.params:
-                if _HOOKED.get(p) is self:
-                    del _HOOKED[p]
         self._handles.clear()
+        self._hooked_ids = set()
         self.buckets.clear()
         self._engines.clear()
 
@@ -246,19 +266,6 @@ class Attachment:
     def __repr__(self) -> str:
         state = "removed" if self._removed else f"{len(self.buckets)} buckets"
         return f"<layeropt.Attachment {state}>"
-
-
-def _on_optimizer_deleted(attachment_ref: Any) -> None:
-    attachment = attachment_ref()
-    if attachment is not None and not attachment._removed:
-        attachment.remove()
-        warnings.warn(
-            "a layeropt optimizer was deleted while attached, so its backward hooks "
-            "were removed and its parameters are no longer updated. Keep a reference "
-            "to the optimizer for as long as you train (opt = layeropt.Adam(...)).",
-            RuntimeWarning,
-            stacklevel=2,
-        )
 
 
 def attach(
@@ -333,23 +340,20 @@ def attach(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach() needs an nn.Module, got {type(model).__name__}")
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel):
-        if max_grad_norm is not None or clip_value is not None or bucket_max_norm is not None:
-            raise AttachError(
-                "attach(ddp_model, ...) takes no clipping options: under DDP clip the "
-                "global norm (and use a GradScaler) with layeropt.backward(loss, "
-                "max_norm=..., scaler=...), which averages each bucket before measuring it."
-            )
-        from .distributed import attach_ddp
-
-        return attach_ddp(model, optimizer)  # type: ignore[return-value]
+    for cls, attach_wrapper in _WRAPPERS.items():
+        if isinstance(model, cls):
+            if max_grad_norm is not None or clip_value is not None or bucket_max_norm is not None:
+                raise AttachError(
+                    f"attach({cls.__name__}, ...) takes no clipping options: clip the "
+                    "global norm (and use a GradScaler) with layeropt.backward(loss, "
+                    "max_norm=..., scaler=...), which averages each bucket before measuring it."
+                )
+            return attach_wrapper(model, optimizer)  # type: ignore[no-any-return]
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("max_grad_norm", max_grad_norm),
                         ("clip_value", clip_value), ("bucket_max_norm", bucket_max_norm)):
         if value is not None and not value >= 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
-    optimizers = _owners(model, optimizer)
+    optimizers = resolve_owners(model, optimizer)
     if len({id(o) for o in optimizers}) != len(optimizers):
         raise AttachError("the same optimizer was given twice; pass it once.")
     owned = [p for p in model.parameters() if any(o.owns(p) for o in optimizers)]

@@ -30,6 +30,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._registry import allow_local_updates, check_local_hooks_allowed, hooked_by
+from .attaching import layer_buckets, register_wrapper, resolve_owners
 from .errors import AttachError
 
 __all__ = [
@@ -39,82 +41,8 @@ __all__ = [
     "allow_local_updates",
 ]
 
-# Parameters whose owners declared that local updates are intended.
-_LOCAL_OK: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # DDP instance -> its comm-hook state (DDP accepts one comm hook, for good).
 _DDP_STATES: "weakref.WeakKeyDictionary[nn.Module, _HookState]" = weakref.WeakKeyDictionary()
-
-
-def _world_size() -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size()
-
-
-def _is_dtensor(t: Tensor) -> bool:
-    if not dist.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def check_local_hooks_allowed(param: Tensor) -> None:
-    """Refuse to step ``param`` from a plain hook when that would use a local gradient.
-
-    Called by layeropt's post-accumulate-grad hook before it touches the
-    gradient. Allowed: no process group or a world size of 1; DTensor
-    parameters (FSDP2 calls their hooks with the reduced, sharded gradient);
-    parameters passed to :func:`allow_local_updates`.
-
-    Args:
-        param: the parameter whose hook fired.
-
-    Returns:
-        None.
-
-    Raises:
-        AttachError: ``torch.distributed`` runs with more than one process and
-            ``param`` is a plain tensor, so its gradient is this process's
-            local, un-averaged one.
-
-    Example:
-        >>> p = torch.nn.Parameter(torch.zeros(2))
-        >>> check_local_hooks_allowed(p)  # no process group: nothing to check
-    """
-    world = _world_size()
-    if world <= 1 or _is_dtensor(param) or param in _LOCAL_OK:
-        return
-    raise AttachError(
-        f"a layeropt hook was about to step a parameter of shape {tuple(param.shape)} "
-        f"with this process's local gradient, but torch.distributed runs {world} "
-        "processes: the replicas would drift apart. Under DistributedDataParallel, "
-        "attach to the wrapper after wrapping (handle.remove(); "
-        "layeropt.attach(ddp_model, opt), i.e. layeropt.distributed.attach_ddp), so "
-        "each bucket is stepped after its all-reduce. Under FSDP2, call fully_shard "
-        "first, then build the optimizer and attach. If every process deliberately "
-        "trains its own model, call layeropt.distributed.allow_local_updates(model)."
-    )
-
-
-def allow_local_updates(params: nn.Module | Iterable[Tensor]) -> None:
-    """Declare that these parameters are meant to be updated from local gradients.
-
-    For models that are not data parallel although ``torch.distributed`` is
-    running (each process trains its own model, pipeline stages, ...).
-
-    Args:
-        params: a module (all its parameters) or an iterable of parameters.
-
-    Returns:
-        None.
-
-    Example:
-        >>> model = torch.nn.Linear(2, 2)
-        >>> allow_local_updates(model)
-    """
-    for p in params.parameters() if isinstance(params, nn.Module) else params:
-        _LOCAL_OK[p] = True
 
 
 class _HookState:
@@ -134,7 +62,7 @@ class _HookState:
         self.buckets: list[list[Tensor]] = []  # those of the latest measure pass
 
     def begin(self) -> None:
-        from .landing import _graph_task_id
+        from ._nesting import _graph_task_id
 
         task = _graph_task_id()
         if task != self.task:  # first bucket of a new backward
@@ -385,14 +313,12 @@ class DDPAttachment:
         self._hook_all()
 
     def _hook_all(self) -> None:
-        from .attach import _layer_buckets
-
         ddp = self._ddp()
         if ddp is None:
             return
         managed = {id(p) for p in ddp.parameters() if not hasattr(p, "_ddp_ignored")}
         owner = {}
-        for opt, b in _layer_buckets(ddp.module, self.optimizers):
+        for opt, b in layer_buckets(ddp.module, self.optimizers):
             for p in b.params:
                 if id(p) in managed:
                     owner[p] = opt
@@ -434,7 +360,7 @@ class DDPAttachment:
         """The DDP model (``None`` once it was deleted)."""
         return self._ddp()
 
-    def sync_trainable(self, in_backward: bool = False) -> bool:
+    def sync(self, in_backward: bool = False) -> bool:
         """DDP fixes the set of synchronised parameters when wrapping: nothing to follow."""
         return False
 
@@ -469,8 +395,6 @@ class DDPAttachment:
 
 
 def _check_ddp(ddp: nn.Module) -> None:
-    from .attach import _HOOKED
-
     problems = {
         "find_unused_parameters=True": ddp.find_unused_parameters,
         "mixed_precision": getattr(ddp, "mixed_precision", None) is not None,
@@ -487,7 +411,7 @@ def _check_ddp(ddp: nn.Module) -> None:
                 "Construct DistributedDataParallel without it, or keep a plain "
                 "torch.optim optimizer for this model."
             )
-    if any(_HOOKED.get(p) is not None for p in ddp.parameters()):
+    if any(hooked_by(p) is not None for p in ddp.parameters()):
         raise AttachError(
             "some parameters of this DDP model carry plain layeropt hooks (attached "
             "before wrapping, or on ddp_model.module), which would step on local "
@@ -536,14 +460,12 @@ def attach_ddp(
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    from .attach import _owners
-
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
             f"attach_ddp() needs a DistributedDataParallel model, got "
             f"{type(ddp_model).__name__}; use layeropt.attach for other models."
         )
-    optimizers = _owners(ddp_model.module, optimizer)
+    optimizers = resolve_owners(ddp_model.module, optimizer)
     _check_ddp(ddp_model)
     state = _DDP_STATES.get(ddp_model)
     if state is not None and state.active:
@@ -564,3 +486,6 @@ def attach_ddp(
         _DDP_STATES[ddp_model] = state
     state.overlap = overlap
     return DDPAttachment(ddp_model, optimizers, state)
+
+
+register_wrapper(torch.nn.parallel.DistributedDataParallel, attach_ddp)  # layeropt.attach(ddp)

@@ -22,7 +22,7 @@ through :meth:`Engine.on_grad`. From there:
    arrival), the queue, buckets that only partly arrived - some parameters
    got no gradient this time - and gradients held from ``no_step()`` are
    stepped together, and freed;
-5. activation checkpointing (``layeropt/checkpoint.py``) keeps this exact:
+5. activation checkpointing (``layeropt/checkpointing.py``) keeps this exact:
 
    * ``layeropt.checkpoint(..., use_reentrant=True)`` makes every parameter a
      segment reads an input of the segment's autograd node, so autograd itself
@@ -78,8 +78,7 @@ from . import _nesting as nesting
 from . import _watch
 from ._nesting import Pin, _graph_task_id, watch_torch_checkpoint
 from ._transforms import Measure, all_finite, prepare_grads
-from .distributed import _world_size as world_size
-from .distributed import check_local_hooks_allowed
+from ._registry import check_local_hooks_allowed, world_size
 from .errors import AttachError, BackwardStateError, LayeroptError, warn
 
 if TYPE_CHECKING:
@@ -113,6 +112,12 @@ SCALER_HOLD_WARNING = (
     "holds them until scaler.step(opt), exactly as torch does, so nothing is saved "
     "in this step. Call layeropt.backward(scaler.scale(loss), scaler=scaler) instead "
     "to update each layer during backward (or use bf16 autocast, which needs no scaler)."
+)
+ORPHAN_WARNING = (
+    "the layeropt optimizer attached to these parameters was deleted, so this "
+    "backward does not update them: their gradients stay in .grad, as without "
+    "layeropt, and the hooks are removed. Keep a reference to the optimizer for as "
+    "long as you train (opt = layeropt.AdamW(...))."
 )
 CLOSURE_HOLD_WARNING = (
     "this backward runs inside optimizer.step(closure), whose caller may clip or "
@@ -229,6 +234,8 @@ class Engine:
         # backwards since the last step()/zero_grad() that stepped or held.
         self._hold = False  # this backward's gradients wait for step()
         self._sweep = False  # requires_grad changed: step every gradient left at the end
+        self._orphaned = False  # the optimizer was deleted: detach when this backward ends
+        self._unchecked = False  # rule 6's check waits for this backward's first gradient
         self.closure_depth = 0  # inside optimizer.step(closure)
         self.txn = 0  # the training step (transaction) step calls belong to
         self._bounded = False  # step() or zero_grad() was called since attach
@@ -350,6 +357,12 @@ class Engine:
         task = _graph_task_id()
         if task != self._active_task:
             self._enter(task, param)
+        if self._unchecked:
+            try:
+                self._check_second_backward()
+            except BackwardStateError:
+                param.grad = None
+                raise
         if self._distributed:
             check_local_hooks_allowed(param)  # never step a DDP replica's local gradient
         grad = param.grad
@@ -446,15 +459,23 @@ class Engine:
             self._route()
             warn(nesting.DEFER_WARNING)
 
-    def _begin(self, task: int, defer: bool = False) -> None:
+    def _check_second_backward(self) -> None:
+        """Rule 6: refuse a second stepping backward before step()/zero_grad()."""
+        self._unchecked = False
         plain = self._measure is None and not self._no_step_depth
         if plain and self._bounded and self._stepped_backwards:
             raise BackwardStateError(ACCUMULATION_ERROR.format(
                 what="a second backward after an attached backward that updated the parameters",
                 outcome="Nothing of this second backward was applied.",
             ))
+
+    def _begin(self, task: int, defer: bool = False) -> None:
+        if defer:  # begun by a torch segment: the check waits for a gradient of ours
+            self._unchecked = True
+        else:
+            self._check_second_backward()
         for attachment in list(self.attachments):  # layers (un)frozen since attach (rule 7)
-            if attachment.sync_trainable(in_backward=True):
+            if attachment.sync(in_backward=True):
                 self._sweep = True
         if not defer:
             nesting.segment_depth.value = 0  # a first hook outside any segment: nothing is nested
@@ -469,7 +490,10 @@ class Engine:
             segments and any(map(torch._C._will_engine_execute_node, list(segments)))
         )
         self.txn += 1
-        if plain and not self._entered:
+        if self._optimizer() is None:  # deleted while its parameters still train
+            self._hold = self._orphaned = True
+            warn(ORPHAN_WARNING, RuntimeWarning)
+        elif self._measure is None and not self._no_step_depth and not self._entered:
             if self.closure_depth:
                 self._hold = True
                 warn(CLOSURE_HOLD_WARNING)
@@ -502,8 +526,11 @@ class Engine:
             self.last_backward_steps = self._steps
             self._reset()
             for attachment in list(self.attachments):
-                if attachment.stale:
+                if self._orphaned:
+                    attachment.remove()
+                elif attachment.stale:
                     attachment._rebuild()
+            self._orphaned = False
 
     def _leftovers(self) -> list[list[Tensor]]:
         """Gradients that landed but were not stepped, grouped by bucket."""
@@ -551,6 +578,7 @@ class Engine:
         self._defer = False
         self._hold = False
         self._sweep = False
+        self._unchecked = False
         self._active_task = _IDLE
         self._route()
 
@@ -688,7 +716,7 @@ class Engine:
         self._bounded = True
         self.txn += 1
         for attachment in list(self.attachments):
-            attachment.sync_trainable()
+            attachment.sync()
 
     def on_param_groups_changed(self) -> None:
         for attachment in list(self.attachments):

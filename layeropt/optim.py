@@ -253,11 +253,16 @@ class InBackwardOptimizer(Optimizer):
         self.__dict__.setdefault("last_grad_norm", None)
         _LIVE.add(self)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickle by the class it wraps: ``in_backward(X)`` classes are made at run time."""
+        return (_new_in_backward, (type(self)._lo_base,), self.__getstate__())
+
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())
         state.pop("_lo_engine", None)
         state.pop("_lo_stepper", None)
         state["_lo_group_index"] = None
+        state["last_grad_norm"] = self.__dict__.get("last_grad_norm")  # public: keep it
         return state
 
 
@@ -320,6 +325,7 @@ def in_backward(optimizer_class: type[_O]) -> type[_O]:
                 "each layer as soon as its gradient is complete.\n\n"
                 + (optimizer_class.__doc__ or "")
             ),
+            "_lo_base": optimizer_class,
             "_torch_step": staticmethod(_raw_step(optimizer_class)),
             "_torch_step_no_grad": staticmethod(_no_grad_step(_raw_step(optimizer_class))),
         },
@@ -349,6 +355,12 @@ RMSprop = in_backward(torch.optim.RMSprop)
 if hasattr(torch.optim, "Adafactor"):  # torch >= 2.5
     Adafactor = in_backward(torch.optim.Adafactor)
     __all__.append("Adafactor")
+
+
+def _new_in_backward(base: type) -> Any:
+    """An empty instance of ``in_backward(base)`` (unpickling fills in its state)."""
+    cls = in_backward(base)
+    return cls.__new__(cls)
 
 
 def _call_torch_step(optimizer: InBackwardOptimizer) -> None:

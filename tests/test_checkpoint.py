@@ -31,7 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 import layeropt
 from layeropt import _nesting as nesting
 from layeropt import landing
-from layeropt.checkpoint import checkpoint, checkpoint_modules
+from layeropt import checkpoint, checkpoint_modules
 from layeropt.errors import BackwardStateError
 from layeropt.memory import PeakMemory
 from layeropt.models import make_model

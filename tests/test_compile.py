@@ -126,7 +126,7 @@ def test_compiled_autograd_matches_torch_optim(name):
         pytest.xfail(
             "compiled autograd traces post-accumulate-grad hooks into its graph, and "
             "dynamo cannot trace layeropt's (autograd queue_callback, weakref.finalize): "
-            "layeropt/attach.py must wrap each hook in torch._dynamo.disable"
+            "layeropt/attaching.py must wrap each hook in torch._dynamo.disable"
         )
 
     def step_fn(m: torch.nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import inspect
 import io
+import pickle
 import warnings
 
 import pytest
@@ -280,3 +281,55 @@ def test_bucket_cap_steps_complete_buckets_together_and_stays_exact(cap_mb):
         assert 2 < len(calls) < 2 * len(handle.buckets)
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def _public(obj):
+    return {k for k in obj.__dict__ if not k.startswith("_")}
+
+
+@pytest.mark.parametrize("cls", [
+    layeropt.SGD, layeropt.Adam, layeropt.AdamW, layeropt.Adagrad, layeropt.RMSprop,
+    *([layeropt.Adafactor] if hasattr(layeropt, "Adafactor") else []),
+    *(layeropt.in_backward(getattr(torch.optim, n))
+      for n in ("NAdam", "RAdam", "Adamax", "ASGD", "Adadelta", "Rprop")),
+], ids=lambda c: c.__name__)
+def test_deepcopy_and_pickle_keep_every_public_attribute(cls):
+    """torch's test_deepcopy_copies_all_public_attrs, and a pickle round trip."""
+    model = torch.nn.Linear(3, 2)
+    opt = cls(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    layeropt.backward(model(torch.ones(3)).sum(), opt, max_norm=1.0)
+    assert opt.last_grad_norm is not None
+    for twin in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert _public(twin) == _public(opt)
+        assert torch.equal(twin.last_grad_norm, opt.last_grad_norm)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_module_conversion_after_attach(swap):
+    """model.double() after attach, with and without swapping parameters on conversion."""
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        model, batch_fn, loss_fn = make_model("mlp")
+        ref = copy.deepcopy(model)
+        opt = layeropt.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        layeropt.attach(model, opt)
+        model.double()
+        ref.double()
+        gen = torch.Generator().manual_seed(1)
+        for step in range(3):
+            x, y = (t.double() for t in batch_fn(gen))
+            loss_fn(ref, (x, y)).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            loss_fn(model, (x, y)).backward()
+            if step > 0 or not swap:  # swapped: the hooks are back from the first step()
+                assert all(p.grad is None for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+        assert_models_equal(ref, model)
+        assert_same(ref_opt.state_dict(), opt.state_dict())
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)

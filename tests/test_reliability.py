@@ -9,6 +9,7 @@ import runpy
 import subprocess
 import sys
 import textwrap
+import warnings
 import weakref
 
 import pytest
@@ -210,22 +211,53 @@ def test_deepcopy_and_pickle_of_attached_model_are_plain_copies():
         assert_same(before, model.state_dict())  # the original is untouched
 
 
-def test_deleting_optimizer_or_model_leaves_nothing_behind():
+def test_deleting_the_optimizer_warns_at_the_next_backward_of_its_model():
+    """Only parameters that still train are worth a warning: at their next backward,
+    pointing at the user's line; their gradients then stay, as without layeropt."""
     model, batch_fn, loss_fn = make_model("mlp")
     opt = layeropt.Adam(model.parameters())
     handle = layeropt.attach(model, opt)
-    opt_ref, model_ref = weakref.ref(opt), weakref.ref(model)
-    with pytest.warns(RuntimeWarning, match="Keep a reference"):
+    opt_ref = weakref.ref(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # deleting alone says nothing
         del opt
         gc.collect()
     assert opt_ref() is None
+    with pytest.warns(RuntimeWarning, match="Keep a reference") as caught:
+        loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
+    assert caught[0].filename == __file__
+    assert all(p.grad is not None for p in model.parameters())
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
     assert repr(handle) == "<layeropt.Attachment removed>"
-    opt = layeropt.Adam(model.parameters())
-    layeropt.attach(model, opt)
-    del model, opt
+
+
+def test_a_new_optimizer_attaches_where_a_deleted_one_was():
+    model, batch_fn, loss_fn = make_model("mlp")
+    layeropt.attach(model, layeropt.SGD(model.parameters(), lr=0.1))  # dropped at once
     gc.collect()
-    assert model_ref() is None
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
+    assert opt.stepped_in_backward == len(list(model.parameters()))
+
+
+def test_discarding_model_and_optimizer_together_is_silent_and_frees_them():
+    def train() -> tuple[weakref.ref, weakref.ref]:
+        model, batch_fn, loss_fn = make_model("mlp")
+        opt = layeropt.Adam(model.parameters())
+        layeropt.attach(model, opt)
+        loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
+        opt.step()
+        opt.zero_grad()
+        return weakref.ref(model), weakref.ref(opt)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        refs = train()
+        gc.collect()
+    assert all(r() is None for r in refs)
 
 
 RESUME = textwrap.dedent(
@@ -272,7 +304,6 @@ RESUME = textwrap.dedent(
 )
 
 
-@pytest.mark.filterwarnings("ignore:a layeropt optimizer was deleted")
 def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
     script = tmp_path / "resume.py"
     script.write_text(RESUME)

@@ -37,8 +37,8 @@ from typing import Any
 
 from torch import Tensor
 
-from ..attach import Attachment, attach
-from ..backward import backward as layeropt_backward
+from ..attaching import Attachment, attach
+from ..backward_pass import backward as layeropt_backward
 from ..errors import LayeroptError
 from ..optim import InBackwardOptimizer, unwrap_optimizer
 

@@ -46,8 +46,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..attach import Attachment, attach
-from ..backward import backward as layeropt_backward
+from ..attaching import Attachment, attach
+from ..backward_pass import backward as layeropt_backward
 from ..errors import LayeroptError
 from ..optim import InBackwardOptimizer, in_backward, live_optimizers, unwrap_optimizer
 

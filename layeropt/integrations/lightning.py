@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from ..attach import Attachment, attach
-from ..backward import backward as layeropt_backward
+from ..attaching import Attachment, attach
+from ..backward_pass import backward as layeropt_backward
 from ..errors import LayeroptError
 from ..optim import InBackwardOptimizer, unwrap_optimizer
 

@@ -1,0 +1,135 @@
+"""What every layer of layeropt needs to know about a parameter and its process.
+
+The bottom of the package (imported by the engine, the attachments and the
+distributed code, importing none of them):
+
+* :func:`world_size`, :func:`is_dtensor`, and the guard the plain hooks run
+  before touching a gradient under ``torch.distributed``
+  (:func:`check_local_hooks_allowed`, :func:`allow_local_updates`);
+* which :class:`~layeropt.attaching.Attachment` hooks a parameter
+  (:func:`hooked_by`). Kept by ``id`` with an identity check, not in a weak
+  dictionary: ``torch.utils.swap_tensors`` (module conversion under
+  ``torch.__future__.set_swap_module_params_on_conversion(True)``) refuses
+  tensors that have weak references.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .errors import AttachError
+
+__all__ = [
+    "world_size",
+    "is_dtensor",
+    "check_local_hooks_allowed",
+    "allow_local_updates",
+    "hooked_by",
+    "mark_hooked",
+    "unmark_hooked",
+]
+
+# Attribute set on parameters declared for local updates (a plain value: picklable).
+_LOCAL_OK = "_layeropt_local_updates"
+# id(parameter) -> the attachment whose hook it carries (weakly)
+_HOOKED: dict[int, weakref.ref] = {}
+
+
+def hooked_by(param: Tensor) -> Any:
+    """The live attachment whose hook ``param`` carries, or ``None``."""
+    ref = _HOOKED.get(id(param))
+    attachment = None if ref is None else ref()
+    if attachment is None or not attachment.hooks(param):
+        return None  # a stale entry: that parameter (or attachment) is gone
+    return attachment
+
+
+def mark_hooked(param: Tensor, attachment: Any) -> None:
+    _HOOKED[id(param)] = weakref.ref(attachment)
+
+
+def unmark_hooked(param: Tensor, attachment: Any) -> None:
+    ref = _HOOKED.get(id(param))
+    if ref is not None and ref() in (attachment, None):
+        del _HOOKED[id(param)]
+
+
+def world_size() -> int:
+    """Processes in the default ``torch.distributed`` group (1 without one)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
+
+
+def is_dtensor(t: Tensor) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2's sharded parameters are)."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def check_local_hooks_allowed(param: Tensor) -> None:
+    """Refuse to step ``param`` from a plain hook when that would use a local gradient.
+
+    Called by layeropt's post-accumulate-grad hook before it touches the
+    gradient. Allowed: no process group or a world size of 1; DTensor
+    parameters (FSDP2 calls their hooks with the reduced, sharded gradient);
+    parameters passed to :func:`allow_local_updates`.
+
+    Args:
+        param: the parameter whose hook fired.
+
+    Returns:
+        None.
+
+    Raises:
+        AttachError: ``torch.distributed`` runs with more than one process and
+            ``param`` is a plain tensor, so its gradient is this process's
+            local, un-averaged one.
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> check_local_hooks_allowed(p)  # no process group: nothing to check
+    """
+    world = world_size()
+    if world <= 1 or is_dtensor(param) or param.__dict__.get(_LOCAL_OK, False):
+        return
+    raise AttachError(
+        f"a layeropt hook was about to step a parameter of shape {tuple(param.shape)} "
+        f"with this process's local gradient, but torch.distributed runs {world} "
+        "processes: the replicas would drift apart. Under DistributedDataParallel, "
+        "attach to the wrapper after wrapping (handle.remove(); "
+        "layeropt.attach(ddp_model, opt), i.e. layeropt.distributed.attach_ddp), so "
+        "each bucket is stepped after its all-reduce. Under FSDP2, call fully_shard "
+        "first, then build the optimizer and attach. If every process deliberately "
+        "trains its own model, call layeropt.distributed.allow_local_updates(model)."
+    )
+
+
+def allow_local_updates(params: nn.Module | Iterable[Tensor]) -> None:
+    """Declare that these parameters are meant to be updated from local gradients.
+
+    For models that are not data parallel although ``torch.distributed`` is
+    running (each process trains its own model, pipeline stages, ...).
+
+    Args:
+        params: a module (all its parameters) or an iterable of parameters.
+
+    Returns:
+        None.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 2)
+        >>> allow_local_updates(model)
+    """
+    for p in params.parameters() if isinstance(params, nn.Module) else params:
+        p.__dict__[_LOCAL_OK] = True
+
+
