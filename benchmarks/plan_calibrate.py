@@ -86,9 +86,6 @@ def real_step(name: str, variant: Variant, seq: int, batch: int, dtype: torch.dt
     }
     if handle is not None:
         handle.remove()
-    del model, opt, ids, params, handle
-    gc.collect()
-    torch.cuda.empty_cache()
     return out
 
 
@@ -111,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         p = plan(name, seq=args.seq, batch=args.batch, dtype=args.dtype, variants=VARIANTS)
         for row in p.rows:
             real = real_step(name, row.variant, p.seq, args.batch, dtype)
+            gc.collect()  # the model and optimizer of that step are gone
+            torch.cuda.empty_cache()
             fraction = real["reserved"] / row.peak_bytes - 1
             fixed = real["used"] - real["reserved"]
             worst_fraction, worst_fixed = max(worst_fraction, fraction), max(worst_fixed, fixed)

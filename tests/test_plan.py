@@ -218,7 +218,7 @@ def test_chunked_loss_and_bucketed_attach_equal_real_run():
         checkpoint(model)
         opt = bucketed(list(model.parameters()))
         with layeropt.attach(model, opt, bucket_cap_mb=1.0):
-            for i in range(2):
+            for _ in range(2):  # a warm-up step, then the measured one
                 with PeakMemory() as mem:
                     loss(model, ids).backward()
                     opt.step()
@@ -230,8 +230,8 @@ def test_low_bit_states_equal_real_ones(monkeypatch):
     """bitsandbytes' and torchao's 8/4-bit states: the planned start equals the real one."""
     cfg = hf_config("llama")
     build, make_batch, loss, _, _ = hf_real(cfg, torch.float32)
-    names = [n for n in ("bitsandbytes.optim.AdamW8bit", "torchao.optim.AdamW8bit",
-                         "torchao.optim.AdamW4bit") if layeropt.plan.variants.available(n)]  # fmt: skip
+    low_bit = ("bitsandbytes.optim.AdamW8bit", "torchao.optim.AdamW8bit", "torchao.optim.AdamW4bit")
+    names = [n for n in low_bit if layeropt.plan.variants.available(n)]
     if not names:
         pytest.skip("no low-bit optimizer installed")
     rows = [Variant(n) for n in names] + [Variant(f"layeropt.in_backward({n})") for n in names]
@@ -273,8 +273,9 @@ def test_fits_follows_the_real_peaks():
     build, make_batch, loss, checkpoint, _ = hf_real(cfg, torch.float32)
     start, peak = real_for(LAYEROPT_CKPT, build, make_batch, loss, checkpoint)
     margin = Margin(fixed=4096, fraction=0.0)
-    p = plan(cfg, seq=SEQ, batch=BATCH, dtype="fp32", device="cpu", variants=[FOREACH, LAYEROPT_CKPT],
-             bucket_cap_mb=0.0, gpu_memory=start + peak + 4096, margin=margin)  # fmt: skip
+    p = plan(cfg, seq=SEQ, batch=BATCH, dtype="fp32", device="cpu",
+             variants=[FOREACH, LAYEROPT_CKPT], bucket_cap_mb=0.0,
+             gpu_memory=start + peak + 4096, margin=margin)  # fmt: skip
     assert p.fits(p.row(LAYEROPT_CKPT)) is True
     assert p.fits(p.row(FOREACH)) is False
     assert p.choice.variant == LAYEROPT_CKPT
@@ -289,7 +290,8 @@ def test_cli_json_for_a_config_file(tmp_path, capsys):
     png = tmp_path / "plan.png"
     code = main(["plan", str(path / "config.json"), "--seq", str(SEQ), "--batch", str(BATCH),
                  "--dtype", "fp32", "--device", "cpu", "--optimizer", "layeropt.AdamW",
-                 "--bucket-cap-mb", "0", "--gpu-memory", "2GiB", "--json", "--plot", str(png)])  # fmt: skip
+                 "--bucket-cap-mb", "0", "--gpu-memory", "2GiB", "--json",
+                 "--plot", str(png)])  # fmt: skip
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert {"model", "parameters", "variants"} <= set(out)

@@ -77,6 +77,7 @@ def plan(
     device: str = "cuda",
     bucket_cap_mb: float | None = None,
     progress: Callable[[int, int, Variant], None] | None = None,
+    jobs: int = 1,
 ) -> Plan:
     """Plan one training step's memory under several configurations.
 
@@ -113,6 +114,9 @@ def plan(
         bucket_cap_mb: ``layeropt.attach``'s ``bucket_cap_mb`` (default: the
             library's).
         progress: called as ``progress(i, n, variant)`` before each row.
+        jobs: processes sharing the rows (forked workers, Linux only; the
+            numbers do not depend on it). The command line uses one per core,
+            up to 4.
 
     Returns:
         The :class:`Plan`: ``.table()``, ``.to_dict()``, ``.plot(path)``,
@@ -144,7 +148,7 @@ def plan(
         workload = hf_workload(model, seq=seq, batch=batch, dtype=torch_dtype)
     rows = _variants(workload, variants, optimizers)
     n_params, measured = simulate(
-        workload, rows, device=device, bucket_cap_mb=bucket_cap_mb, progress=progress
+        workload, rows, device=device, bucket_cap_mb=bucket_cap_mb, progress=progress, jobs=jobs
     )
     return Plan(
         model=workload.name,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -38,26 +39,50 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="a Hugging Face config.json, a directory holding one, a model name whose "
         "config is in the local HF cache, or a built-in shape (llama-2-7b, gpt2, ...)",
     )
-    p.add_argument("--seq", type=int, default=None,
-                   help="tokens per sequence (2048, or the model's positions if fewer)")  # fmt: skip
+    p.add_argument(
+        "--seq", type=int, default=None,
+        help="tokens per sequence (2048, or the model's positions if fewer)",
+    )  # fmt: skip
     p.add_argument("--batch", type=int, default=1, help="sequences per batch (1)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="parameter dtype: pure bf16 (default) or fp32 training")  # fmt: skip
-    p.add_argument("--gpu-memory", metavar="SIZE",
-                   help="the GPU's memory, e.g. 24GiB, 80GB or 16 (GiB): say what fits")  # fmt: skip
-    p.add_argument("--margin", metavar="SPEC", default="1GiB+5%",
-                   help="left free on the GPU: fixed + %% of the peak (default 1GiB+5%%)")  # fmt: skip
-    p.add_argument("--optimizer", action="append", metavar="NAME", choices=OPTIMIZERS,
-                   help="only this optimizer (repeatable): " + ", ".join(OPTIMIZERS))  # fmt: skip
-    p.add_argument("--all", action="store_true",
-                   help="every combination (low-bit ones too; twice as many rows)")  # fmt: skip
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="whose kernels to model: cuda (default) or torch's CPU kernels")  # fmt: skip
-    p.add_argument("--bucket-cap-mb", type=float, default=None,
-                   help="layeropt.attach's bucket_cap_mb (default: the library's)")  # fmt: skip
+    p.add_argument(
+        "--dtype", choices=("bf16", "fp32"), default="bf16",
+        help="parameter dtype: pure bf16 (default) or fp32 training",
+    )  # fmt: skip
+    p.add_argument(
+        "--gpu-memory", metavar="SIZE",
+        help="the GPU's memory, e.g. 24GiB, 80GB or 16 (GiB): say what fits",
+    )  # fmt: skip
+    p.add_argument(
+        "--margin", metavar="SPEC", default="1GiB+5%",
+        help="left free on the GPU: fixed + %% of the peak (default 1GiB+5%%)",
+    )  # fmt: skip
+    p.add_argument(
+        "--optimizer", action="append", metavar="NAME", choices=OPTIMIZERS,
+        help="only this optimizer (repeatable): " + ", ".join(OPTIMIZERS),
+    )  # fmt: skip
+    p.add_argument(
+        "--all", action="store_true",
+        help="every combination (low-bit ones with the chunked loss, in-backward ones "
+        "without checkpointing)",
+    )  # fmt: skip
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda",
+        help="whose kernels to model: cuda (default) or torch's CPU kernels",
+    )  # fmt: skip
+    p.add_argument(
+        "--bucket-cap-mb", type=float, default=None,
+        help="layeropt.attach's bucket_cap_mb (default: the library's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--jobs", type=int, default=None,
+        help="worker processes (default: one per core, up to 4; Linux)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     p.add_argument("--plot", metavar="OUT.png", help="draw the categories as stacked bars")
-    p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    p.add_argument(
+        "--no-progress", action="store_true",
+        help="no progress line on stderr (there is none when stderr is not a terminal)",
+    )  # fmt: skip
     return p
 
 
@@ -67,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from . import plan
 
     progress = None
-    if not (args.no_progress or args.json):
+    if not (args.no_progress or args.json) and sys.stderr.isatty():
         progress = _progress
     try:
         result = plan(
@@ -82,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             bucket_cap_mb=args.bucket_cap_mb,
             progress=progress,
+            jobs=args.jobs if args.jobs is not None else _cores(),
         )
         if progress is not None:
             print(file=sys.stderr)
@@ -99,6 +125,14 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"wrote {args.plot}")
     return 0
+
+
+def _cores() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
 
 
 def _progress(i: int, n: int, variant: Variant) -> None:

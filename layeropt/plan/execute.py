@@ -82,6 +82,7 @@ def simulate(
     device: str | Target = "cuda",
     bucket_cap_mb: float | None = None,
     progress: Callable[[int, int, Variant], None] | None = None,
+    jobs: int = 1,
 ) -> tuple[int, list[Measurement]]:
     """Measure one steady-state training step per variant, on fake tensors.
 
@@ -92,6 +93,8 @@ def simulate(
         bucket_cap_mb: ``layeropt.attach``'s ``bucket_cap_mb`` (``None``:
             the library default).
         progress: called as ``progress(i, n, variant)`` before each variant.
+        jobs: worker processes sharing the variants (forked, Linux only;
+            each builds its own fake model; the numbers do not depend on it).
 
     Returns:
         ``(number of parameters, one Measurement per variant)``.
@@ -108,6 +111,13 @@ def simulate(
             )
         if v.chunked_loss and workload.chunked_loss is None:
             raise PlanError(f"{v.label}: this workload has no chunked loss (chunked_loss=)")
+    units = _units(variants)
+    if jobs > 1 and len(units) > 1:
+        from .parallel import can_fork, run_sharded
+
+        if can_fork():
+            options = {"device": device, "bucket_cap_mb": bucket_cap_mb}
+            return run_sharded(simulate, workload, variants, units, jobs, progress, options)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _prime_caches(variants)
@@ -120,7 +130,7 @@ def simulate(
         model = workload.build()
         params = _unique(model.parameters())
         n_params = sum(p.numel() for p in params)
-        live.mark(params, PARAMETERS)
+        live.track(params, PARAMETERS)
         trainable = [p for p in params if p.requires_grad]
         if not trainable:
             raise PlanError(f"{workload.name} has no trainable parameters")
@@ -136,16 +146,31 @@ def simulate(
 
         run = _Run(model, batch, trainable, workload, live, bucket_cap_mb, tick)
         results: dict[Variant, Measurement] = {}
-        groups: dict[tuple[bool, bool], list[Variant]] = {}
-        for v in dict.fromkeys(variants):
-            if v.in_backward:
-                results[v] = _measure_in_backward(run, v)
+        for unit in units:
+            if unit[0].in_backward:
+                results[unit[0]] = _measure_in_backward(run, unit[0])
             else:
-                groups.setdefault((v.checkpointing, v.chunked_loss), []).append(v)
-        for (checkpointing, chunked), members in groups.items():
-            for m in _measure_plain(run, checkpointing, chunked, members):
-                results[m.variant] = m
+                first = unit[0]
+                for m in _measure_plain(run, first.checkpointing, first.chunked_loss, unit):
+                    results[m.variant] = m
     return n_params, [results[v] for v in variants]
+
+
+def _units(variants: list[Variant]) -> list[list[Variant]]:
+    """What one forward and backward measures: each in-backward variant alone,
+    the other variants by (checkpointing, chunked loss)."""
+    units: list[list[Variant]] = []
+    groups: dict[tuple[bool, bool], list[Variant]] = {}
+    for v in dict.fromkeys(variants):
+        if v.in_backward:
+            units.append([v])
+        else:
+            key = (v.checkpointing, v.chunked_loss)
+            if key not in groups:
+                groups[key] = []
+                units.append(groups[key])
+            groups[key].append(v)
+    return units
 
 
 def _prime_caches(variants: list[Variant]) -> None:
@@ -177,7 +202,7 @@ class _GradMarker:
 
     def __call__(self, p: torch.Tensor) -> None:
         if p.grad is not None:
-            self.live.mark(p.grad, GRADIENTS)
+            self.live.track(p.grad, GRADIENTS)
 
 
 @dataclasses.dataclass
@@ -260,7 +285,7 @@ def _measure_plain(
             before = live.total
             opt = v.make_optimizer(run.params)
             opt.step()  # warm-up on these gradients: creates the state
-            live.mark(list(opt.state.values()), STATE)
+            live.track(list(opt.state.values()), STATE)
             kept = live.total - before  # the optimizer's state (and its maps)
             live.start()
             try:
@@ -296,7 +321,7 @@ def _measure_in_backward(run: _Run, variant: Variant) -> Measurement:
                     p.grad = torch.zeros_like(p)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            live.mark(list(opt.state.values()), STATE)
+            live.track(list(opt.state.values()), STATE)
             cap = {} if run.bucket_cap_mb is None else {"bucket_cap_mb": run.bucket_cap_mb}
             handle = layeropt.attach(run.model, opt, **cap)
             with _gc_paused():

@@ -7,8 +7,8 @@ configuration, sorted by peak, and renders them as a text table
 :class:`Margin` is at most the GPU's memory.
 
 Example:
-    >>> Margin().budget(24 * 2**30) / 2**30
-    21.904761904761905
+    >>> round(Margin().budget(24 * 2**30) / 2**30, 2)
+    21.9
 """
 
 from __future__ import annotations
@@ -186,8 +186,9 @@ class Plan:
         while remaining:
             options = []
             for change in remaining:
-                nxt = self.row(_with_changes(row.variant, current.variant.changes() | {change}))
-                if nxt is not None:
+                wanted = current.variant.changes() | {change}
+                nxt = self.row(_with_changes(row.variant, wanted))
+                if nxt is not None and nxt.variant.changes() == wanted:
                     options.append((nxt.peak_bytes, change, nxt))
             if not options:
                 break
@@ -205,9 +206,11 @@ class Plan:
             )
             current = nxt
         if not steps:
-            top = max((c for c in CATEGORIES[2:]), key=lambda c: current.at_peak[c])
+            top = max(CATEGORIES[2:], key=lambda c: current.at_peak[c])
             return (
-                f"the peak is {top} ({format_bytes(current.at_peak[top])}) {_where(current)}"
+                f"{current.variant.label} peaks {_where(current)}, where the largest part "
+                f"after parameters and optimizer state is {_name(top, current)} "
+                f"({format_bytes(current.at_peak[top])})"
             )
         return "; ".join(steps)
 
@@ -343,9 +346,7 @@ class Plan:
                 "--plot needs matplotlib: pip install 'layeropt[plot]' (or pip install "
                 "matplotlib), or leave out --plot."
             ) from e
-        colors = {"parameters": _COLORS["parameters"], "optimizer state": _COLORS["optimizer state"],
-                  "gradients": _COLORS["gradients"], "activations": _COLORS["activations/other"],
-                  "other": "#8e8e8e"}  # fmt: skip
+        colors = dict(_COLORS, activations=_COLORS["activations/other"], other="#8e8e8e")
         rows = self.rows[::-1]
         fig = Figure(figsize=(11, 1.2 + 0.32 * len(rows)), layout="constrained")
         FigureCanvasAgg(fig)
@@ -367,6 +368,15 @@ class Plan:
         ax.legend(loc="lower right", fontsize="small")
         fig.savefig(os.fspath(path), dpi=110)
         return os.fspath(path)
+
+
+_TORCH = ("torch.optim.AdamW",)
+
+
+def _name(category: str, row: Measurement) -> str:
+    if category == OTHER:
+        return "optimizer temporaries" if row.phase == "optimizer step" else "temporaries"
+    return category
 
 
 def _invasiveness(row: Measurement) -> tuple[bool, int, int]:
@@ -405,10 +415,9 @@ def _with_changes(like: Variant, changes: set[str]) -> Variant:
     """The variant with exactly ``changes`` (the low-bit library of ``like``)."""
     low_bit = like.base if like.base in LOW_BIT else next(iter(LOW_BIT))
     base = low_bit if "low-bit" in changes else "torch.optim.AdamW"
+    optimizer = base
     if "layeropt" in changes:
-        optimizer = "layeropt.AdamW" if base == "torch.optim.AdamW" else f"layeropt.in_backward({base})"
-    else:
-        optimizer = base
+        optimizer = "layeropt.AdamW" if base in _TORCH else f"layeropt.in_backward({base})"
     fused = "fused" in changes or "low-bit" in changes
     return Variant(
         optimizer,

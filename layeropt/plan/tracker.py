@@ -11,7 +11,7 @@ real run would see: on CPU it equals the profiler's live bytes to the byte.
 Each storage has a category (:data:`CATEGORIES`): ``"activations"`` when made
 with autograd recording (the forward pass, and checkpointed recomputation in
 backward), ``"other"`` when made without (gradients of activations,
-optimizer temporaries, inputs). :meth:`LiveBytes.mark` moves known storages
+optimizer temporaries, inputs). :meth:`LiveBytes.track` moves known storages
 (parameters, optimizer state, gradients) to their category.
 
 Example:
@@ -312,8 +312,6 @@ class LiveBytes(TorchDispatchMode):
                 if category is not None:
                     self._recategorise(st, category)
 
-    mark = track
-
     def _recategorise(self, st: Any, category: str) -> None:
         info = self._live.get(id(st))
         if info is not None and info.category != category:
@@ -322,11 +320,6 @@ class LiveBytes(TorchDispatchMode):
             info.category = category
             if self._ops == self.peak_op and self.total == self.peak:
                 self.at_peak = dict(self.by_category)  # the peak's op made it
-
-    def category_of(self, t: Tensor) -> str | None:
-        """The category of ``t``'s (first) storage, or ``None`` when not counted."""
-        info = self._live.get(id(storages(t)[0]))
-        return None if info is None else info.category
 
 
 class _Freed:
