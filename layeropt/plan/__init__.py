@@ -128,11 +128,14 @@ def plan(
 
     Example:
         >>> from layeropt.models import MLP
-        >>> p = plan(lambda: MLP(64, 256), inputs=lambda: torch.randn(32, 64),
+        >>> p = plan(lambda: MLP(1024, 4096, depth=4), inputs=lambda: torch.randn(8, 1024),
         ...          loss=lambda m, x: m(x).square().mean(), dtype="fp32",
         ...          optimizers=["torch.optim.AdamW", "layeropt.AdamW"])
-        >>> [r.variant.label for r in p.rows][0]
-        'layeropt.AdamW (fused)'
+        >>> for r in p.rows:
+        ...     print(r.variant.label, r.peak_bytes // 2**20, "MiB,", r.phase)
+        layeropt.AdamW (fused) 689 MiB, backward
+        torch.optim.AdamW (fused) 832 MiB, backward
+        torch.optim.AdamW (foreach) 1040 MiB, optimizer step
     """
     torch_dtype = _dtype(dtype)
     if device not in TARGETS:
