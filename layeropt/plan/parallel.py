@@ -57,7 +57,8 @@ def _worker(simulate: Callable[..., Any], workload: Any, variants: list[Any], qu
             pickle.dumps(e)
             queue.put(("error", e))
         except Exception:
-            queue.put(("error", PlanError("".join(traceback.format_exception(e)))))
+            text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            queue.put(("error", PlanError(text)))
 
 
 def run_sharded(
