@@ -12,7 +12,7 @@ Example:
     ...     opt.step()                                  # harmless no-op
 """
 
-from . import distributed, losses, memory, report
+from . import distributed
 from .attaching import Attachment, attach
 from .backward_pass import backward
 from .checkpointing import CheckpointHandle, checkpoint, checkpoint_modules
@@ -31,6 +31,16 @@ from .optim import (
 )
 
 __version__ = "0.1.0"
+
+_LAZY = ("losses", "memory", "report")  # imported on first use (python -m layeropt.losses)
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'layeropt' has no attribute {name!r}")
 
 __all__ = [
     "SGD",

@@ -550,7 +550,8 @@ class Engine:
         for source in (self._deferred, self.held):
             for p, b in source.items():
                 groups.setdefault(id(b), []).append(p)
-        seen: set[int] = set()
+        # (a sweep also finds the complete buckets queued in _ready: those are stepped there)
+        seen: set[int] = {id(p) for g in self._ready for p in g} if self._sweep else set()
         out = []
         for g in groups.values():
             g = [p for p in g if p.grad is not None and id(p) not in seen and not seen.add(id(p))]

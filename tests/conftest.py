@@ -3,11 +3,14 @@
 * Every test starts from the same global seed.
 * Tests use tiny tensors, for which one intra-op thread is fastest and keeps
   the 2-core CI machine from oversubscribing.
-* ``layeropt.attach`` defaults to ``bucket_cap_mb=0`` in tests: every layer is
-  stepped the moment its gradient completes, the strictest schedule (with the
-  library default of 1 MiB, the tiny test models would be stepped in one
-  call at the end of backward). ``test_interop.py::test_bucket_cap_*`` covers
-  the batching itself, including the default.
+* Bucket schedules. ``layeropt.attach`` defaults to ``bucket_cap_mb=0`` in
+  tests: every layer is stepped the moment its gradient completes, the
+  strictest schedule, which finds ordering bugs (with the library default of
+  1 MiB the tiny test models would be stepped in one call at the end of
+  backward). The core exactness and memory tests (:data:`BOTH_SCHEDULES`)
+  run under both that and the library default, which is what users get;
+  the documentation blocks run in fresh processes with the library defaults
+  (``tests/test_docs.py``).
 """
 
 import pytest
@@ -17,14 +20,27 @@ import layeropt
 
 torch.set_num_threads(1)
 
+BOTH_SCHEDULES = {"test_exact", "test_memory_core", "test_accumulate", "test_properties",
+                  "test_training_step", "test_checkpoint", "test_clip_amp", "test_loop",
+                  "test_interop", "test_reliability", "test_errors"}
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.module.__name__.rsplit(".", 1)[-1] in BOTH_SCHEDULES:
+        metafunc.parametrize("bucket_schedule", ["cap0", "default-cap"], indirect=True)
+
+
 @pytest.fixture(autouse=True)
-def _strictest_bucket_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
-    defaults = dict(layeropt.attach.__kwdefaults__)
-    defaults["bucket_cap_mb"] = 0.0
-    monkeypatch.setattr(layeropt.attach, "__kwdefaults__", defaults)
+def bucket_schedule(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``"cap0"`` (strictest; the default here) or ``"default-cap"`` (the library's)."""
+    schedule = getattr(request, "param", "cap0")
+    if schedule == "cap0":
+        defaults = dict(layeropt.attach.__kwdefaults__)
+        defaults["bucket_cap_mb"] = 0.0
+        monkeypatch.setattr(layeropt.attach, "__kwdefaults__", defaults)
+    return schedule

@@ -377,10 +377,12 @@ class MaskedByWeight(nn.Module):
 
 
 @pytest.mark.parametrize("mode", MODES + ("torch-non-reentrant",))
-def test_no_recomputation_sees_an_updated_weight(mode):
+def test_no_recomputation_sees_an_updated_weight(mode, bucket_schedule):
     scenario = Scenario("masked", _custom(MaskedByWeight))
     kw = dict(lr=0.1)
     if mode == "torch-non-reentrant":  # without pins, w is stepped before the recomputation
+        if bucket_schedule != "cap0":
+            pytest.skip("the failure shown needs w stepped at once (bucket_cap_mb=0)")
         scenario.install = lambda m, _: setattr(
             m, "ck", functools.partial(tc.checkpoint, use_reentrant=False)
         )
@@ -457,7 +459,9 @@ class BoomLoop(SharedLoop):
 
 
 @pytest.mark.parametrize("mode", MODES + ("torch-reentrant",))
-def test_exception_mid_backward_leaves_no_partial_step_and_no_stale_state(mode):
+def test_exception_mid_backward_leaves_no_partial_step_and_no_stale_state(mode, bucket_schedule):
+    if bucket_schedule != "cap0":
+        pytest.skip("premise: each layer stepped the moment it completes (bucket_cap_mb=0)")
     scenario = Scenario("boom", _custom(BoomLoop))
     model, batch_fn, loss_fn = scenario.make()
     ref = copy.deepcopy(model)
@@ -522,7 +526,9 @@ def _peak(setup: str, optimizer: str) -> int:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_checkpointing_with_layeropt_peaks_lowest(mode):
+def test_checkpointing_with_layeropt_peaks_lowest(mode, bucket_schedule):
+    if bucket_schedule != "cap0":
+        pytest.skip("premise: each layer stepped the moment it completes (bucket_cap_mb=0)")
     checkpointed = _peak(mode, "layeropt")
     assert checkpointed < _peak("none", "layeropt")  # checkpointing saves activations
     assert checkpointed < _peak(mode, "torch")  # and in-backward steps save gradients

@@ -126,7 +126,11 @@ def hf_real(cfg, dtype):
         ).train()
 
     def checkpoint(m):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
     def loss(m, ids):
         return m(input_ids=ids, labels=ids).loss

@@ -60,7 +60,7 @@ def _run(layers, x, boom_at=None, kind="function"):
 
 
 FAULTS = {"function": (ValueError, "boom"), "hook": (ValueError, "tensor hook"),
-          "interrupt": (KeyboardInterrupt, "")}
+          "interrupt": (KeyboardInterrupt, None)}
 
 
 @pytest.mark.parametrize("kind", list(FAULTS))

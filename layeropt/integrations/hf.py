@@ -243,7 +243,10 @@ class LayeroptCallback(TrainerCallback):
 
     Attaches the model when training begins (unless the optimizer already is
     attached) and detaches it at the end; runs the micro-batches before the
-    last of each accumulation inside ``optimizer.no_step()``. Refuses, when
+    last of each accumulation inside ``optimizer.no_step()``. The plain
+    Trainer still logs a ``grad_norm`` measured after backward, when no
+    gradient is left: it is 0, and a warning says so (``LayeroptTrainer``
+    logs the real one). Refuses, when
     training begins, what a callback cannot make exact: ``max_grad_norm > 0``
     (Trainer's default is 1.0) and ``fp16``; use :class:`LayeroptTrainer` for
     those.
