@@ -1,6 +1,6 @@
 """Looped forwards: peak memory and step time vs loop count, per mode.
 
-The setting is ``examples/looped_forward.py`` (seeds/000): a sinogram
+The setting is ``examples/looped_forward.py``: a sinogram
 ``(batch, nb_elements, samples)``, a small CNN extractor run once per transmit
 id, and three ways of using the loop's outputs (independent losses, a head on
 the stack, a recurrent refinement). For every loop count ``n`` and every mode
@@ -10,7 +10,7 @@ exists, the model and data are not counted) and the step time relative to
 the naive loop at the same ``n`` (median over ``--repeats`` interleaved rounds).
 
 Modes: ``naive`` (whole graph until backward, ``torch.optim.Adam``),
-``ckpt/iter`` (the seed's scheme 2: ``torch.utils.checkpoint`` around each
+``ckpt/iter`` (the usual advice: ``torch.utils.checkpoint`` around each
 iteration, ``torch.optim.Adam``), and layeropt's mode for the shape
 (``layeropt.Adam`` attached): ``LoopAccumulator``, ``loop_stack``,
 ``loop_recurrent`` (``every=1`` and ``every=4``).

@@ -56,7 +56,7 @@ def _checkpointer(mode: str) -> Callable[..., Any]:
 
 # -- models that call a checkpointer in forward ---------------------------------
 class SharedLoop(nn.Module):
-    """One extractor shared by three checkpointed iterations and used after them (seed 000)."""
+    """One extractor shared by three checkpointed iterations and used after them."""
 
     def __init__(self, d: int = 8) -> None:
         super().__init__()
