@@ -359,7 +359,7 @@ class Engine:
             self._enter(task, param)
         if self._unchecked:
             try:
-                self._check_second_backward()
+                self._decide()
             except BackwardStateError:
                 param.grad = None
                 raise
@@ -457,26 +457,17 @@ class Engine:
         elif self._active_task != _IDLE and not self._defer:
             self._defer = True  # a segment recorded during this backward
             self._route()
-            warn(nesting.DEFER_WARNING)
-
-    def _check_second_backward(self) -> None:
-        """Rule 6: refuse a second stepping backward before step()/zero_grad()."""
-        self._unchecked = False
-        plain = self._measure is None and not self._no_step_depth
-        if plain and self._bounded and self._stepped_backwards:
-            raise BackwardStateError(ACCUMULATION_ERROR.format(
-                what="a second backward after an attached backward that updated the parameters",
-                outcome="Nothing of this second backward was applied.",
-            ))
+            if not self._unchecked:  # (else _decide warns, if a gradient of ours lands)
+                warn(nesting.DEFER_WARNING)
 
     def _begin(self, task: int, defer: bool = False) -> None:
-        if defer:  # begun by a torch segment: the check waits for a gradient of ours
-            self._unchecked = True
-        else:
-            self._check_second_backward()
-        for attachment in list(self.attachments):  # layers (un)frozen since attach (rule 7)
-            if attachment.sync(in_backward=True):
-                self._sweep = True
+        """A new backward reaches this engine: reset the per-backward state.
+
+        ``defer``: begun by a torch reentrant segment, which runs whether or
+        not this engine's parameters take part; what concerns only a
+        backward that reaches them (:meth:`_decide`) waits for the first
+        gradient that lands here.
+        """
         if not defer:
             nesting.segment_depth.value = 0  # a first hook outside any segment: nothing is nested
         self._active_task = task
@@ -490,10 +481,29 @@ class Engine:
             segments and any(map(torch._C._will_engine_execute_node, list(segments)))
         )
         self.txn += 1
+        self._route()
+        _queue_callback(_BackwardEnd(self, self._serial))
+        if defer:
+            self._unchecked = True
+        else:
+            self._decide()
+
+    def _decide(self) -> None:
+        """Rules 6 and 7 for a backward that reaches this engine's parameters."""
+        self._unchecked = False
+        plain = self._measure is None and not self._no_step_depth
+        if plain and self._bounded and self._stepped_backwards:
+            raise BackwardStateError(ACCUMULATION_ERROR.format(
+                what="a second backward after an attached backward that updated the parameters",
+                outcome="Nothing of this second backward was applied.",
+            ))
+        for attachment in list(self.attachments):  # layers (un)frozen since attach (rule 7)
+            if attachment.sync(in_backward=True):
+                self._sweep = True
         if self._optimizer() is None:  # deleted while its parameters still train
             self._hold = self._orphaned = True
             warn(ORPHAN_WARNING, RuntimeWarning)
-        elif self._measure is None and not self._no_step_depth and not self._entered:
+        elif plain and not self._entered:
             if self.closure_depth:
                 self._hold = True
                 warn(CLOSURE_HOLD_WARNING)
@@ -503,7 +513,6 @@ class Engine:
         self._route()
         if self._defer:
             warn(nesting.DEFER_WARNING)
-        _queue_callback(_BackwardEnd(self, self._serial))
 
     def _dropped(self, serial: int) -> None:
         if serial == self._serial and self._active_task != _IDLE:
