@@ -16,6 +16,11 @@ group at each call, exactly as ``step`` passes them (so an LR scheduler, a
 tensor ``lr``, ``GradScaler``'s ``grad_scale`` / ``found_inf`` attributes
 work as in torch). Nothing of the update is re-derived here: the functional
 chooses the for-loop, foreach or fused implementation as it does for ``step``.
+One shortcut: a ``fused=True`` Adam/AdamW bucket that is a single (device,
+dtype) group goes straight to the loop body of torch's ``_fused_adam`` (step
+counters, then ``torch._fused_adam_``/``_fused_adamw_``), its grouping done
+once; its CPU step counters are incremented in the form torch's foreach Adam
+uses (the same ``+ 1``, bit for bit, a third of the time).
 
 Exactness rules:
 
