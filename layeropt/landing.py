@@ -51,8 +51,8 @@ through :meth:`Engine.on_grad`. From there:
    training step is one transaction of ``layeropt/_subset.py``;
 7. parameters unfrozen (``requires_grad_(True)``) after ``attach`` are picked
    up at the next backward: that backward steps every gradient it left when
-   it ends and the hooks are rebuilt (also at ``step()``/``zero_grad()``);
-   frozen ones leave their buckets.
+   it ends and the hooks are rebuilt (also at a ``step()`` that found
+   gradients no hook took); frozen ones leave their buckets.
 
 If a backward raises, autograd drops it; its end callback is then released
 without running, and the partial gradients it left (arrived but not
@@ -702,6 +702,9 @@ class Engine:
         self._step([params] if params else [])
         self.held.clear()
         self.boundary()
+        if params:  # gradients no hook took: layers unfrozen (or hooks lost) since
+            for attachment in list(self.attachments):
+                attachment.sync()
 
     # -- training-step boundaries (rule 6) ---------------------------------
     @property
@@ -725,8 +728,6 @@ class Engine:
         self._stepped_backwards = self._held_backwards = 0
         self._bounded = True
         self.txn += 1
-        for attachment in list(self.attachments):
-            attachment.sync()
 
     def on_param_groups_changed(self) -> None:
         for attachment in list(self.attachments):
