@@ -26,11 +26,12 @@ every call in it starts from the group values the transaction started with and
 must end with the values the first call ended with, which the groups then keep.
 If a call ends with different values, the group state depends on which
 gradients it saw - a global estimate such as D-Adaptation's or Prodigy's ``d``
-- and cannot be stepped a layer at a time. That is checked on the first
-transaction that moves a group: its first parameters are stepped one at a
-time from saved copies, and on a mismatch they are restored (parameters,
+- and cannot be stepped a layer at a time. In the first
+:attr:`SubsetStepper.PROBED_STEPS` training steps (D-Adaptation agrees with
+itself on its first step) the first parameters of a step are stepped one at
+a time from saved copies, and on a mismatch they are restored (parameters,
 state and groups) and :class:`~layeropt.errors.BackwardStateError` is raised
-before anything else is updated.
+before anything else is updated; later steps are checked on every call too.
 """
 
 from __future__ import annotations
