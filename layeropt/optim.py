@@ -372,6 +372,15 @@ def _call_torch_step(optimizer: InBackwardOptimizer) -> None:
         cls._torch_step_no_grad(optimizer)
 
 
+@contextlib.contextmanager
+def no_step_all(optimizers: Iterable[InBackwardOptimizer]) -> Iterator[None]:
+    """``no_step()`` of several optimizers at once (for trainer integrations)."""
+    with contextlib.ExitStack() as stack:
+        for o in optimizers:
+            stack.enter_context(o.no_step())
+        yield
+
+
 def unwrap_optimizer(optimizer: Any) -> Any:
     """The optimizer inside wrappers that hold it as ``.optimizer``.
 

@@ -31,8 +31,6 @@ Single process (``num_processes == 1``); tested with accelerate 1.15.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from torch import Tensor
@@ -40,7 +38,7 @@ from torch import Tensor
 from ..attaching import Attachment, attach
 from ..backward_pass import backward as layeropt_backward
 from ..errors import LayeroptError
-from ..optim import InBackwardOptimizer, unwrap_optimizer
+from ..optim import InBackwardOptimizer, no_step_all, unwrap_optimizer
 
 try:
     from accelerate import Accelerator
@@ -159,7 +157,7 @@ class LayeroptAccelerator(Accelerator):
         if not self.sync_gradients or learning:
             if self.sync_gradients:  # the learning step: plain accelerate, held until step()
                 self._lo_learning = opts[0]._lo_engine.txn
-            with _no_step(opts):
+            with no_step_all(opts):
                 layeropt_backward(loss, opts, **kwargs)
             return
         max_norm = norm_type = params = None
@@ -242,11 +240,3 @@ class LayeroptAccelerator(Accelerator):
         if self._lo_value not in (None, _UNSET):
             parts.append(f"by value {self._lo_value}")
         return " and ".join(parts) or "nothing"
-
-
-@contextlib.contextmanager
-def _no_step(optimizers: list[InBackwardOptimizer]) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for o in optimizers:
-            stack.enter_context(o.no_step())
-        yield

@@ -41,7 +41,7 @@ import torch
 from ..attaching import Attachment, attach
 from ..backward_pass import backward as layeropt_backward
 from ..errors import LayeroptError
-from ..optim import InBackwardOptimizer, unwrap_optimizer
+from ..optim import InBackwardOptimizer, no_step_all, unwrap_optimizer
 
 try:
     import lightning.pytorch as pl
@@ -160,7 +160,7 @@ class LayeroptCallback(Callback):
                 )
             opts = self._optimizers
             if trainer.fit_loop._should_accumulate():
-                with _no_step(opts):
+                with no_step_all(opts):
                     layeropt_backward(tensor, opts, **kwargs)
                 return
             max_norm = None
@@ -198,21 +198,6 @@ class LayeroptCallback(Callback):
 def _algorithm(value: Any) -> str:
     """``"norm"`` or ``"value"`` from a string or Lightning's ``GradClipAlgorithmType``."""
     return str(getattr(value, "value", value) or "norm").lower()
-
-
-class _no_step:
-    """``no_step()`` of several optimizers at once."""
-
-    def __init__(self, optimizers: list[InBackwardOptimizer]) -> None:
-        self._contexts = [o.no_step() for o in optimizers]
-
-    def __enter__(self) -> None:
-        for c in self._contexts:
-            c.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        for c in reversed(self._contexts):
-            c.__exit__(*exc)
 
 
 def _unscale_once(scaler: Any) -> Any:

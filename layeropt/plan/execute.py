@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .devices import Target, target
+from .devices import Target, _patched, target
 from .tracker import GRADIENTS, PARAMETERS, STATE, LiveBytes
 from .variants import Variant
 from .workloads import PlanError, Workload
@@ -390,16 +390,6 @@ def library_quirks(live: LiveBytes, fake: Any, variants: list[Variant]) -> Itera
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated")
             yield
-
-
-@contextlib.contextmanager
-def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
 
 
 def _unpacked(original: Callable[..., Any]) -> Callable[..., Any]:
