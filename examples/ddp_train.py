@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="processes when not under torchrun")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
-                   help="DDP: step in the all-reduce's .then() (default) or after waiting")
+                   help="DDP on CUDA: step each bucket in its all-reduce's .then() (default) "
+                        "or at the end of backward (CPU buckets: always at the end)")
     p.add_argument("--backend", default=None, help="default: gloo on cpu, nccl on cuda")
     p.add_argument("--tiny", action="store_true", help="CI smoke run: a few seconds")
     args = p.parse_args(argv)

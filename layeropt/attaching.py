@@ -27,7 +27,8 @@ _WRAPPERS: dict[type, Callable[..., Any]] = {}
 
 
 def register_wrapper(cls: type, attach_fn: Callable[..., Any]) -> None:
-    """``attach(model, opt)`` on an instance of ``cls`` calls ``attach_fn(model, opt)``."""
+    """``attach(model, opt, bucket_cap_mb=c)`` on a ``cls`` instance calls
+    ``attach_fn(model, opt, bucket_cap_mb=c)``."""
     _WRAPPERS[cls] = attach_fn
 
 _SPARSE_MODULES = (nn.Embedding, nn.EmbeddingBag)
@@ -284,8 +285,9 @@ def attach(
     Each trainable parameter of ``model`` owned by a layeropt optimizer gets a
     post-accumulate-grad hook. A ``DistributedDataParallel`` model is handed to
     :func:`layeropt.distributed.attach_ddp` instead (each bucket is stepped
-    right after its all-reduce; no clipping options here - use
-    :func:`layeropt.backward`); under FSDP2, attach after ``fully_shard``. Parameters are grouped into layer buckets (a
+    on its all-reduced gradient, ``bucket_cap_mb`` applies to DDP's buckets;
+    no clipping options here - use :func:`layeropt.backward`); under FSDP2,
+    attach after ``fully_shard``. Parameters are grouped into layer buckets (a
     module's own parameters); a bucket is stepped with torch's own ``step``
     the moment all its gradients have accumulated, and its ``.grad`` is freed.
 
@@ -348,7 +350,8 @@ def attach(
                     "global norm (and use a GradScaler) with layeropt.backward(loss, "
                     "max_norm=..., scaler=...), which averages each bucket before measuring it."
                 )
-            return attach_wrapper(model, optimizer)  # type: ignore[no-any-return]
+            wrapped = attach_wrapper(model, optimizer, bucket_cap_mb=bucket_cap_mb)
+            return wrapped  # type: ignore[no-any-return]
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("max_grad_norm", max_grad_norm),
                         ("clip_value", clip_value), ("bucket_max_norm", bucket_max_norm)):
         if value is not None and not value >= 0:

@@ -4,9 +4,10 @@ A data-parallel replica may only be updated with the gradient averaged over
 all processes, so layeropt steps where torch's engines finish averaging:
 
 * **DDP** (:func:`attach_ddp`): a communication hook all-reduces each bucket
-  and, in the future's ``.then()``, steps exactly that bucket's parameters on
-  the averaged gradient and frees their ``.grad``; the reducer is told an
-  optimizer ran in backward, so it leaves ``.grad`` alone afterwards.
+  and frees its parameters' local ``.grad``; once the average has landed (at
+  the end of backward on CPU, in the future's ``.then()`` on CUDA) the
+  bucket's parameters are stepped on it; the reducer is told an optimizer ran
+  in backward, so it leaves ``.grad`` alone afterwards.
 * **FSDP2**: ``fully_shard`` calls the sharded parameters' post-accumulate-grad
   hooks itself right after each reduce-scatter, so ``layeropt.attach`` works.
 * :func:`check_local_hooks_allowed`: the plain hooks' guard against stepping
@@ -27,9 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.autograd import Variable
 from torch.optim import Optimizer
-from torch.utils.weak import WeakIdKeyDictionary
 
+from ._nesting import _graph_task_id
 from ._registry import allow_local_updates, check_local_hooks_allowed, hooked_by
 from .attaching import layer_buckets, register_wrapper, resolve_owners
 from .errors import AttachError
@@ -60,10 +62,10 @@ class _HookState:
         self.steps: dict[int, int] = {}  # id(optimizer) -> updates this backward
         self.recording: list[list[Tensor]] | None = None  # buckets seen in a measure pass
         self.buckets: list[list[Tensor]] = []  # those of the latest measure pass
+        # graph task -> its buckets still to land (all-reduce in flight), in bucket order
+        self.deferred: dict[int, list[tuple[_Landing, Any]]] = {}
 
     def begin(self) -> None:
-        from ._nesting import _graph_task_id
-
         task = _graph_task_id()
         if task != self.task:  # first bucket of a new backward
             with self.lock:
@@ -76,6 +78,35 @@ class _HookState:
                         if opt._lo_engine.measure is None:
                             opt._lo_engine.txn += 1  # a new training step (transaction)
                 self.steps = {}
+
+    def defer(self, landing: "_Landing", fut: Any) -> None:
+        """Land ``landing`` at the end of the running backward, on this thread."""
+        queue = self.deferred.get(self.task)
+        if queue is None:  # the first bucket of this graph task: flush at its end
+            queue = self.deferred[self.task] = []
+            # Queued before the reducer's own end-of-backward callback, which DDP
+            # queues when its last bucket is ready (after this hook ran for it).
+            Variable._execution_engine.queue_callback(partial(self._flush, self.task))
+        queue.append((landing, fut))
+
+    def _flush(self, task: int) -> None:
+        """Land this graph task's buckets: an optimizer's landed parameters wait,
+        in bucket order, until they hold its ``cap_bytes`` (attach's
+        ``bucket_cap_mb``), and are then stepped with one call."""
+        # A backward that raised never flushes: DDP refuses the next iteration then.
+        waiting: dict[Any, tuple[list[Tensor], list[int]]] = {}  # optimizer -> (params, [bytes])
+        with _stepping(self):
+            for landing, fut in self.deferred.pop(task, ()):
+                fut.wait()  # re-raises a failed all-reduce
+                for opt, params in landing.apply().items():
+                    queue, size = waiting.setdefault(opt, ([], [0]))
+                    queue += params
+                    size[0] += sum(p.grad.nbytes for p in params)
+                    if size[0] >= opt._lo_engine.cap_bytes:
+                        _step(self, opt, queue)
+                        del waiting[opt]
+            for opt, (queue, _) in waiting.items():
+                _step(self, opt, queue)
 
 
 # Engine settings the DDP hook does not apply: (attribute, what sets it).
@@ -119,64 +150,115 @@ _UNUSED = (
 
 
 def _allreduce_then_step(state, bucket):  # no annotations: DDP inspects them
-    """DDP comm hook: average the bucket, then step its parameters (``.then``)."""
+    """DDP comm hook: average the bucket; step its parameters once the average lands."""
     state.begin()
+    landing = _Landing(state, bucket)  # sorted now: frees the local gradients at once
     buffer = bucket.buffer()
     buffer.mul_(1.0 / state.world)  # what the built-in reducer does, bit for bit
-    fut = dist.all_reduce(buffer, group=state.group, async_op=True).get_future()
-    if not state.overlap:
-        fut.wait()  # the .then below then runs here, on the autograd thread
-    return fut.then(partial(_land_bucket, state, bucket))
+    fut = state.group.allreduce([buffer]).get_future()  # (a sum, as dist.all_reduce)
+    if state.overlap and buffer.device.type != "cpu":
+        # A device future's .then() runs on a stream that waits for the all-reduce.
+        return fut.then(landing.then)
+    state.defer(landing, fut)
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(buffer)  # as torch's own optimizer-in-backward hook: stepped by the flush
+    return done
 
 
-def _land_bucket(state: _HookState, bucket: Any, fut: Any) -> Tensor:
-    """Averaged gradients have landed: step owned parameters, write back the rest."""
-    fut.value()  # re-raise a failed all-reduce
-    # Runs once per bucket, amid backward (cold caches): few Python steps per parameter.
+class _Landing:
+    """One bucket's parameters, sorted when DDP hands the bucket over.
+
+    Sorting runs in the comm hook on the autograd thread: each parameter is
+    either stepped by its optimizer (its local ``.grad``, already copied into
+    the bucket, is freed now), reduced by ``layeropt.backward``'s measure pass,
+    or left to get the averaged gradient written back into ``.grad`` (not
+    owned, or ``no_step()``), as DDP would. :meth:`apply` does that once the
+    bucket's all-reduce has landed.
+    """
+
+    __slots__ = ("state", "steps", "measures", "write_back")
+
+    def __init__(self, state: _HookState, bucket: Any) -> None:
+        self.state = state
+        self.steps: dict[Any, list[tuple[Tensor, Tensor]]] = {}  # optimizer -> (param, view)
+        self.measures: list[tuple[Any, Tensor, Tensor]] = []
+        self.write_back: list[tuple[Tensor, Tensor]] = []
+        owner = state.owner if state.active else {}
+        modes: dict[int, Any] = {}  # id(owner ref) -> what its parameters get, this bucket
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            view = _grad_view(p, g)
+            ref = owner.get(p)
+            mode = modes.get(id(ref), _WRITE_BACK if ref is None else None)
+            if mode is None:  # the optimizer's first parameter in this bucket
+                opt = ref()  # type: ignore[misc]
+                if opt is None or opt._lo_engine.no_step_depth:
+                    mode = _WRITE_BACK
+                elif opt._lo_engine.measure is not None:  # layeropt.backward's first pass
+                    mode = opt._lo_engine.measure
+                else:
+                    mode = self.steps.setdefault(opt, [])
+                modes[id(ref)] = mode
+            if mode is _WRITE_BACK:
+                self.write_back.append((p, view))
+            elif p.grad is None:
+                raise AttachError(_UNUSED)
+            elif type(mode) is list:
+                mode.append((p, view))
+                p.grad = None  # the bucket holds it now
+            else:
+                self.measures.append((mode, p, view))
+        if state.recording is not None:
+            state.recording.append(list(bucket.parameters()))
+
+    def then(self, fut: Any) -> Tensor:
+        """``.then()`` callback: the all-reduce has landed; step this bucket alone."""
+        buffer = fut.value()[0]  # re-raises a failed all-reduce
+        with _stepping(self.state):
+            for opt, params in self.apply().items():
+                _step(self.state, opt, params)
+        return buffer
+
+    def apply(self) -> dict[Any, list[Tensor]]:
+        """Write back or measure the averaged gradients; point ``.grad`` at those to step.
+
+        Returns the parameters to step, by optimizer (their ``.grad`` are the
+        bucket's averaged slices: no memory of their own).
+        """
+        for p, view in self.write_back:
+            _write_back(p, view)
+        for measure, p, view in self.measures:
+            measure.reduce(p, view.clone())
+            measure.seen.add(id(p))
+        todo = {}
+        for opt, owned in self.steps.items():
+            for p, view in owned:
+                p.grad = view
+            todo[opt] = [p for p, _ in owned]
+        return todo
+
+
+@contextlib.contextmanager
+def _stepping(state: _HookState) -> Iterator[None]:
+    """Bucket steps: one at a time (``.then()`` may run on comm threads), without grad."""
     with state.lock:
         grad_mode = torch.is_grad_enabled()  # not inherited by comm threads
         torch._C._set_grad_enabled(False)  # what torch.no_grad() does, for less
         try:
-            todo: dict[Any, list[Tensor]] = {}
-            owner = state.owner if state.active else {}
-            modes: dict[int, Any] = {}  # id(owner ref) -> what its parameters get, this bucket
-            for p, g in zip(bucket.parameters(), bucket.gradients()):
-                view = _grad_view(p, g)
-                ref = owner.get(p)
-                mode = modes.get(id(ref), _WRITE_BACK if ref is None else None)
-                if mode is None:  # the optimizer's first parameter in this bucket
-                    opt = ref()  # type: ignore[misc]
-                    if opt is None or opt._lo_engine.no_step_depth:
-                        mode = _WRITE_BACK
-                    elif opt._lo_engine.measure is not None:  # layeropt.backward's first pass
-                        mode = opt._lo_engine.measure
-                    else:
-                        mode = todo.setdefault(opt, [])
-                    modes[id(ref)] = mode
-                if mode is _WRITE_BACK:
-                    _write_back(p, view)
-                elif p.grad is None:
-                    raise AttachError(_UNUSED)
-                elif type(mode) is list:
-                    p.grad = view
-                    mode.append(p)
-                else:
-                    mode.reduce(p, view.clone())
-                    mode.seen.add(id(p))
-            if state.recording is not None:
-                state.recording.append(list(bucket.parameters()))
-            for opt, params in todo.items():
-                opt._step_params(params)
-                for p in params:
-                    p.grad = None
-                n = state.steps[id(opt)] = state.steps.get(id(opt), 0) + len(params)
-                opt._lo_engine.last_backward_steps = n
+            yield
         finally:
             torch._C._set_grad_enabled(grad_mode)
-    return bucket.buffer()
 
 
-_WRITE_BACK = object()  # _land_bucket: leave the averaged gradient in .grad, as DDP would
+def _step(state: _HookState, opt: Any, params: list[Tensor]) -> None:
+    """Step ``params`` (``.grad`` = averaged bucket slices) and free their ``.grad``."""
+    opt._step_params(params)
+    for p in params:
+        p.grad = None
+    n = state.steps[id(opt)] = state.steps.get(id(opt), 0) + len(params)
+    opt._lo_engine.last_backward_steps = n
+
+
+_WRITE_BACK = object()  # _Landing: leave the averaged gradient in .grad, as DDP would
 
 
 class _TwoPasses:
@@ -423,26 +505,37 @@ def attach_ddp(
     ddp_model: nn.Module,
     optimizer: Optimizer | Iterable[Optimizer] | None = None,
     *,
+    bucket_cap_mb: float = 1.0,
     overlap: bool = True,
 ) -> DDPAttachment:
-    """Step a DistributedDataParallel model's buckets as soon as their all-reduce lands.
+    """Step a DistributedDataParallel model's buckets on their averaged gradients, in backward.
 
-    Registers a DDP communication hook that averages each gradient bucket over
-    the process group and then updates exactly that bucket's parameters with
-    torch's own ``step`` on the averaged gradient, freeing their ``.grad``.
-    Results equal DDP + ``torch.optim`` bit for bit: the bucket is scaled by
-    ``1/world_size`` and summed exactly as DDP's built-in reducer does.
+    Registers a DDP communication hook that, per bucket, frees the parameters'
+    local ``.grad`` (DDP has copied them into the bucket) and averages the
+    bucket over the process group, scaled by ``1/world_size`` and summed
+    exactly as DDP's built-in reducer does; each parameter is then updated with
+    torch's own ``step`` on its averaged slice, and ``.grad`` is ``None`` again
+    when ``backward()`` returns. Results equal DDP + ``torch.optim`` bit for bit.
+
+    Where the updates run: CPU buckets (gloo) are stepped at the end of
+    backward, on the autograd thread, in bucket order (a communication thread
+    would compete for the cores backward runs on; the gradients live in DDP's
+    buckets either way). CUDA buckets are stepped in the all-reduce future's
+    ``.then()``, on a stream that waits for the all-reduce, while backward
+    computes earlier layers (``overlap=False``: at the end, as on CPU).
 
     Args:
         ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` instance,
             with ``find_unused_parameters=False`` and no other comm hook.
         optimizer: a layeropt optimizer, several, or ``None`` for every live
             layeropt optimizer owning some of the model's parameters.
-        overlap: ``True`` (default) steps in the all-reduce future's
-            ``.then()``, which on gloo may run on a communication thread while
-            backward continues; ``False`` waits for the all-reduce and steps on
-            the autograd thread (no concurrency; what torch's private
-            ``_apply_optimizer_in_backward`` does).
+        bucket_cap_mb: at the end of backward, an optimizer's landed buckets
+            wait, in bucket order, until together they hold this many MiB, and
+            are then stepped with one call (as ``attach``'s option: fewer step
+            calls; ``0`` steps each DDP bucket alone). Buckets stepped in
+            ``.then()`` are stepped alone.
+        overlap: ``True`` (default) steps CUDA buckets in ``.then()``;
+            ``False`` steps every bucket at the end of backward.
 
     Returns:
         A :class:`DDPAttachment`; ``.remove()`` returns to plain DDP behaviour.
@@ -465,6 +558,8 @@ def attach_ddp(
             f"attach_ddp() needs a DistributedDataParallel model, got "
             f"{type(ddp_model).__name__}; use layeropt.attach for other models."
         )
+    if not bucket_cap_mb >= 0:
+        raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
     optimizers = resolve_owners(ddp_model.module, optimizer)
     _check_ddp(ddp_model)
     state = _DDP_STATES.get(ddp_model)
@@ -485,6 +580,8 @@ def attach_ddp(
         ddp_model.reducer._set_optimizer_in_backward()
         _DDP_STATES[ddp_model] = state
     state.overlap = overlap
+    for opt in optimizers:
+        opt._lo_engine.cap_bytes = int(bucket_cap_mb * 2**20)
     return DDPAttachment(ddp_model, optimizers, state)
 
 

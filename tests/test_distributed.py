@@ -66,16 +66,17 @@ OPTS = {
     "sgd": ("SGD", dict(lr=0.1, momentum=0.9)),
 }
 # name: (engine, optimizer, options, accumulation). Options are DDP's
-# constructor arguments plus ``overlap`` for attach_ddp; accumulation "no_sync"
+# constructor arguments plus ``overlap`` and ``cap`` (bucket_cap_mb; None: the
+# default) for attach_ddp; accumulation "no_sync"
 # is DDP's no_sync() / FSDP2's set_requires_gradient_sync(False).
 TRAIN = {
     "ddp-adam": ("ddp", "adam", {}, None),
     "ddp-adamw-bucket_view-no_overlap": (
-        "ddp", "adamw_fused", dict(gradient_as_bucket_view=True, overlap=False), None
+        "ddp", "adamw_fused", dict(gradient_as_bucket_view=True, overlap=False, cap=0), None
     ),
-    "ddp-sgd-static_graph": ("ddp", "sgd", dict(static_graph=True), None),
+    "ddp-sgd-static_graph": ("ddp", "sgd", dict(static_graph=True, cap=0), None),
     "ddp-accum-no_sync": ("ddp", "adam", dict(overlap=False), "no_sync"),
-    "ddp-accum-no_step": ("ddp", "adam", {}, "no_step"),
+    "ddp-accum-no_step": ("ddp", "adam", dict(cap=0), "no_step"),
     "ddp-accum-both-bucket_view": ("ddp", "adam", dict(gradient_as_bucket_view=True), "both"),
     "fsdp2-adam": ("fsdp2", "adam", {}, None),
     "fsdp2-sgd": ("fsdp2", "sgd", {}, None),
@@ -146,9 +147,13 @@ def _cpu_mesh() -> Any:
     return init_device_mesh("cpu", (WORLD,))
 
 
-def _attach(engine: str, wrapped: nn.Module, opt: Any, overlap: bool) -> Any:
-    if engine == "ddp":
-        return attach_ddp(wrapped, opt, overlap=overlap)
+def _attach(engine: str, wrapped: nn.Module, opt: Any, overlap: bool,
+            cap: float | None = None) -> Any:  # fmt: skip
+    if engine == "ddp" and not overlap:
+        kw = {} if cap is None else {"bucket_cap_mb": cap}
+        return attach_ddp(wrapped, opt, overlap=False, **kw)
+    if cap is not None:  # (on DDP: handed to attach_ddp)
+        return layeropt.attach(wrapped, opt, bucket_cap_mb=cap)
     return layeropt.attach(wrapped, opt)  # FSDP2 calls the hooks after reduce-scatter
 
 
@@ -214,18 +219,20 @@ def _train_steps(
 def _train(rank: int, name: str, layer: bool) -> dict[str, Any]:
     engine, opt_name, options, accum = TRAIN[name]
     options = dict(options)
-    overlap = options.pop("overlap", True)
+    overlap, cap = options.pop("overlap", True), options.pop("cap", None)
     clip, scaler = options.pop("clip", None), options.pop("scaler", False)
     wrapped, no_sync = _wrap(engine, options)
     opt = _opt(opt_name, wrapped.parameters(), layer)
-    calls: list[tuple[int, bool]] = []
+    calls: list[tuple[int, int]] = []
     if layer:
-        _attach(engine, wrapped, opt, overlap)
+        _attach(engine, wrapped, opt, overlap, cap)
         step_params = opt._step_params
         first = next(wrapped.parameters())  # the conv weight: its grad lands last
+        arrived = [0]  # backwards in which the conv weight's gradient was computed
+        first.register_post_accumulate_grad_hook(lambda _: arrived.__setitem__(0, arrived[0] + 1))
 
         def logged(params):
-            calls.append((len(params), first.grad is None))
+            calls.append((len(params), arrived[0]))
             step_params(params)
 
         opt._step_params = logged
@@ -371,7 +378,12 @@ def _errors(rank: int) -> dict[str, str]:
         ddp = DDP(_model(), process_group=group)
         attach_ddp(ddp, torch.optim.Adam(ddp.parameters()))
 
+    def negative_cap():
+        ddp = DDP(_model(), process_group=group)
+        layeropt.attach(ddp, layeropt.Adam(ddp.parameters()), bucket_cap_mb=-1)
+
     cases = dict(
+        negative_cap=negative_cap,
         find_unused=find_unused,
         other_comm_hook=other_comm_hook,
         attach_twice=attach_twice,
@@ -446,7 +458,7 @@ def _memory(rank: int) -> dict[str, Any]:
             wrapped = fully_shard(model, mesh=mesh)
         params = list(wrapped.parameters())
         opt = getattr(layeropt if layer else torch.optim, "Adam")(params, lr=1e-3, fused=True)
-        if layer:  # overlap=False: every step on this thread, where the profiler sees it
+        if layer:  # CPU buckets: every step on this thread, where the profiler sees it
             handle = (attach_ddp(wrapped, opt, overlap=False) if engine == "ddp"
                       else layeropt.attach(wrapped, opt, bucket_cap_mb=0))  # each layer at once
         held = [0]
@@ -597,9 +609,9 @@ def test_close_to_one_process_on_the_combined_batch(ranks, name):
         assert err <= rtol, f"relative error {err:.2e} > {rtol:.0e}"
 
 
-def _per_backward(calls: list[tuple[int, bool]], n_params: int) -> list[list[tuple[int, bool]]]:
+def _per_backward(calls: list[tuple[int, int]], n_params: int) -> list[list[tuple[int, int]]]:
     """Split the logged bucket steps into backwards (each steps every param once)."""
-    groups: list[list[tuple[int, bool]]] = [[]]
+    groups: list[list[tuple[int, int]]] = [[]]
     for call in calls:
         if sum(n for n, _ in groups[-1]) == n_params:
             groups.append([])
@@ -608,19 +620,24 @@ def _per_backward(calls: list[tuple[int, bool]], n_params: int) -> list[list[tup
 
 
 @pytest.mark.parametrize("name", [n for n in TRAIN if n.startswith("ddp")])
-def test_ddp_steps_bucket_by_bucket_during_backward(ranks, name):
+def test_ddp_steps_buckets_at_end_of_backward(ranks, name):
     lo = _get(ranks, f"{name}/layeropt")[0]
     n_params = len(lo["params"])
     backwards = _per_backward(lo["calls"], n_params)
     assert len(backwards) == STEPS
     assert all(sum(n for n, _ in b) == n_params for b in backwards)  # each param once
-    assert len(backwards[-1]) > 1, "expected several buckets (DDP rebuilds them after step 1)"
+    options = TRAIN[name][2]
+    if options.get("cap") == 0 or "clip" in options:
+        assert len(backwards[-1]) > 1, "expected a call per bucket (DDP rebuilds them after step 1)"
+    else:  # the default bucket_cap_mb (1 MiB) holds this model's parameters: one call
+        assert all(len(b) == 1 for b in backwards), backwards
     assert lo["stepped"] == n_params
-    _, _, options, accum = TRAIN[name]
-    if not options.get("overlap", True) and accum is None:
-        # Stepped on the autograd thread: the first bucket (last layer) is
-        # updated before the first layer's gradient exists.
-        assert backwards[-1][0][1] and not backwards[-1][-1][1]
+    if "clip" not in options:  # (layeropt.backward's second pass steps as buckets fill)
+        # The comm hook lands CPU buckets at the end of backward (on the autograd
+        # thread, before backward() returns): every step comes after the last gradient.
+        for b in backwards:
+            assert len({arrived for _, arrived in b}) == 1, b
+        assert [b[0][1] for b in backwards] == sorted({b[0][1] for b in backwards})
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
@@ -676,6 +693,7 @@ ERRORS = {
     "other_comm_hook": ["AttachError: this DDP model already has a communication hook",
                         "without register_comm_hook"],
     "attach_twice": ["AttachError: this DDP model is already attached", ".remove()"],
+    "negative_cap": ["ValueError: bucket_cap_mb must be >= 0, got -1"],
     "plain_torch_optimizer": ["AttachError: torch.optim.adam.Adam is not a layeropt optimizer",
                               "layeropt.Adam(...)"],
     "global_clipping": ["ok"],  # layeropt.backward clips under DDP too
