@@ -6,8 +6,10 @@ model (same initial weights):
 
 * ``torch.optim.AdamW`` (``backward(); step(); zero_grad()``), the reference;
 * the same with torch's own Python all-reduce comm hook
-  (``ddp_comm_hooks.default_hooks.allreduce_hook``): what any Python comm
-  hook costs per bucket, before it does anything;
+  (``ddp_comm_hooks.default_hooks.allreduce_hook``), and with the least a
+  Python comm hook can do (scale the bucket, start its all-reduce, return a
+  completed future; wait for the all-reduces at the end of backward): what
+  any Python comm hook costs per bucket, before it does anything;
 * ``layeropt.AdamW`` attached to the DDP model (each gradient bucket stepped
   in the communication hook right after its all-reduce).
 
@@ -24,9 +26,9 @@ for the mean of the ranks. At the end the parameters of the two contenders
 are compared bit for bit on every rank, and across ranks.
 
 Usage:
-    python benchmarks/bench_ddp.py                      # width 256, 60 rounds (~3 min)
+    python benchmarks/bench_ddp.py                      # width 256, 60 rounds (~4 min)
     python benchmarks/bench_ddp.py --tiny               # smoke run, seconds
-    python benchmarks/bench_ddp.py --width 64 --fused --no-overlap
+    python benchmarks/bench_ddp.py --width 64 --fused --lo-cap 0
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, nargs="+", default=[25.0, 0.25],
                    help="DDP bucket_cap_mb values, one table each")
     p.add_argument("--fused", action="store_true", help="AdamW(fused=True) on both sides")
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
-                   help="attach_ddp(overlap=...): step in the all-reduce's .then() (default)")
+    p.add_argument("--lo-cap", type=float, default=1.0,
+                   help="attach_ddp(bucket_cap_mb=...): landed buckets stepped together up "
+                        "to this many MiB (layeropt's default 1; 0: one call per DDP bucket)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--tiny", action="store_true", help="smoke run: tiny model, 3 rounds")
     args = p.parse_args(argv)
@@ -73,24 +76,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _minimal_hook(ddp: nn.Module) -> None:
+    """The least work a Python comm hook can do: average, never touch a parameter."""
+    from torch.autograd import Variable
+
+    group, pending = ddp.process_group, []
+
+    def wait_all() -> None:
+        for fut in pending:
+            fut.wait()
+        pending.clear()
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # (DDP inspects annotations)
+        if not pending:  # the first bucket of this backward
+            Variable._execution_engine.queue_callback(wait_all)  # before DDP's own
+        buffer = bucket.buffer()
+        buffer.mul_(1.0 / group.size())
+        pending.append(group.allreduce([buffer]).get_future())
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    ddp.register_comm_hook(None, hook)
+
+
 class _Contender:
     """One DDP replica and how it takes a training step."""
 
     def __init__(self, name: str, base: nn.Module, args: argparse.Namespace, cap: float,
-                 lo: bool, hook: bool = False) -> None:  # fmt: skip
+                 lo: bool, hook: str | None = None) -> None:  # fmt: skip
         self.name = name
         self.model = copy.deepcopy(base)
         self.ddp = nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=cap)
-        if hook:
+        if hook == "torch":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             self.ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif hook == "minimal":
+            _minimal_hook(self.ddp)
         kw: dict[str, Any] = dict(lr=3e-3, weight_decay=0.01)
         if args.fused:
             kw["fused"] = True
         cls = layeropt.AdamW if lo else torch.optim.AdamW
         self.opt = cls(self.ddp.parameters(), **kw)
-        self.handle = attach_ddp(self.ddp, self.opt, overlap=args.overlap) if lo else None
+        self.handle = attach_ddp(self.ddp, self.opt, bucket_cap_mb=args.lo_cap) if lo else None
         self.cpu: list[float] = []
         self.wall: list[float] = []
 
@@ -125,7 +154,9 @@ def _measure(args: argparse.Namespace, base: nn.Module, batch_fn: Any, loss_fn: 
              cap: float, rank: int, world: int) -> dict[str, Any]:  # fmt: skip
     runs = [_Contender("DDP + torch.optim.AdamW", base, args, cap, lo=False),
             _Contender("DDP + torch.optim.AdamW + torch's Python all-reduce comm hook", base,
-                       args, cap, lo=False, hook=True),
+                       args, cap, lo=False, hook="torch"),
+            _Contender("DDP + torch.optim.AdamW + a minimal Python comm hook", base, args, cap,
+                       lo=False, hook="minimal"),
             _Contender("DDP + layeropt.AdamW (attach_ddp)", base, args, cap, lo=True)]  # fmt: skip
     gen = torch.Generator().manual_seed(1234 + rank)  # each rank its own data
     total = args.warmup + args.rounds
@@ -190,7 +221,8 @@ def _report(args: argparse.Namespace, cap: float, results: dict[int, Any], world
     print(f"\n### DDP bucket_cap_mb={cap:g}: {r0['buckets']} buckets\n")
     print(f"TinyGPT(d={args.width}, layers={args.layers}): {r0['params'] / 1e6:.2f}M parameters "
           f"in {r0['tensors']} tensors; {args.accum} micro-batches per step; "
-          f"AdamW{'(fused=True)' if args.fused else ''}; overlap={args.overlap}; "
+          f"AdamW{'(fused=True)' if args.fused else ''}; "
+          f"attach_ddp(bucket_cap_mb={args.lo_cap:g}); "
           f"{args.rounds} interleaved rounds\n")  # fmt: skip
     print("| contender | CPU ms/step (rank 0, 1) | wall ms/step (rank 0) | "
           "CPU time / torch (mean of ranks) | wall / torch (rank 0) |")
