@@ -343,7 +343,7 @@ def targets(model: str, runs: list[Run]) -> list[str]:
     if lo is None or fused is None:
         return out
     ratio = statistics.median(a / b for a, b in zip(lo.times, fused.times))
-    limit = 1.02  # issue 15: many-small too (it was 1.10)
+    limit = 1.02  # many-small too (it was 1.10 before the fast path)
     out.append(f"- step time vs fused Adam: {ratio:.3f}x (target <= {limit:.2f}x): "
                + ("met" if ratio <= limit else "MISSED"))  # fmt: skip
     if floor is not None:
