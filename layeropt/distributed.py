@@ -31,10 +31,11 @@ from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.optim import Optimizer
 
+from . import _nesting
 from ._nesting import _graph_task_id
 from ._registry import allow_local_updates, check_local_hooks_allowed, hooked_by
 from .attaching import layer_buckets, register_wrapper, resolve_owners
-from .errors import AttachError
+from .errors import AttachError, BackwardStateError
 
 __all__ = [
     "DDPAttachment",
@@ -58,45 +59,58 @@ class _HookState:
         self.attachment: DDPAttachment | None = None  # lives as long as the DDP model
         self.active = False
         self.lock = threading.Lock()  # bucket steps may land on comm threads
-        self.task = -2  # autograd graph task of the current backward
+        self.task = _IDLE  # autograd graph task of the backward in progress
         self.steps: dict[int, int] = {}  # id(optimizer) -> updates this backward
         self.recording: list[list[Tensor]] | None = None  # buckets seen in a measure pass
         self.buckets: list[list[Tensor]] = []  # those of the latest measure pass
-        # graph task -> its buckets still to land (all-reduce in flight), in bucket order
-        self.deferred: dict[int, list[tuple[_Landing, Any]]] = {}
+        self.deferred: list[tuple[_Landing, Any]] = []  # to land at the end, in bucket order
 
     def begin(self) -> None:
-        task = _graph_task_id()
-        if task != self.task:  # first bucket of a new backward
-            with self.lock:
-                self.task = task
-                for ref in set(self.owner.values()) if self.active else ():
-                    opt = ref()
-                    if opt is not None:
-                        _check_engine(opt._lo_engine)
-                        opt._lo_engine.last_backward_steps = 0
-                        if opt._lo_engine.measure is None:
-                            opt._lo_engine.txn += 1  # a new training step (transaction)
-                self.steps = {}
+        """A bucket is ready: the first one of a backward starts a training step.
 
-    def defer(self, landing: "_Landing", fut: Any) -> None:
+        Graph tasks nested in the running backward (torch's reentrant
+        checkpoint segments) belong to it: one backward, one step.
+        """
+        if self.task != _IDLE:
+            return
+        if _nesting.nested_in_function_backward():  # an unwatched reentrant checkpoint
+            raise BackwardStateError(_nesting.NESTED_ERROR)
+        with self.lock:
+            self.task = _graph_task_id()
+            for ref in set(self.owner.values()) if self.active else ():
+                opt = ref()
+                if opt is not None:
+                    _check_engine(opt._lo_engine)
+                    opt._lo_engine.last_backward_steps = 0
+                    if opt._lo_engine.measure is None:
+                        opt._lo_engine.txn += 1  # a new training step (transaction)
+            self.steps = {}
+        # Queued before the reducer's own end-of-backward callback, which DDP
+        # queues when its last bucket is ready (after this hook ran for it).
+        Variable._execution_engine.queue_callback(_BackwardEnd(self))
+
+    def _enter_torch_segment(self, task: int) -> None:
+        """A torch reentrant checkpoint segment starts its nested backward.
+
+        Called in the enclosing backward's graph task (``layeropt._nesting``):
+        beginning there puts the end-of-backward callback in that task, so the
+        buckets that land in the segment's nested task belong to this step.
+        """
+        self.begin()
+
+    def defer(self, landing: _Landing, fut: Any) -> None:
         """Land ``landing`` at the end of the running backward, on this thread."""
-        queue = self.deferred.get(self.task)
-        if queue is None:  # the first bucket of this graph task: flush at its end
-            queue = self.deferred[self.task] = []
-            # Queued before the reducer's own end-of-backward callback, which DDP
-            # queues when its last bucket is ready (after this hook ran for it).
-            Variable._execution_engine.queue_callback(partial(self._flush, self.task))
-        queue.append((landing, fut))
+        self.deferred.append((landing, fut))
 
-    def _flush(self, task: int) -> None:
-        """Land this graph task's buckets: an optimizer's landed parameters wait,
-        in bucket order, until they hold its ``cap_bytes`` (attach's
-        ``bucket_cap_mb``), and are then stepped with one call."""
-        # A backward that raised never flushes: DDP refuses the next iteration then.
+    def end(self) -> None:
+        """The backward ends: land its deferred buckets. An optimizer's landed
+        parameters wait, in bucket order, until they hold its ``cap_bytes``
+        (attach's ``bucket_cap_mb``), and are then stepped with one call."""
+        deferred, self.deferred = self.deferred, []
+        self.task = _IDLE
         waiting: dict[Any, tuple[list[Tensor], list[int]]] = {}  # optimizer -> (params, [bytes])
         with _stepping(self):
-            for landing, fut in self.deferred.pop(task, ()):
+            for landing, fut in deferred:
                 fut.wait()  # re-raises a failed all-reduce
                 for opt, params in landing.apply().items():
                     queue, size = waiting.setdefault(opt, ([], [0]))
@@ -107,6 +121,31 @@ class _HookState:
                         del waiting[opt]
             for opt, (queue, _) in waiting.items():
                 _step(self, opt, queue)
+
+    def abort(self) -> None:
+        """The backward raised: nothing of its deferred buckets is applied."""
+        self.deferred = []
+        self.task = _IDLE
+
+
+_IDLE = -2  # _HookState.task: no backward in progress
+
+
+class _BackwardEnd:
+    """End-of-backward callback; a backward that raises drops it uncalled (abort)."""
+
+    __slots__ = ("state", "called")
+
+    def __init__(self, state: _HookState) -> None:
+        self.state, self.called = state, False
+
+    def __call__(self) -> None:
+        self.called = True
+        self.state.end()
+
+    def __del__(self) -> None:
+        if not self.called:
+            self.state.abort()
 
 
 # Engine settings the DDP hook does not apply: (attribute, what sets it).
@@ -411,7 +450,7 @@ class DDPAttachment:
             )
         self.params = list(owner)
         for opt in owner.values():
-            opt._lo_engine.hook_count += 1  # opt.attached is True
+            opt._lo_engine.ddp_count += 1  # opt.attached is True
         for opt in self.optimizers:
             opt._lo_engine.attachments.add(self)  # add_param_group -> _rebuild
         with self._state.lock:
@@ -431,7 +470,7 @@ class DDPAttachment:
         for ref in owner.values():
             opt = ref()
             if opt is not None:
-                opt._lo_engine.hook_count -= 1
+                opt._lo_engine.ddp_count -= 1
         self.params = []
 
     stale = False  # requires_grad changes are not followed under DDP
@@ -575,6 +614,8 @@ def attach_ddp(
                 "build the DDP model without register_comm_hook."
             )
         state = _HookState(ddp_model, overlap)
+        _nesting._ENGINES.add(state)  # told when torch reentrant segments run
+        _nesting.watch_torch_checkpoint()
         ddp_model.register_comm_hook(state, _allreduce_then_step)
         # The reducer must not copy buckets back into .grad after the hook.
         ddp_model.reducer._set_optimizer_in_backward()

@@ -206,7 +206,8 @@ class Engine:
         self.cap_bytes = 0  # complete buckets are stepped together up to this size
         self._ready: list[list[Tensor]] = []  # complete buckets not yet stepped
         self._ready_bytes = 0
-        self.hook_count = 0
+        self.hook_count = 0  # parameters with this engine's post-accumulate-grad hook
+        self.ddp_count = 0  # parameters stepped by a DDP comm hook (layeropt.distributed)
         self.attachments: weakref.WeakSet[Any] = weakref.WeakSet()
         self._partial: list[Bucket] = []  # buckets whose first gradient landed incomplete
         self._incomplete = 0  # how many of them are still incomplete

@@ -149,7 +149,8 @@ class InBackwardOptimizer(Optimizer):
     @property
     def attached(self) -> bool:
         """Whether backward hooks currently step (some of) these parameters."""
-        return self._lo_engine.hook_count > 0
+        engine = self._lo_engine
+        return engine.hook_count > 0 or engine.ddp_count > 0
 
     @property
     def stepped_in_backward(self) -> int:

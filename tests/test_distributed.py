@@ -506,6 +506,59 @@ def _mixed(rank: int) -> dict[str, Any]:
     return out
 
 
+class _Checkpointed(nn.Module):
+    """Blocks under torch's reentrant checkpoint: their buckets land in nested graph tasks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+        return self.head(x)
+
+
+def _reentrant(rank: int) -> dict[str, Any]:
+    """DDP(static_graph) + torch's reentrant checkpoint: one backward is one step."""
+    makers: dict[str, Callable[[Any, bool], Any]] = {
+        "adam": lambda params, layer: _opt("adam", params, layer),
+    }
+    try:
+        import schedulefree
+    except ImportError:
+        pass
+    else:
+        def schedule_free(params: Any, layer: bool) -> Any:
+            cls = schedulefree.AdamWScheduleFree
+            opt = (layeropt.in_backward(cls) if layer else cls)(params, lr=0.01)
+            opt.train()
+            return opt
+
+        makers["schedulefree"] = schedule_free
+    out: dict[str, Any] = {}
+    for name, make in makers.items():
+        for layer in (False, True):
+            model = _Checkpointed()
+            ddp = DDP(model, static_graph=True, bucket_cap_mb=BUCKET_MB)
+            opt = make(ddp.parameters(), layer)
+            if layer:
+                attach_ddp(ddp, opt, bucket_cap_mb=0)
+            for step in range(4):
+                g = torch.Generator().manual_seed(100 * step + rank)
+                x = torch.randn(4, 8, generator=g).requires_grad_()
+                F.mse_loss(ddp(x), torch.randn(4, 3, generator=g)).backward()
+                if layer:
+                    out[f"{name}/grads_left"] = [n for n, p in model.named_parameters()
+                                                 if p.grad is not None]  # fmt: skip
+                opt.step()
+                opt.zero_grad()
+            out[f"{name}/{layer}"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
 # ----------------------------------------------------------------------------
 # The two-rank job
 # ----------------------------------------------------------------------------
@@ -540,6 +593,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     jobs["remove"] = lambda: _remove_and_reattach(rank)
     jobs["memory"] = lambda: _memory(rank)
     jobs["mixed"] = lambda: _mixed(rank)
+    jobs["reentrant"] = lambda: _reentrant(rank)
     jobs["errors"] = lambda: _errors(rank)  # last: it aborts backwards mid-way
     results: dict[str, Any] = {}
     for key, job in jobs.items():
@@ -645,6 +699,17 @@ def test_distributed_checkpoint_resumes_bitwise(ranks, engine):
     for run in _get(ranks, f"checkpoint/{engine}"):
         assert_same(run["resumed"]["params"], run["straight"]["params"], "params")
         assert_same(run["resumed"]["state"], run["straight"]["state"], "optimizer state")
+
+
+@pytest.mark.parametrize("name", ["adam", "schedulefree"])
+def test_ddp_with_torch_reentrant_checkpoint_is_one_step_per_backward(ranks, name):
+    # Buckets land in the segments' nested graph tasks; a schedule-free step
+    # counted once per graph task would advance k several times per backward.
+    for run in _get(ranks, "reentrant"):
+        if f"{name}/True" not in run:
+            pytest.skip(f"{name} is not installed")
+        assert_same(run[f"{name}/True"], run[f"{name}/False"], "params")
+        assert run[f"{name}/grads_left"] == []  # every bucket stepped in backward
 
 
 def test_remove_gives_plain_ddp_and_reattach_resumes(ranks):
