@@ -507,22 +507,23 @@ def _mixed(rank: int) -> dict[str, Any]:
 
 
 class _Checkpointed(nn.Module):
-    """Blocks under torch's reentrant checkpoint: their buckets land in nested graph tasks."""
+    """Blocks under torch's checkpoint; reentrant: buckets land in nested graph tasks."""
 
-    def __init__(self) -> None:
+    def __init__(self, reentrant: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.reentrant = reentrant
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
         self.head = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
         return self.head(x)
 
 
-def _reentrant(rank: int) -> dict[str, Any]:
-    """DDP(static_graph) + torch's reentrant checkpoint: one backward is one step."""
+def _activation_checkpoint(rank: int) -> dict[str, Any]:
+    """DDP + torch's checkpoint (reentrant: static_graph): one backward is one step."""
     makers: dict[str, Callable[[Any, bool], Any]] = {
         "adam": lambda params, layer: _opt("adam", params, layer),
     }
@@ -539,11 +540,13 @@ def _reentrant(rank: int) -> dict[str, Any]:
 
         makers["schedulefree"] = schedule_free
     out: dict[str, Any] = {}
-    for name, make in makers.items():
+    cases = [(mode, name) for mode in ("reentrant", "non-reentrant") for name in makers]
+    for mode, name in cases:
+        reentrant = mode == "reentrant"
         for layer in (False, True):
-            model = _Checkpointed()
-            ddp = DDP(model, static_graph=True, bucket_cap_mb=BUCKET_MB)
-            opt = make(ddp.parameters(), layer)
+            model = _Checkpointed(reentrant)
+            ddp = DDP(model, static_graph=reentrant, bucket_cap_mb=BUCKET_MB)
+            opt = makers[name](ddp.parameters(), layer)
             if layer:
                 attach_ddp(ddp, opt, bucket_cap_mb=0)
             for step in range(4):
@@ -551,11 +554,11 @@ def _reentrant(rank: int) -> dict[str, Any]:
                 x = torch.randn(4, 8, generator=g).requires_grad_()
                 F.mse_loss(ddp(x), torch.randn(4, 3, generator=g)).backward()
                 if layer:
-                    out[f"{name}/grads_left"] = [n for n, p in model.named_parameters()
-                                                 if p.grad is not None]  # fmt: skip
+                    out[f"{mode}/{name}/grads_left"] = [n for n, p in model.named_parameters()
+                                                        if p.grad is not None]  # fmt: skip
                 opt.step()
                 opt.zero_grad()
-            out[f"{name}/{layer}"] = [p.detach().clone() for p in model.parameters()]
+            out[f"{mode}/{name}/{layer}"] = [p.detach().clone() for p in model.parameters()]
     return out
 
 
@@ -593,7 +596,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     jobs["remove"] = lambda: _remove_and_reattach(rank)
     jobs["memory"] = lambda: _memory(rank)
     jobs["mixed"] = lambda: _mixed(rank)
-    jobs["reentrant"] = lambda: _reentrant(rank)
+    jobs["activation_checkpoint"] = lambda: _activation_checkpoint(rank)
     jobs["errors"] = lambda: _errors(rank)  # last: it aborts backwards mid-way
     results: dict[str, Any] = {}
     for key, job in jobs.items():
@@ -701,15 +704,17 @@ def test_distributed_checkpoint_resumes_bitwise(ranks, engine):
         assert_same(run["resumed"]["state"], run["straight"]["state"], "optimizer state")
 
 
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
 @pytest.mark.parametrize("name", ["adam", "schedulefree"])
-def test_ddp_with_torch_reentrant_checkpoint_is_one_step_per_backward(ranks, name):
-    # Buckets land in the segments' nested graph tasks; a schedule-free step
-    # counted once per graph task would advance k several times per backward.
-    for run in _get(ranks, "reentrant"):
-        if f"{name}/True" not in run:
+def test_ddp_with_torch_checkpoint_is_one_step_per_backward(ranks, mode, name):
+    # Reentrant: buckets land in the segments' nested graph tasks; a schedule-free
+    # step counted once per graph task would advance k several times per backward.
+    for run in _get(ranks, "activation_checkpoint"):
+        key = f"{mode}/{name}"
+        if f"{key}/True" not in run:
             pytest.skip(f"{name} is not installed")
-        assert_same(run[f"{name}/True"], run[f"{name}/False"], "params")
-        assert run[f"{name}/grads_left"] == []  # every bucket stepped in backward
+        assert_same(run[f"{key}/True"], run[f"{key}/False"], "params")
+        assert run[f"{key}/grads_left"] == []  # every bucket stepped in backward
 
 
 def test_remove_gives_plain_ddp_and_reattach_resumes(ranks):
