@@ -1,0 +1,40 @@
+"""Every benchmark script still runs: its smoke mode, in a fresh process.
+
+The benchmarks measure time, so nothing here is timed; what is checked is
+that each script runs to the end and prints what its readers look for (and,
+where the script compares parameters, that they are bit-identical).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# script and arguments -> text its output must contain
+SMOKE = {
+    "bench_step.py --tiny": "| contender |",
+    "bench_overhead.py --tiny": "fused Adam",
+    "loop_bench.py --tiny": "KiB",
+    "bench_losses.py --tiny": "LM loss",
+    "bench_ddp.py --tiny": "layeropt bit-identical to DDP + torch.optim on every rank; "
+                           "replicas agree bit for bit",
+    "gpu_profile.py --device cpu --tiny": "ops by self CPU time",
+}
+
+
+@pytest.mark.parametrize("command", list(SMOKE))
+def test_benchmark_runs(command):
+    script, *args = command.split()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert SMOKE[command] in done.stdout, done.stdout[-3000:]
