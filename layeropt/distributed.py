@@ -31,11 +31,10 @@ from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.optim import Optimizer
 
-from . import _nesting
 from ._nesting import _graph_task_id
 from ._registry import allow_local_updates, check_local_hooks_allowed, hooked_by
 from .attaching import layer_buckets, register_wrapper, resolve_owners
-from .errors import AttachError, BackwardStateError
+from .errors import AttachError
 
 __all__ = [
     "DDPAttachment",
@@ -59,24 +58,29 @@ class _HookState:
         self.attachment: DDPAttachment | None = None  # lives as long as the DDP model
         self.active = False
         self.lock = threading.Lock()  # bucket steps may land on comm threads
-        self.task = _IDLE  # autograd graph task of the backward in progress
+        self.fresh = True  # DDP ran a forward since the last training step began
         self.steps: dict[int, int] = {}  # id(optimizer) -> updates this backward
         self.recording: list[list[Tensor]] | None = None  # buckets seen in a measure pass
         self.buckets: list[list[Tensor]] = []  # those of the latest measure pass
         self.deferred: list[tuple[_Landing, Any]] = []  # to land at the end, in bucket order
+        self.flush_task = _NONE  # graph task whose end lands ``deferred``
+        self.flushes = 0  # flush callbacks queued so far (the latest may abort)
+
+    def forward(self, module: nn.Module, args: Any) -> None:
+        """DDP forward pre-hook: the next synchronised backward is a new training step."""
+        self.fresh = True
 
     def begin(self) -> None:
-        """A bucket is ready: the first one of a backward starts a training step.
+        """A bucket is ready: the first one after a forward starts a training step.
 
-        Graph tasks nested in the running backward (torch's reentrant
-        checkpoint segments) belong to it: one backward, one step.
+        DDP runs one synchronised backward per forward; its buckets may land in
+        several autograd graph tasks (the nested backwards of reentrant
+        checkpoints), all of them one step.
         """
-        if self.task != _IDLE:
+        if not self.fresh:
             return
-        if _nesting.nested_in_function_backward():  # an unwatched reentrant checkpoint
-            raise BackwardStateError(_nesting.NESTED_ERROR)
         with self.lock:
-            self.task = _graph_task_id()
+            self.fresh = False
             for ref in set(self.owner.values()) if self.active else ():
                 opt = ref()
                 if opt is not None:
@@ -85,29 +89,28 @@ class _HookState:
                     if opt._lo_engine.measure is None:
                         opt._lo_engine.txn += 1  # a new training step (transaction)
             self.steps = {}
-        # Queued before the reducer's own end-of-backward callback, which DDP
-        # queues when its last bucket is ready (after this hook ran for it).
-        Variable._execution_engine.queue_callback(_BackwardEnd(self))
-
-    def _enter_torch_segment(self, task: int) -> None:
-        """A torch reentrant checkpoint segment starts its nested backward.
-
-        Called in the enclosing backward's graph task (``layeropt._nesting``):
-        beginning there puts the end-of-backward callback in that task, so the
-        buckets that land in the segment's nested task belong to this step.
-        """
-        self.begin()
 
     def defer(self, landing: _Landing, fut: Any) -> None:
-        """Land ``landing`` at the end of the running backward, on this thread."""
-        self.deferred.append((landing, fut))
+        """Land ``landing`` when the running graph task ends, on this thread.
 
-    def end(self) -> None:
-        """The backward ends: land its deferred buckets. An optimizer's landed
-        parameters wait, in bucket order, until they hold its ``cap_bytes``
-        (attach's ``bucket_cap_mb``), and are then stepped with one call."""
+        The flush is queued in the graph task of the bucket (the first one
+        deferred there since the last flush), before the reducer's own
+        end-of-backward callback, which DDP queues when its last bucket is
+        ready (after this hook ran for it).
+        """
+        self.deferred.append((landing, fut))
+        task = _graph_task_id()
+        if task != self.flush_task:
+            self.flush_task = task
+            self.flushes += 1
+            Variable._execution_engine.queue_callback(_Flush(self, self.flushes))
+
+    def flush(self) -> None:
+        """Land the deferred buckets. An optimizer's landed parameters wait, in
+        bucket order, until they hold its ``cap_bytes`` (attach's
+        ``bucket_cap_mb``), and are then stepped with one call."""
         deferred, self.deferred = self.deferred, []
-        self.task = _IDLE
+        self.flush_task = _NONE
         waiting: dict[Any, tuple[list[Tensor], list[int]]] = {}  # optimizer -> (params, [bytes])
         with _stepping(self):
             for landing, fut in deferred:
@@ -122,30 +125,31 @@ class _HookState:
             for opt, (queue, _) in waiting.items():
                 _step(self, opt, queue)
 
-    def abort(self) -> None:
+    def abort(self, flush: int) -> None:
         """The backward raised: nothing of its deferred buckets is applied."""
-        self.deferred = []
-        self.task = _IDLE
+        if flush == self.flushes:  # (an older flush's task ended before this one began)
+            self.deferred = []
+            self.flush_task = _NONE
 
 
-_IDLE = -2  # _HookState.task: no backward in progress
+_NONE = -2  # _HookState.flush_task: no flush queued
 
 
-class _BackwardEnd:
-    """End-of-backward callback; a backward that raises drops it uncalled (abort)."""
+class _Flush:
+    """End-of-graph-task callback; a backward that raises drops it uncalled (abort)."""
 
-    __slots__ = ("state", "called")
+    __slots__ = ("state", "serial", "called")
 
-    def __init__(self, state: _HookState) -> None:
-        self.state, self.called = state, False
+    def __init__(self, state: _HookState, serial: int) -> None:
+        self.state, self.serial, self.called = state, serial, False
 
     def __call__(self) -> None:
         self.called = True
-        self.state.end()
+        self.state.flush()
 
     def __del__(self) -> None:
         if not self.called:
-            self.state.abort()
+            self.state.abort(self.serial)
 
 
 # Engine settings the DDP hook does not apply: (attribute, what sets it).
@@ -457,6 +461,7 @@ class DDPAttachment:
             self._state.owner = {p: weakref.ref(o) for p, o in owner.items()}
             self._state.attachment = self
             self._state.active = True
+            self._state.fresh = True  # (attached between a forward and its backward)
 
     @property
     def optimizers(self) -> list[Any]:
@@ -614,8 +619,7 @@ def attach_ddp(
                 "build the DDP model without register_comm_hook."
             )
         state = _HookState(ddp_model, overlap)
-        _nesting._ENGINES.add(state)  # told when torch reentrant segments run
-        _nesting.watch_torch_checkpoint()
+        ddp_model.register_forward_pre_hook(state.forward)
         ddp_model.register_comm_hook(state, _allreduce_then_step)
         # The reducer must not copy buckets back into .grad after the hook.
         ddp_model.reducer._set_optimizer_in_backward()

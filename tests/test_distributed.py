@@ -506,24 +506,51 @@ def _mixed(rank: int) -> dict[str, Any]:
     return out
 
 
-class _Checkpointed(nn.Module):
-    """Blocks under torch's checkpoint; reentrant: buckets land in nested graph tasks."""
+class _FunctionCheckpoint(torch.autograd.Function):
+    """A reentrant checkpoint of its own (as DeepSpeed's): a nested backward torch cannot see."""
 
-    def __init__(self, reentrant: bool) -> None:
+    @staticmethod
+    def forward(ctx: Any, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        ctx.block = block
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return block(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            out = ctx.block(x)
+        torch.autograd.backward(out, grad)
+        return None, x.grad
+
+
+class _Checkpointed(nn.Module):
+    """Checkpointed blocks; reentrant modes: buckets land in nested graph tasks."""
+
+    def __init__(self, mode: str) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.reentrant = reentrant
+        self.mode = mode
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
         self.head = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+            if self.mode == "function":
+                x = _FunctionCheckpoint.apply(block, x)
+            else:
+                reentrant = self.mode == "reentrant"
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
         return self.head(x)
 
 
+CHECKPOINT_MODES = ("reentrant", "non-reentrant", "function")
+
+
 def _activation_checkpoint(rank: int) -> dict[str, Any]:
-    """DDP + torch's checkpoint (reentrant: static_graph): one backward is one step."""
+    """DDP + activation checkpoints (reentrant: static_graph): one backward is one step."""
     makers: dict[str, Callable[[Any, bool], Any]] = {
         "adam": lambda params, layer: _opt("adam", params, layer),
     }
@@ -540,12 +567,11 @@ def _activation_checkpoint(rank: int) -> dict[str, Any]:
 
         makers["schedulefree"] = schedule_free
     out: dict[str, Any] = {}
-    cases = [(mode, name) for mode in ("reentrant", "non-reentrant") for name in makers]
+    cases = [(mode, name) for mode in CHECKPOINT_MODES for name in makers]
     for mode, name in cases:
-        reentrant = mode == "reentrant"
         for layer in (False, True):
-            model = _Checkpointed(reentrant)
-            ddp = DDP(model, static_graph=reentrant, bucket_cap_mb=BUCKET_MB)
+            model = _Checkpointed(mode)
+            ddp = DDP(model, static_graph=mode != "non-reentrant", bucket_cap_mb=BUCKET_MB)
             opt = makers[name](ddp.parameters(), layer)
             if layer:
                 attach_ddp(ddp, opt, bucket_cap_mb=0)
@@ -704,11 +730,12 @@ def test_distributed_checkpoint_resumes_bitwise(ranks, engine):
         assert_same(run["resumed"]["state"], run["straight"]["state"], "optimizer state")
 
 
-@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("mode", CHECKPOINT_MODES)
 @pytest.mark.parametrize("name", ["adam", "schedulefree"])
-def test_ddp_with_torch_checkpoint_is_one_step_per_backward(ranks, mode, name):
-    # Reentrant: buckets land in the segments' nested graph tasks; a schedule-free
-    # step counted once per graph task would advance k several times per backward.
+def test_ddp_with_activation_checkpoint_is_one_step_per_backward(ranks, mode, name):
+    # Reentrant (torch's, or an autograd Function's): buckets land in nested graph
+    # tasks; a schedule-free step counted once per graph task would advance k
+    # several times per backward.
     for run in _get(ranks, "activation_checkpoint"):
         key = f"{mode}/{name}"
         if f"{key}/True" not in run:
