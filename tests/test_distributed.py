@@ -538,12 +538,36 @@ class _Checkpointed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            if self.mode == "function":
+            if self.mode == "none":
+                x = block(x)
+            elif self.mode == "function":
                 x = _FunctionCheckpoint.apply(block, x)
             else:
                 reentrant = self.mode == "reentrant"
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
         return self.head(x)
+
+
+def _compiled(rank: int) -> dict[str, Any]:
+    """torch.compile(ddp_model) with an attached optimizer: DDP + torch.optim's result."""
+    out: dict[str, Any] = {}
+    for layer in (False, True):
+        model = _Checkpointed("none")
+        ddp = DDP(model)  # one bucket (dynamo's DDP optimizer splits graphs at buckets)
+        opt = _opt("adam", ddp.parameters(), layer)
+        if layer:
+            attach_ddp(ddp, opt)
+        compiled = torch.compile(ddp)
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            F.mse_loss(compiled(torch.randn(4, 8, generator=g)),
+                       torch.randn(4, 3, generator=g)).backward()  # fmt: skip
+            if layer:
+                out["grads_left"] = [n for n, p in model.named_parameters() if p.grad is not None]
+            opt.step()
+            opt.zero_grad()
+        out[layer] = [p.detach().clone() for p in model.parameters()]
+    return out
 
 
 CHECKPOINT_MODES = ("reentrant", "non-reentrant", "function")
@@ -623,6 +647,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     jobs["memory"] = lambda: _memory(rank)
     jobs["mixed"] = lambda: _mixed(rank)
     jobs["activation_checkpoint"] = lambda: _activation_checkpoint(rank)
+    jobs["compiled"] = lambda: _compiled(rank)
     jobs["errors"] = lambda: _errors(rank)  # last: it aborts backwards mid-way
     results: dict[str, Any] = {}
     for key, job in jobs.items():
@@ -742,6 +767,12 @@ def test_ddp_with_activation_checkpoint_is_one_step_per_backward(ranks, mode, na
             pytest.skip(f"{name} is not installed")
         assert_same(run[f"{key}/True"], run[f"{key}/False"], "params")
         assert run[f"{key}/grads_left"] == []  # every bucket stepped in backward
+
+
+def test_ddp_under_torch_compile_equals_torch_optim(ranks):
+    for run in _get(ranks, "compiled"):
+        assert_same(run[True], run[False], "params")
+        assert run["grads_left"] == []
 
 
 def test_remove_gives_plain_ddp_and_reattach_resumes(ranks):
