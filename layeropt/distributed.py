@@ -125,9 +125,9 @@ class _HookState:
             for opt, (queue, _) in waiting.items():
                 _step(self, opt, queue)
 
-    def abort(self, flush: int) -> None:
+    def abort(self, serial: int) -> None:
         """The backward raised: nothing of its deferred buckets is applied."""
-        if flush == self.flushes:  # (an older flush's task ended before this one began)
+        if serial == self.flushes:  # the latest flush queued (an older one may go later)
             self.deferred = []
             self.flush_task = _NONE
 
@@ -168,7 +168,6 @@ def _check_engine(engine: Any) -> None:
                 "(and use a GradScaler) with layeropt.backward(loss, max_norm=..., "
                 "scaler=...), which averages each bucket before measuring it."
             )
-
 
 
 def _grad_view(p: Tensor, g: Tensor) -> Tensor:
