@@ -557,7 +557,9 @@ def _compiled(rank: int) -> dict[str, Any]:
         opt = _opt("adam", ddp.parameters(), layer)
         if layer:
             attach_ddp(ddp, opt)
-        compiled = torch.compile(ddp)
+        # aot_eager: dynamo and AOTAutograd, no inductor, whose compile workers a process
+        # forked from a pytest that already compiled cannot use (it would hang).
+        compiled = torch.compile(ddp, backend="aot_eager")
         for step in range(3):
             g = torch.Generator().manual_seed(100 * step + rank)
             F.mse_loss(compiled(torch.randn(4, 8, generator=g)),
