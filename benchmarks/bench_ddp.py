@@ -1,5 +1,8 @@
 """DDP + layeropt (``attach_ddp``) vs DDP + torch.optim: time per step, interleaved.
 
+(``--fsdp``: FSDP2 + layeropt (``attach`` after ``fully_shard``, each block its
+own group) vs FSDP2 + torch.optim, the same way.)
+
 Two gloo ranks on CPU (``torch.multiprocessing.spawn``), one process group.
 For each DDP bucket size, each rank builds three DDP replicas of the same
 model (same initial weights):
@@ -29,6 +32,7 @@ Usage:
     python benchmarks/bench_ddp.py                      # width 256, 60 rounds (~4 min)
     python benchmarks/bench_ddp.py --tiny               # smoke run, seconds
     python benchmarks/bench_ddp.py --width 64 --fused --lo-cap 0
+    python benchmarks/bench_ddp.py --fsdp                   # FSDP2 (~2 min)
 """
 
 from __future__ import annotations
@@ -51,7 +55,6 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import layeropt
-from layeropt.distributed import attach_ddp
 from layeropt.models import make_model
 
 
@@ -69,8 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="attach_ddp(bucket_cap_mb=...): landed buckets stepped together up "
                         "to this many MiB (layeropt's default 1; 0: one call per DDP bucket)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP (one table)")
     p.add_argument("--tiny", action="store_true", help="smoke run: tiny model, 3 rounds")
     args = p.parse_args(argv)
+    if args.fsdp:
+        args.bucket_cap_mb = [0.0]  # (one table; FSDP2 groups are the blocks)
     if args.tiny:
         args.width, args.layers, args.rounds, args.warmup = 32, 2, 3, 1
     return args
@@ -100,6 +106,29 @@ def _minimal_hook(ddp: nn.Module) -> None:
     ddp.register_comm_hook(None, hook)
 
 
+def _fully_shard(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+@contextlib.contextmanager
+def _no_sync(model: nn.Module) -> Any:
+    if hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+        return
+    model.set_requires_gradient_sync(False)  # FSDP2
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 class _Contender:
     """One DDP replica and how it takes a training step."""
 
@@ -107,7 +136,10 @@ class _Contender:
                  lo: bool, hook: str | None = None) -> None:  # fmt: skip
         self.name = name
         self.model = copy.deepcopy(base)
-        self.ddp = nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=cap)
+        if args.fsdp:
+            self.ddp = _fully_shard(self.model)
+        else:
+            self.ddp = nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=cap)
         if hook == "torch":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -119,7 +151,8 @@ class _Contender:
             kw["fused"] = True
         cls = layeropt.AdamW if lo else torch.optim.AdamW
         self.opt = cls(self.ddp.parameters(), **kw)
-        self.handle = attach_ddp(self.ddp, self.opt, bucket_cap_mb=args.lo_cap) if lo else None
+        # layeropt.attach hands a DDP model to attach_ddp
+        self.handle = layeropt.attach(self.ddp, self.opt, bucket_cap_mb=args.lo_cap) if lo else None
         self.cpu: list[float] = []
         self.wall: list[float] = []
 
@@ -128,7 +161,7 @@ class _Contender:
         for i, batch in enumerate(batches):
             with contextlib.ExitStack() as ctx:
                 if i < n - 1:  # accumulate locally: no all-reduce, no step
-                    ctx.enter_context(self.ddp.no_sync())
+                    ctx.enter_context(_no_sync(self.ddp))
                     if self.handle is not None:
                         ctx.enter_context(self.opt.no_step())
                 (loss_fn(self.ddp, batch) / n).backward()
@@ -152,12 +185,21 @@ def _run(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -
 
 def _measure(args: argparse.Namespace, base: nn.Module, batch_fn: Any, loss_fn: Any,
              cap: float, rank: int, world: int) -> dict[str, Any]:  # fmt: skip
+    if args.fsdp:
+        runs = [_Contender("FSDP2 + torch.optim.AdamW", base, args, cap, lo=False),
+                _Contender("FSDP2 + layeropt.AdamW (attach)", base, args, cap, lo=True)]
+        return _timed(args, runs, batch_fn, loss_fn, base, rank, world)
     runs = [_Contender("DDP + torch.optim.AdamW", base, args, cap, lo=False),
             _Contender("DDP + torch.optim.AdamW + torch's Python all-reduce comm hook", base,
                        args, cap, lo=False, hook="torch"),
             _Contender("DDP + torch.optim.AdamW + a minimal Python comm hook", base, args, cap,
                        lo=False, hook="minimal"),
             _Contender("DDP + layeropt.AdamW (attach_ddp)", base, args, cap, lo=True)]  # fmt: skip
+    return _timed(args, runs, batch_fn, loss_fn, base, rank, world)
+
+
+def _timed(args: argparse.Namespace, runs: list[_Contender], batch_fn: Any, loss_fn: Any,
+           base: nn.Module, rank: int, world: int) -> dict[str, Any]:  # fmt: skip
     gen = torch.Generator().manual_seed(1234 + rank)  # each rank its own data
     total = args.warmup + args.rounds
     data = [[batch_fn(gen) for _ in range(args.accum)] for _ in range(total)]
@@ -172,8 +214,9 @@ def _measure(args: argparse.Namespace, base: nn.Module, batch_fn: Any, loss_fn: 
                 r.cpu.append(c1 - c0)
                 r.wall.append(w1 - w0)
     ref, lo = runs[0], runs[-1]
-    same = all(torch.equal(a, b) for a, b in zip(lo.model.parameters(), ref.model.parameters()))
-    flat = torch.cat([p.detach().flatten() for p in lo.model.parameters()])
+    full = [_full(p) for p in lo.model.parameters()]
+    same = all(torch.equal(a, _full(b)) for a, b in zip(full, ref.model.parameters()))
+    flat = torch.cat([p.flatten() for p in full])
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
     fast = lo.opt._lo_stepper.fast
@@ -183,12 +226,18 @@ def _measure(args: argparse.Namespace, base: nn.Module, batch_fn: Any, loss_fn: 
         "replicas": all(torch.equal(g, gathered[0]) for g in gathered),
         "params": sum(p.numel() for p in base.parameters()),
         "tensors": len(list(base.parameters())),
-        "buckets": len(ref.ddp.reducer._get_zeros_like_grad_buckets()),
+        "buckets": (len(list(base.blocks)) + 1 if args.fsdp
+                    else len(ref.ddp.reducer._get_zeros_like_grad_buckets())),
         "fast": None if fast is None else (fast.taken, fast.built, fast.dropped),
     }  # fmt: skip
     if lo.handle is not None:
         lo.handle.remove()
     return result
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter whole (FSDP2's are DTensor shards)."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
 
 
 def _median_ratio(a: list[float], b: list[float]) -> float:
@@ -218,11 +267,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(args: argparse.Namespace, cap: float, results: dict[int, Any], world: int) -> bool:
     r0 = results[0]
-    print(f"\n### DDP bucket_cap_mb={cap:g}: {r0['buckets']} buckets\n")
+    engine = "FSDP2" if args.fsdp else "DDP"
+    if args.fsdp:
+        print(f"\n### FSDP2: {r0['buckets']} groups (each block, and the root)\n")
+    else:
+        print(f"\n### DDP bucket_cap_mb={cap:g}: {r0['buckets']} buckets\n")
     print(f"TinyGPT(d={args.width}, layers={args.layers}): {r0['params'] / 1e6:.2f}M parameters "
           f"in {r0['tensors']} tensors; {args.accum} micro-batches per step; "
           f"AdamW{'(fused=True)' if args.fused else ''}; "
-          f"attach_ddp(bucket_cap_mb={args.lo_cap:g}); "
+          f"{'attach' if args.fsdp else 'attach_ddp'}(bucket_cap_mb={args.lo_cap:g}); "
           f"{args.rounds} interleaved rounds\n")  # fmt: skip
     print("| contender | CPU ms/step (rank 0, 1) | wall ms/step (rank 0) | "
           "CPU time / torch (mean of ranks) | wall / torch (rank 0) |")
@@ -241,8 +294,9 @@ def _report(args: argparse.Namespace, cap: float, results: dict[int, Any], world
     print(f"\nlayeropt / torch, CPU time per rank: {per_rank}")
     same = all(results[r]["same"] for r in range(world))
     replicas = all(results[r]["replicas"] for r in range(world))
-    print(f"parameters: layeropt {'bit-identical to' if same else 'DIFFER from'} DDP + torch.optim "
-          f"on every rank; replicas {'agree bit for bit' if replicas else 'DIFFER'}")  # fmt: skip
+    agree = "agree bit for bit" if replicas else "DIFFER"
+    print(f"parameters: layeropt {'bit-identical to' if same else 'DIFFER from'} {engine} + "
+          f"torch.optim on every rank; replicas {agree}")
     if r0["fast"] is not None:
         taken, built, dropped = r0["fast"]
         print(f"fast path (rank 0): {taken} bucket calls, {built} lists built, {dropped} dropped")

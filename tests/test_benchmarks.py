@@ -24,6 +24,8 @@ SMOKE = {
     "bench_losses.py --tiny": "LM loss",
     "bench_ddp.py --tiny": "layeropt bit-identical to DDP + torch.optim on every rank; "
                            "replicas agree bit for bit",
+    "bench_ddp.py --tiny --fsdp": "layeropt bit-identical to FSDP2 + torch.optim on every "
+                                  "rank; replicas agree bit for bit",
     "gpu_profile.py --device cpu --tiny": "ops by self CPU time",
 }
 
