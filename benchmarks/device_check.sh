@@ -6,7 +6,8 @@
 # 1. tests/test_cuda.py (the CPU guarantees on CUDA);
 # 2. DDP and FSDP2 over NCCL in one process (examples/ddp_train.py: replicas and
 #    torch.optim bit for bit), DDP with overlap on and off;
-# 3. where a bf16 step's time goes (benchmarks/gpu_profile.py);
+# 3. the 135M GPT, fp32 and bf16, vs fused Adam (benchmarks/gpu_quick.py), and where a
+#    bf16 step's time goes (benchmarks/gpu_profile.py);
 # 4. the step tables of gpu.sh, bf16 (23M GPT, many-small; ~1B GPT);
 # 5. plan's margin calibration (benchmarks/plan_calibrate.py).
 # Each part is capped by `timeout`, so a slow part is cut short, not the rest.
@@ -31,13 +32,14 @@ python -c "import torch, layeropt; assert torch.cuda.is_available(); \
 print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), layeropt.__version__)" \
   | tee "$OUT/gpu.txt" || { echo "device_check.sh: no CUDA device" >&2; exit 1; }
 
-part cuda-tests 60 python -m pytest tests/test_cuda.py -q -p no:cacheprovider
-part ddp-nccl 40 python examples/ddp_train.py --device cuda --nproc 1 --tiny
-part ddp-nccl-no-overlap 40 python examples/ddp_train.py --device cuda --nproc 1 --tiny --no-overlap
-part fsdp2-nccl 40 python examples/ddp_train.py --device cuda --nproc 1 --tiny --fsdp
+part cuda-tests 50 python -m pytest tests/test_cuda.py -q -p no:cacheprovider
+part ddp-nccl 30 python examples/ddp_train.py --device cuda --nproc 1 --tiny
+part ddp-nccl-no-overlap 30 python examples/ddp_train.py --device cuda --nproc 1 --tiny --no-overlap
+part fsdp2-nccl 30 python examples/ddp_train.py --device cuda --nproc 1 --tiny --fsdp
+part gpu-quick 60 python benchmarks/gpu_quick.py
 part bf16-profile 60 python benchmarks/gpu_profile.py
 BENCH="python benchmarks/bench_step.py --device cuda --no-progress --dtype bf16"
-part gpt23m-bf16 80 $BENCH --rounds 10
+part gpt23m-bf16 70 $BENCH --rounds 10
 part gpt1b-bf16 70 $BENCH --model gpt --size 1b --rounds 3 --contenders adam-fused layeropt floor
-part plan-calibrate 60 python benchmarks/plan_calibrate.py
+part plan-calibrate 50 python benchmarks/plan_calibrate.py
 echo "logs in $OUT/"
