@@ -70,6 +70,11 @@ class _HookState:
         """DDP forward pre-hook: the next synchronised backward is a new training step."""
         self.fresh = True
 
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        # copy.deepcopy / torch.save of the DDP model: DDP builds the copy's reducer
+        # afresh, without this hook, so the copy is plain DDP (and can be attached).
+        return (_Copied, ())
+
     def begin(self) -> None:
         """A bucket is ready: the first one after a forward starts a training step.
 
@@ -81,7 +86,8 @@ class _HookState:
             return
         with self.lock:
             self.fresh = False
-            for ref in set(self.owner.values()) if self.active else ():
+            refs = {id(r): r for r in self.owner.values()} if self.active else {}
+            for ref in refs.values():  # (a set would hash the refs: dead ones cannot)
                 opt = ref()
                 if opt is not None:
                     _check_engine(opt._lo_engine)
@@ -130,6 +136,13 @@ class _HookState:
         if serial == self.flushes:  # the latest flush queued (an older one may go later)
             self.deferred = []
             self.flush_task = _NONE
+
+
+class _Copied:
+    """What a copied or pickled DDP model keeps of layeropt's hook state: nothing."""
+
+    def forward(self, module: nn.Module, args: Any) -> None:
+        """The copy's forward pre-hook: a no-op."""
 
 
 _NONE = -2  # _HookState.flush_task: no flush queued
@@ -611,7 +624,10 @@ def attach_ddp(
             "this DDP model is already attached; call .remove() on that handle first."
         )
     if state is None:
-        if getattr(ddp_model, "_comm_hooks", None):
+        hooks = getattr(ddp_model, "_comm_hooks", None)
+        if hooks and all(type(st) is _Copied for _, st in hooks):
+            hooks.clear()  # a copy of an attached model: its reducer was built without them
+        if hooks:
             raise AttachError(
                 "this DDP model already has a communication hook, and DDP accepts only "
                 "one. layeropt needs its own (it averages, then steps each bucket): "

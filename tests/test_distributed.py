@@ -13,6 +13,7 @@ every scenario below and save their results; the tests then compare them here:
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import gc
 import inspect
@@ -420,6 +421,42 @@ def _remove_and_reattach(rank: int) -> dict[str, Any]:
     return out
 
 
+def _copies(rank: int) -> dict[str, Any]:
+    """copy.deepcopy / torch.save of an attached DDP model: a plain DDP copy, attachable."""
+    import io
+
+    ddp, _ = _wrap("ddp", {})
+    opt = _opt("adam", ddp.parameters(), True)
+    attach_ddp(ddp, opt)
+    x, y = _batch(0, rank)
+    F.mse_loss(ddp(x), y).backward()
+    out: dict[str, Any] = {"stepped": opt.stepped_in_backward}
+    del opt  # the handle holds it weakly: its parameters are then only averaged, as by DDP
+    gc.collect()
+    F.mse_loss(ddp(x), y).backward()
+    out["deleted/grads"] = [p.grad.clone() for p in ddp.parameters()]
+    buffer = io.BytesIO()
+    torch.save(ddp, buffer)
+    buffer.seek(0)
+    for name, copy_ in (("deepcopy", copy.deepcopy(ddp)),
+                        ("torch.load", torch.load(buffer, weights_only=False))):  # fmt: skip
+        plain, _ = _wrap("ddp", {})
+        plain.module.load_state_dict(copy_.module.state_dict())
+        for model in (copy_, plain):
+            F.mse_loss(model(x), y).backward()
+        out[f"{name}/grads"] = [p.grad.clone() for p in copy_.parameters()]
+        out[f"{name}/plain_grads"] = [p.grad.clone() for p in plain.parameters()]
+        if name == "deepcopy":  # (of the model stepped once: the same weights, the same batch)
+            out["deleted/plain_grads"] = out[f"{name}/plain_grads"]
+        copy_.zero_grad(set_to_none=True)
+        opt = _opt("adam", copy_.parameters(), True)
+        layeropt.attach(copy_, opt)
+        F.mse_loss(copy_(x), y).backward()
+        out[f"{name}/attached"] = (opt.stepped_in_backward,
+                                   [p.grad is None for p in copy_.parameters()])  # fmt: skip
+    return out
+
+
 MEM_D, MEM_LAYERS = 64, 6
 MEM_LAYER_BYTES = (MEM_D * MEM_D + MEM_D) * 4
 MEM_GRAD_BYTES = MEM_LAYERS * MEM_LAYER_BYTES
@@ -646,6 +683,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     for engine in ("ddp", "fsdp2"):
         jobs[f"checkpoint/{engine}"] = lambda e=engine: _checkpoint(rank, e, f"{out_dir}/ckpt_{e}")
     jobs["remove"] = lambda: _remove_and_reattach(rank)
+    jobs["copies"] = lambda: _copies(rank)
     jobs["memory"] = lambda: _memory(rank)
     jobs["mixed"] = lambda: _mixed(rank)
     jobs["activation_checkpoint"] = lambda: _activation_checkpoint(rank)
@@ -775,6 +813,20 @@ def test_ddp_under_torch_compile_equals_torch_optim(ranks):
     for run in _get(ranks, "compiled"):
         assert_same(run[True], run[False], "params")
         assert run["grads_left"] == []
+
+
+def test_deleted_optimizer_leaves_plain_ddp(ranks):
+    for run in _get(ranks, "copies"):
+        assert run["stepped"] > 0
+        assert_same(run["deleted/grads"], run["deleted/plain_grads"], "averaged .grad")
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.load"])
+def test_copy_of_attached_ddp_is_plain_ddp_and_attachable(ranks, how):
+    for run in _get(ranks, "copies"):
+        assert_same(run[f"{how}/grads"], run[f"{how}/plain_grads"], "averaged .grad of the copy")
+        stepped, freed = run[f"{how}/attached"]
+        assert stepped == len(freed) and all(freed)
 
 
 def test_remove_gives_plain_ddp_and_reattach_resumes(ranks):
