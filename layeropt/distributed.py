@@ -3,11 +3,12 @@
 A data-parallel replica may only be updated with the gradient averaged over
 all processes, so layeropt steps where torch's engines finish averaging:
 
-* **DDP** (:func:`attach_ddp`): a communication hook all-reduces each bucket
-  and frees its parameters' local ``.grad``; once the average has landed (at
-  the end of backward on CPU, in the future's ``.then()`` on CUDA) the
-  bucket's parameters are stepped on it; the reducer is told an optimizer ran
-  in backward, so it leaves ``.grad`` alone afterwards.
+* **DDP** (:func:`attach_ddp`): a communication hook (``layeropt/_ddp_hook.py``)
+  all-reduces each bucket and frees its parameters' local ``.grad``; once the
+  average has landed (at the end of backward on CPU, in the future's
+  ``.then()`` on CUDA) the bucket's parameters are stepped on it; the reducer
+  is told an optimizer ran in backward, so it leaves ``.grad`` alone
+  afterwards.
 * **FSDP2**: ``fully_shard`` calls the sharded parameters' post-accumulate-grad
   hooks itself right after each reduce-scatter, so ``layeropt.attach`` works.
 * :func:`check_local_hooks_allowed`: the plain hooks' guard against stepping
@@ -19,7 +20,6 @@ See ``docs/distributed.md`` for accumulation, checkpointing and memory.
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from functools import partial
@@ -28,10 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.autograd import Variable
 from torch.optim import Optimizer
 
-from ._nesting import _graph_task_id
+from ._ddp_hook import _UNUSED, _allreduce_then_step, _Copied, _HookState
 from ._registry import allow_local_updates, check_local_hooks_allowed, hooked_by
 from .attaching import layer_buckets, register_wrapper, resolve_owners
 from .errors import AttachError
@@ -45,275 +44,6 @@ __all__ = [
 
 # DDP instance -> its comm-hook state (DDP accepts one comm hook, for good).
 _DDP_STATES: "weakref.WeakKeyDictionary[nn.Module, _HookState]" = weakref.WeakKeyDictionary()
-
-
-class _HookState:
-    """What the DDP comm hook needs; the reducer keeps it alive with the DDP."""
-
-    def __init__(self, ddp: nn.Module, overlap: bool) -> None:
-        self.group = ddp.process_group
-        self.world = self.group.size()
-        self.overlap = overlap
-        self.owner: dict[Tensor, weakref.ref] = {}  # param -> its optimizer (weakly)
-        self.attachment: DDPAttachment | None = None  # lives as long as the DDP model
-        self.active = False
-        self.lock = threading.Lock()  # bucket steps may land on comm threads
-        self.fresh = True  # DDP ran a forward since the last training step began
-        self.steps: dict[int, int] = {}  # id(optimizer) -> updates this backward
-        self.recording: list[list[Tensor]] | None = None  # buckets seen in a measure pass
-        self.buckets: list[list[Tensor]] = []  # those of the latest measure pass
-        self.deferred: list[tuple[_Landing, Any]] = []  # to land at the end, in bucket order
-        self.flush_task = _NONE  # graph task whose end lands ``deferred``
-        self.flushes = 0  # flush callbacks queued so far (the latest may abort)
-
-    def forward(self, module: nn.Module, args: Any) -> None:
-        """DDP forward pre-hook: the next synchronised backward is a new training step."""
-        self.fresh = True
-
-    def __reduce__(self) -> tuple[type, tuple[()]]:
-        # copy.deepcopy / torch.save of the DDP model: DDP builds the copy's reducer
-        # afresh, without this hook, so the copy is plain DDP (and can be attached).
-        return (_Copied, ())
-
-    def begin(self) -> None:
-        """A bucket is ready: the first one after a forward starts a training step.
-
-        DDP runs one synchronised backward per forward; its buckets may land in
-        several autograd graph tasks (the nested backwards of reentrant
-        checkpoints), all of them one step.
-        """
-        if not self.fresh:
-            return
-        with self.lock:
-            self.fresh = False
-            refs = {id(r): r for r in self.owner.values()} if self.active else {}
-            for ref in refs.values():  # (a set would hash the refs: dead ones cannot)
-                opt = ref()
-                if opt is not None:
-                    _check_engine(opt._lo_engine)
-                    opt._lo_engine.last_backward_steps = 0
-                    if opt._lo_engine.measure is None:
-                        opt._lo_engine.txn += 1  # a new training step (transaction)
-            self.steps = {}
-
-    def defer(self, landing: _Landing, fut: Any) -> None:
-        """Land ``landing`` when the running graph task ends, on this thread.
-
-        The flush is queued in the graph task of the bucket (the first one
-        deferred there since the last flush), before the reducer's own
-        end-of-backward callback, which DDP queues when its last bucket is
-        ready (after this hook ran for it).
-        """
-        self.deferred.append((landing, fut))
-        task = _graph_task_id()
-        if task != self.flush_task:
-            self.flush_task = task
-            self.flushes += 1
-            Variable._execution_engine.queue_callback(_Flush(self, self.flushes))
-
-    def flush(self) -> None:
-        """Land the deferred buckets. An optimizer's landed parameters wait, in
-        bucket order, until they hold its ``cap_bytes`` (attach's
-        ``bucket_cap_mb``), and are then stepped with one call."""
-        deferred, self.deferred = self.deferred, []
-        self.flush_task = _NONE
-        waiting: dict[Any, tuple[list[Tensor], list[int]]] = {}  # optimizer -> (params, [bytes])
-        with _stepping(self):
-            for landing, fut in deferred:
-                fut.wait()  # re-raises a failed all-reduce
-                for opt, params in landing.apply().items():
-                    queue, size = waiting.setdefault(opt, ([], [0]))
-                    queue += params
-                    size[0] += sum(p.grad.nbytes for p in params)
-                    if size[0] >= opt._lo_engine.cap_bytes:
-                        _step(self, opt, queue)
-                        del waiting[opt]
-            for opt, (queue, _) in waiting.items():
-                _step(self, opt, queue)
-
-    def abort(self, serial: int) -> None:
-        """The backward raised: nothing of its deferred buckets is applied."""
-        if serial == self.flushes:  # the latest flush queued (an older one may go later)
-            self.deferred = []
-            self.flush_task = _NONE
-
-
-class _Copied:
-    """What a copied or pickled DDP model keeps of layeropt's hook state: nothing."""
-
-    def forward(self, module: nn.Module, args: Any) -> None:
-        """The copy's forward pre-hook: a no-op."""
-
-
-_NONE = -2  # _HookState.flush_task: no flush queued
-
-
-class _Flush:
-    """End-of-graph-task callback; a backward that raises drops it uncalled (abort)."""
-
-    __slots__ = ("state", "serial", "called")
-
-    def __init__(self, state: _HookState, serial: int) -> None:
-        self.state, self.serial, self.called = state, serial, False
-
-    def __call__(self) -> None:
-        self.called = True
-        self.state.flush()
-
-    def __del__(self) -> None:
-        if not self.called:
-            self.state.abort(self.serial)
-
-
-# Engine settings the DDP hook does not apply: (attribute, what sets it).
-_NOT_UNDER_DDP = (
-    ("max_grad_norm", "attach(..., max_grad_norm=...)"),
-    ("clip_value", "attach(..., clip_value=...)"),
-    ("bucket_max_norm", "attach(..., bucket_max_norm=...)"),
-)
-
-
-def _check_engine(engine: Any) -> None:
-    for name, what in _NOT_UNDER_DDP:
-        if getattr(engine, name, None) is not None:
-            raise AttachError(
-                f"{what} is not supported with attach_ddp: under DDP clip the global norm "
-                "(and use a GradScaler) with layeropt.backward(loss, max_norm=..., "
-                "scaler=...), which averages each bucket before measuring it."
-            )
-
-
-def _grad_view(p: Tensor, g: Tensor) -> Tensor:
-    """The bucket slice of ``p`` with ``p``'s strides (the reducer's layout)."""
-    return g if p.is_contiguous() else g.as_strided(p.size(), p.stride())
-
-
-def _write_back(p: Tensor, view: Tensor) -> None:
-    """Leave the averaged gradient in ``p.grad`` as DDP's reducer would."""
-    if p.grad is None:
-        return  # unused (static_graph): DDP leaves a globally unused grad alone
-    if p.grad.data_ptr() != view.data_ptr():  # gradient_as_bucket_view: already there
-        p.grad.copy_(view)
-
-
-_UNUSED = (
-    "a parameter DDP synchronises got no gradient in this backward (an unused "
-    "parameter under static_graph=True); layeropt cannot tell whether other "
-    "processes used it, so it would step on a wrong gradient. Use every parameter "
-    "in every forward, or leave the unused ones to a plain torch.optim optimizer."
-)
-
-
-def _allreduce_then_step(state, bucket):  # no annotations: DDP inspects them
-    """DDP comm hook: average the bucket; step its parameters once the average lands."""
-    state.begin()
-    landing = _Landing(state, bucket)  # sorted now: frees the local gradients at once
-    buffer = bucket.buffer()
-    buffer.mul_(1.0 / state.world)  # what the built-in reducer does, bit for bit
-    fut = state.group.allreduce([buffer]).get_future()  # (a sum, as dist.all_reduce)
-    if state.overlap and buffer.device.type != "cpu":
-        # A device future's .then() runs on a stream that waits for the all-reduce.
-        return fut.then(landing.then)
-    state.defer(landing, fut)
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result(buffer)  # as torch's own optimizer-in-backward hook: stepped by the flush
-    return done
-
-
-class _Landing:
-    """One bucket's parameters, sorted when DDP hands the bucket over.
-
-    Sorting runs in the comm hook on the autograd thread: each parameter is
-    either stepped by its optimizer (its local ``.grad``, already copied into
-    the bucket, is freed now), reduced by ``layeropt.backward``'s measure pass,
-    or left to get the averaged gradient written back into ``.grad`` (not
-    owned, or ``no_step()``), as DDP would. :meth:`apply` does that once the
-    bucket's all-reduce has landed.
-    """
-
-    __slots__ = ("state", "steps", "measures", "write_back")
-
-    def __init__(self, state: _HookState, bucket: Any) -> None:
-        self.state = state
-        self.steps: dict[Any, list[tuple[Tensor, Tensor]]] = {}  # optimizer -> (param, view)
-        self.measures: list[tuple[Any, Tensor, Tensor]] = []
-        self.write_back: list[tuple[Tensor, Tensor]] = []
-        owner = state.owner if state.active else {}
-        modes: dict[int, Any] = {}  # id(owner ref) -> what its parameters get, this bucket
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
-            view = _grad_view(p, g)
-            ref = owner.get(p)
-            mode = modes.get(id(ref), _WRITE_BACK if ref is None else None)
-            if mode is None:  # the optimizer's first parameter in this bucket
-                opt = ref()  # type: ignore[misc]
-                if opt is None or opt._lo_engine.no_step_depth:
-                    mode = _WRITE_BACK
-                elif opt._lo_engine.measure is not None:  # layeropt.backward's first pass
-                    mode = opt._lo_engine.measure
-                else:
-                    mode = self.steps.setdefault(opt, [])
-                modes[id(ref)] = mode
-            if mode is _WRITE_BACK:
-                self.write_back.append((p, view))
-            elif p.grad is None:
-                raise AttachError(_UNUSED)
-            elif type(mode) is list:
-                mode.append((p, view))
-                p.grad = None  # the bucket holds it now
-            else:
-                self.measures.append((mode, p, view))
-        if state.recording is not None:
-            state.recording.append(list(bucket.parameters()))
-
-    def then(self, fut: Any) -> Tensor:
-        """``.then()`` callback: the all-reduce has landed; step this bucket alone."""
-        buffer = fut.value()[0]  # re-raises a failed all-reduce
-        with _stepping(self.state):
-            for opt, params in self.apply().items():
-                _step(self.state, opt, params)
-        return buffer
-
-    def apply(self) -> dict[Any, list[Tensor]]:
-        """Write back or measure the averaged gradients; point ``.grad`` at those to step.
-
-        Returns the parameters to step, by optimizer (their ``.grad`` are the
-        bucket's averaged slices: no memory of their own).
-        """
-        for p, view in self.write_back:
-            _write_back(p, view)
-        for measure, p, view in self.measures:
-            measure.reduce(p, view.clone())
-            measure.seen.add(id(p))
-        todo = {}
-        for opt, owned in self.steps.items():
-            for p, view in owned:
-                p.grad = view
-            todo[opt] = [p for p, _ in owned]
-        return todo
-
-
-@contextlib.contextmanager
-def _stepping(state: _HookState) -> Iterator[None]:
-    """Bucket steps: one at a time (``.then()`` may run on comm threads), without grad."""
-    with state.lock:
-        grad_mode = torch.is_grad_enabled()  # not inherited by comm threads
-        torch._C._set_grad_enabled(False)  # what torch.no_grad() does, for less
-        try:
-            yield
-        finally:
-            torch._C._set_grad_enabled(grad_mode)
-
-
-def _step(state: _HookState, opt: Any, params: list[Tensor]) -> None:
-    """Step ``params`` (``.grad`` = averaged bucket slices) and free their ``.grad``."""
-    opt._step_params(params)
-    for p in params:
-        p.grad = None
-    n = state.steps[id(opt)] = state.steps.get(id(opt), 0) + len(params)
-    opt._lo_engine.last_backward_steps = n
-
-
-_WRITE_BACK = object()  # _Landing: leave the averaged gradient in .grad, as DDP would
 
 
 class _TwoPasses:
