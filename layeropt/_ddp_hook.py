@@ -26,13 +26,14 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
 
-from ._nesting import _graph_task_id
+from ._nesting import TaskEnd, _graph_task_id
 from .errors import AttachError
 
 if TYPE_CHECKING:
@@ -101,7 +102,8 @@ class _HookState:
         if task != self.flush_task:
             self.flush_task = task
             self.flushes += 1
-            Variable._execution_engine.queue_callback(_Flush(self, self.flushes))
+            end = TaskEnd(self.flush, partial(self.abort, self.flushes))
+            Variable._execution_engine.queue_callback(end)
 
     def flush(self) -> None:
         """Land the deferred buckets. An optimizer's landed parameters wait, in
@@ -109,19 +111,19 @@ class _HookState:
         ``bucket_cap_mb``), and are then stepped with one call."""
         deferred, self.deferred = self.deferred, []
         self.flush_task = _NONE
-        waiting: dict[Any, tuple[list[Tensor], list[int]]] = {}  # optimizer -> (params, [bytes])
+        waiting: dict[Any, list[Tensor]] = {}  # optimizer -> landed parameters not yet stepped
+        held: dict[Any, int] = {}  # optimizer -> their gradient bytes
         with _stepping(self):
             for landing, fut in deferred:
                 fut.wait()  # re-raises a failed all-reduce
                 for opt, params in landing.apply().items():
-                    queue, size = waiting.setdefault(opt, ([], [0]))
-                    queue += params
-                    size[0] += sum(p.grad.nbytes for p in params)
-                    if size[0] >= opt._lo_engine.cap_bytes:
-                        _step(self, opt, queue)
-                        del waiting[opt]
-            for opt, (queue, _) in waiting.items():
-                _step(self, opt, queue)
+                    waiting.setdefault(opt, []).extend(params)
+                    held[opt] = held.get(opt, 0) + sum(p.grad.nbytes for p in params)
+                    if held[opt] >= opt._lo_engine.cap_bytes:
+                        _step(self, opt, waiting.pop(opt))
+                        del held[opt]
+            for opt, params in waiting.items():
+                _step(self, opt, params)
 
     def abort(self, serial: int) -> None:
         """The backward raised: nothing of its deferred buckets is applied."""
@@ -138,23 +140,6 @@ class _Copied:
 
 
 _NONE = -2  # _HookState.flush_task: no flush queued
-
-
-class _Flush:
-    """End-of-graph-task callback; a backward that raises drops it uncalled (abort)."""
-
-    __slots__ = ("state", "serial", "called")
-
-    def __init__(self, state: _HookState, serial: int) -> None:
-        self.state, self.serial, self.called = state, serial, False
-
-    def __call__(self) -> None:
-        self.called = True
-        self.state.flush()
-
-    def __del__(self) -> None:
-        if not self.called:
-            self.state.abort(self.serial)
 
 
 # Engine settings the DDP hook does not apply: (attribute, what sets it).

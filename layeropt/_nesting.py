@@ -28,6 +28,27 @@ __all__ = ["Pin", "watch_torch_checkpoint"]
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
+class TaskEnd:
+    """A callback queued in autograd's running graph task (``queue_callback``).
+
+    ``end()`` runs when the task ends. If the backward raises, autograd drops
+    the task with the callback uncalled, and releasing it runs ``dropped()``.
+    """
+
+    __slots__ = ("end", "dropped", "called")
+
+    def __init__(self, end: Any, dropped: Any) -> None:
+        self.end, self.dropped, self.called = end, dropped, False
+
+    def __call__(self) -> None:
+        self.called = True
+        self.end()
+
+    def __del__(self) -> None:
+        if not self.called:
+            self.dropped()
+
+
 _ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
 # Segments of torch.utils.checkpoint(use_reentrant=True) recorded with grad and
 # still alive (their autograd nodes), and how many run their nested backward now.

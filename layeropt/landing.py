@@ -76,7 +76,7 @@ from torch import Tensor
 
 from . import _nesting as nesting
 from . import _watch
-from ._nesting import Pin, _graph_task_id, watch_torch_checkpoint
+from ._nesting import Pin, TaskEnd, _graph_task_id, watch_torch_checkpoint
 from ._transforms import Measure, all_finite, prepare_grads
 from ._registry import check_local_hooks_allowed, world_size
 from .errors import AttachError, BackwardStateError, LayeroptError, warn
@@ -149,27 +149,6 @@ def _all_dense(groups: list[list[Tensor]]) -> bool:
             if grad is None or grad.is_sparse:
                 return False
     return True
-
-
-class _BackwardEnd:
-    """The end-of-backward callback queued in autograd's graph task.
-
-    Called when the backward ends. If the backward raises, autograd drops the
-    graph task with the callback uncalled; releasing it then aborts.
-    """
-
-    __slots__ = ("engine", "serial", "called")
-
-    def __init__(self, engine: Engine, serial: int) -> None:
-        self.engine, self.serial, self.called = engine, serial, False
-
-    def __call__(self) -> None:
-        self.called = True
-        self.engine._end()
-
-    def __del__(self) -> None:
-        if not self.called:
-            self.engine._dropped(self.serial)
 
 
 class Bucket:
@@ -483,7 +462,7 @@ class Engine:
         )
         self.txn += 1
         self._route()
-        _queue_callback(_BackwardEnd(self, self._serial))
+        _queue_callback(TaskEnd(self._end, functools.partial(self._dropped, self._serial)))
         if defer:
             self._unchecked = True
         else:

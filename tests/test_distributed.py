@@ -563,8 +563,9 @@ class _FunctionCheckpoint(torch.autograd.Function):
         return None, x.grad
 
 
-class _Checkpointed(nn.Module):
-    """Checkpointed blocks; reentrant modes: buckets land in nested graph tasks."""
+class _Blocks(nn.Module):
+    """Blocks, checkpointed as ``mode`` says ("none": not); reentrant modes: buckets
+    land in nested graph tasks."""
 
     def __init__(self, mode: str) -> None:
         super().__init__()
@@ -589,7 +590,7 @@ def _compiled(rank: int) -> dict[str, Any]:
     """torch.compile(ddp_model) with an attached optimizer: DDP + torch.optim's result."""
     out: dict[str, Any] = {}
     for layer in (False, True):
-        model = _Checkpointed("none")
+        model = _Blocks("none")
         ddp = DDP(model)  # one bucket (dynamo's DDP optimizer splits graphs at buckets)
         opt = _opt("adam", ddp.parameters(), layer)
         if layer:
@@ -633,7 +634,7 @@ def _activation_checkpoint(rank: int) -> dict[str, Any]:
     cases = [(mode, name) for mode in CHECKPOINT_MODES for name in makers]
     for mode, name in cases:
         for layer in (False, True):
-            model = _Checkpointed(mode)
+            model = _Blocks(mode)
             ddp = DDP(model, static_graph=mode != "non-reentrant", bucket_cap_mb=BUCKET_MB)
             opt = makers[name](ddp.parameters(), layer)
             if layer:
