@@ -58,6 +58,25 @@ class _HookState:
         self.deferred: list[tuple[_Landing, Any]] = []  # to land at the end, in bucket order
         self.flush_task = _NONE  # graph task whose end lands ``deferred``
         self.flushes = 0  # flush callbacks queued so far (the latest may abort)
+        # find_unused_parameters=True: a parameter may get no gradient on some
+        # processes. As DDP, one used-flag all-reduce per synchronised backward
+        # tells which are used anywhere; ``fired`` holds those whose gradient
+        # was accumulated here since the last sync (no_sync() included).
+        self.find_unused = bool(ddp.find_unused_parameters)
+        self.ddp = weakref.ref(ddp)
+        self.bucket_view = bool(ddp.gradient_as_bucket_view)
+        self.fired: set[int] = set()
+        self.pass_fired: set[int] | None = None  # those of layeropt.backward's measure pass
+        self.used: set[int] | None = None  # used anywhere, as of the latest flush
+        if self.find_unused:
+            for p in ddp.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._fired)
+
+    def _fired(self, param: Tensor) -> None:
+        self.fired.add(id(param))
+        if self.pass_fired is not None:
+            self.pass_fired.add(id(param))
 
     def forward(self, module: nn.Module, args: Any) -> None:
         """DDP forward pre-hook: the next synchronised backward is a new training step."""
@@ -111,12 +130,13 @@ class _HookState:
         ``bucket_cap_mb``), and are then stepped with one call."""
         deferred, self.deferred = self.deferred, []
         self.flush_task = _NONE
+        used = self._used_anywhere([landing for landing, _ in deferred])
         waiting: dict[Any, list[Tensor]] = {}  # optimizer -> landed parameters not yet stepped
         held: dict[Any, int] = {}  # optimizer -> their gradient bytes
         with _stepping(self):
             for landing, fut in deferred:
                 fut.wait()  # re-raises a failed all-reduce
-                for opt, params in landing.apply().items():
+                for opt, params in landing.apply(used).items():
                     waiting.setdefault(opt, []).extend(params)
                     held[opt] = held.get(opt, 0) + sum(p.grad.nbytes for p in params)
                     if held[opt] >= opt._lo_engine.cap_bytes:
@@ -124,6 +144,23 @@ class _HookState:
                         del held[opt]
             for opt, params in waiting.items():
                 _step(self, opt, params)
+
+    def _used_anywhere(self, landings: list[_Landing]) -> set[int] | None:
+        """``find_unused_parameters``: ids of these buckets' parameters some process used.
+
+        One all-reduce of a flag per parameter, as DDP's reducer does; the flags
+        are then reset (DDP resets its map at each synchronised backward).
+        """
+        if not self.find_unused or not landings:
+            return None
+        params = [p for landing in landings for p in landing.params]
+        flags = torch.tensor([id(p) in self.fired for p in params], dtype=torch.int32,
+                             device=landings[0].device)
+        self.group.allreduce([flags]).wait()
+        self.fired.difference_update(id(p) for p in params)
+        used = {id(p) for p, f in zip(params, flags.tolist()) if f}
+        self.used = used
+        return used
 
     def abort(self, serial: int) -> None:
         """The backward raised: nothing of its deferred buckets is applied."""
@@ -145,7 +182,6 @@ _NONE = -2  # _HookState.flush_task: no flush queued
 # Engine settings the DDP hook does not apply: (attribute, what sets it).
 _NOT_UNDER_DDP = (
     ("max_grad_norm", "attach(..., max_grad_norm=...)"),
-    ("clip_value", "attach(..., clip_value=...)"),
     ("bucket_max_norm", "attach(..., bucket_max_norm=...)"),
 )
 
@@ -165,9 +201,16 @@ def _grad_view(p: Tensor, g: Tensor) -> Tensor:
     return g if p.is_contiguous() else g.as_strided(p.size(), p.stride())
 
 
-def _write_back(p: Tensor, view: Tensor) -> None:
-    """Leave the averaged gradient in ``p.grad`` as DDP's reducer would."""
+def _write_back(p: Tensor, view: Tensor, bucket_view: bool | None = None) -> None:
+    """Leave the averaged gradient in ``p.grad`` as DDP's reducer would.
+
+    ``bucket_view`` (``find_unused_parameters``, ``p`` used on some process):
+    a parameter without a local gradient gets the bucket's slice itself
+    (``gradient_as_bucket_view``) or a copy of it.
+    """
     if p.grad is None:
+        if bucket_view is not None:
+            p.grad = view if bucket_view else view.clone()
         return  # unused (static_graph): DDP leaves a globally unused grad alone
     if p.grad.data_ptr() != view.data_ptr():  # gradient_as_bucket_view: already there
         p.grad.copy_(view)
@@ -188,7 +231,7 @@ def _allreduce_then_step(state, bucket):  # no annotations: DDP inspects them
     buffer = bucket.buffer()
     buffer.mul_(1.0 / state.world)  # what the built-in reducer does, bit for bit
     fut = state.group.allreduce([buffer]).get_future()  # (a sum, as dist.all_reduce)
-    if state.overlap and buffer.device.type != "cpu":
+    if state.overlap and buffer.device.type != "cpu" and not state.find_unused:
         # A device future's .then() runs on a stream that waits for the all-reduce.
         return fut.then(landing.then)
     state.defer(landing, fut)
@@ -208,13 +251,18 @@ class _Landing:
     bucket's all-reduce has landed.
     """
 
-    __slots__ = ("state", "steps", "measures", "write_back")
+    __slots__ = ("state", "steps", "measures", "write_back", "params", "device", "held")
 
     def __init__(self, state: _HookState, bucket: Any) -> None:
         self.state = state
         self.steps: dict[Any, list[tuple[Tensor, Tensor]]] = {}  # optimizer -> (param, view)
         self.measures: list[tuple[Any, Tensor, Tensor]] = []
         self.write_back: list[tuple[Tensor, Tensor]] = []
+        self.params = list(bucket.parameters())
+        self.device = bucket.buffer().device
+        # find_unused_parameters: gradients not produced since the last sync
+        # (held by no_step()); stepped as they are if no process used them.
+        self.held: dict[Tensor, Tensor] = {}
         owner = state.owner if state.active else {}
         modes: dict[int, Any] = {}  # id(owner ref) -> what its parameters get, this bucket
         for p, g in zip(bucket.parameters(), bucket.gradients()):
@@ -232,15 +280,17 @@ class _Landing:
                 modes[id(ref)] = mode
             if mode is _WRITE_BACK:
                 self.write_back.append((p, view))
-            elif p.grad is None:
+            elif p.grad is None and not state.find_unused:
                 raise AttachError(_UNUSED)
             elif type(mode) is list:
                 mode.append((p, view))
+                if state.find_unused and p.grad is not None and id(p) not in state.fired:
+                    self.held[p] = p.grad
                 p.grad = None  # the bucket holds it now
             else:
                 self.measures.append((mode, p, view))
         if state.recording is not None:
-            state.recording.append(list(bucket.parameters()))
+            state.recording.append(self.params)
 
     def then(self, fut: Any) -> Tensor:
         """``.then()`` callback: the all-reduce has landed; step this bucket alone."""
@@ -250,22 +300,35 @@ class _Landing:
                 _step(self.state, opt, params)
         return buffer
 
-    def apply(self) -> dict[Any, list[Tensor]]:
+    def apply(self, used: set[int] | None = None) -> dict[Any, list[Tensor]]:
         """Write back or measure the averaged gradients; point ``.grad`` at those to step.
+
+        ``used`` (``find_unused_parameters``): the ids of parameters some
+        process used; the others are left alone, as DDP leaves them.
 
         Returns the parameters to step, by optimizer (their ``.grad`` are the
         bucket's averaged slices: no memory of their own).
         """
         for p, view in self.write_back:
-            _write_back(p, view)
+            if used is None or id(p) in used:
+                _write_back(p, view, None if used is None else self.state.bucket_view)
         for measure, p, view in self.measures:
-            measure.reduce(p, view.clone())
-            measure.seen.add(id(p))
+            if used is None or id(p) in used:
+                measure.reduce(p, view.clone())
+                measure.seen.add(id(p))
+            elif p.grad is not None:  # held, untouched by DDP: measured as it is
+                measure.reduce(p, p.grad.clone())
+                measure.seen.add(id(p))
         todo = {}
         for opt, owned in self.steps.items():
+            if used is not None:  # no process used it: its held gradient, if any
+                owned = [(p, view if id(p) in used else self.held.get(p))
+                         for p, view in owned]
+                owned = [(p, g) for p, g in owned if g is not None]
             for p, view in owned:
                 p.grad = view
-            todo[opt] = [p for p, _ in owned]
+            if owned:
+                todo[opt] = [p for p, _ in owned]
         return todo
 
 
@@ -282,7 +345,14 @@ def _stepping(state: _HookState) -> Iterator[None]:
 
 
 def _step(state: _HookState, opt: Any, params: list[Tensor]) -> None:
-    """Step ``params`` (``.grad`` = averaged bucket slices) and free their ``.grad``."""
+    """Step ``params`` (``.grad`` = averaged bucket slices) and free their ``.grad``.
+
+    ``clip_value`` (``attach``'s option, or an integration's) clips the averaged
+    gradients element-wise first, as ``clip_grad_value_`` after DDP's backward.
+    """
+    clip_value = opt._lo_engine.clip_value
+    if clip_value is not None:
+        torch.nn.utils.clip_grad_value_(params, clip_value)
     opt._step_params(params)
     for p in params:
         p.grad = None

@@ -27,8 +27,8 @@ _WRAPPERS: dict[type, Callable[..., Any]] = {}
 
 
 def register_wrapper(cls: type, attach_fn: Callable[..., Any]) -> None:
-    """``attach(model, opt, bucket_cap_mb=c)`` on a ``cls`` instance calls
-    ``attach_fn(model, opt, bucket_cap_mb=c)``."""
+    """``attach(model, opt, bucket_cap_mb=c, clip_value=v)`` on a ``cls`` instance
+    calls ``attach_fn(model, opt, bucket_cap_mb=c, clip_value=v)``."""
     _WRAPPERS[cls] = attach_fn
 
 _SPARSE_MODULES = (nn.Embedding, nn.EmbeddingBag)
@@ -344,13 +344,14 @@ def attach(
         raise TypeError(f"attach() needs an nn.Module, got {type(model).__name__}")
     for cls, attach_wrapper in _WRAPPERS.items():
         if isinstance(model, cls):
-            if max_grad_norm is not None or clip_value is not None or bucket_max_norm is not None:
+            if max_grad_norm is not None or bucket_max_norm is not None:
                 raise AttachError(
-                    f"attach({cls.__name__}, ...) takes no clipping options: clip the "
+                    f"attach({cls.__name__}, ...) takes no norm clipping options: clip the "
                     "global norm (and use a GradScaler) with layeropt.backward(loss, "
                     "max_norm=..., scaler=...), which averages each bucket before measuring it."
                 )
-            wrapped = attach_wrapper(model, optimizer, bucket_cap_mb=bucket_cap_mb)
+            wrapped = attach_wrapper(model, optimizer, bucket_cap_mb=bucket_cap_mb,
+                                     clip_value=clip_value)
             return wrapped  # type: ignore[no-any-return]
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("max_grad_norm", max_grad_norm),
                         ("clip_value", clip_value), ("bucket_max_norm", bucket_max_norm)):

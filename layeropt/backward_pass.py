@@ -20,7 +20,7 @@ bucket_max_norm=...)``) needs no extra pass.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -167,8 +167,8 @@ def backward(
             e.discard_held()
     else:  # Pass 2: the ordinary attached backward, unscale/clip before each step.
         coef = None if total is None else torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        with ddp.step():
-            _attached_backward(loss, engines, retain_graph, (inv_scale, coef))
+        with ddp.step() as finish:
+            _attached_backward(loss, engines, retain_graph, (inv_scale, coef), finish)
     for o in optimizers:
         o.last_grad_norm = total
     return total
@@ -201,14 +201,18 @@ class _BufferSnapshot:
 
 
 def _attached_backward(
-    loss: Tensor, engines: list[Any], retain_graph: bool | None, transform: Any
+    loss: Tensor, engines: list[Any], retain_graph: bool | None, transform: Any,
+    finish: Callable[[], None] | None = None,
 ) -> None:
-    """``loss.backward()`` with the engines told they run inside layeropt.backward."""
+    """``loss.backward()`` with the engines told they run inside layeropt.backward;
+    then ``finish()`` (DDP's pass 2: what is left), the transform still set."""
     for e in engines:
         e.transform = transform
         e.entered = True
     try:
         loss.backward(retain_graph=retain_graph)
+        if finish is not None:
+            finish()
     finally:
         for e in engines:
             e.transform = None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import Any
 
@@ -75,7 +75,17 @@ class _TwoPasses:
         params = [p for state in self.states for p in state.owner]
         self._before = {p: None if p.grad is None else p.grad.detach().clone() for p in params}
         for state in self.states:
+            ddp = state.ddp() if state.find_unused else None
+            if ddp is not None and not hasattr(ddp.reducer, "_reset_state"):
+                raise AttachError(
+                    "layeropt.backward(max_norm=/scaler=) runs a second backward, after "
+                    "which DDP(find_unused_parameters=True) must reset its used-parameter "
+                    f"map: this torch ({torch.__version__}) cannot. Upgrade torch, or build "
+                    "DDP with find_unused_parameters=False."
+                )
+        for state in self.states:
             state.recording = []
+            state.pass_fired = set() if state.find_unused else None
         try:
             yield
         finally:
@@ -86,37 +96,53 @@ class _TwoPasses:
             self._before = {}
 
     @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        if not self.states:
-            yield
-            return
+    def step(self) -> Iterator[Callable[[], None]]:
+        """Pass 2's hooks; yields the check to call after its backward, while the
+        unscale/clip transform is still set (it averages and steps what is left)."""
         passes = [_StepPass(state) for state in self.states]
-        try:
-            yield
+
+        def finish() -> None:
             for one in passes:
                 one.check_done()
+
+        try:
+            yield finish
         finally:
             for one in passes:
                 one.remove()
 
 
 class _StepPass:
-    """Pass 2 on one DDP model: average each recorded bucket, then step it."""
+    """Pass 2 on one DDP model: average each recorded bucket, then step it.
+
+    Buckets are averaged in DDP's bucket order (each as soon as it and those
+    before it are complete), so every process issues the same all-reduces in
+    the same order. Under ``find_unused_parameters`` a bucket waits only for
+    the gradients this process produced in the measure pass, and a parameter
+    no process used is left alone (as DDP leaves it).
+    """
 
     def __init__(self, state: _HookState) -> None:
         self.state = state
         self.buckets = state.buckets
-        self.left = [len(b) for b in self.buckets]
+        fired = state.pass_fired
+        self.left = [sum(fired is None or id(p) in fired for p in b) for b in self.buckets]
+        self.next = 0  # the next bucket to average, in DDP's order
         where = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self.handles = [
             p.register_post_accumulate_grad_hook(partial(self._landed, where[id(p)]))
-            for b in self.buckets for p in b
+            for b in self.buckets for p in b if fired is None or id(p) in fired
         ]
 
     def _landed(self, index: int, param: Tensor) -> None:
         self.left[index] -= 1
         if self.left[index] == 0:
-            self._average_and_step(self.buckets[index])
+            self._average_ready()
+
+    def _average_ready(self) -> None:
+        while self.next < len(self.buckets) and self.left[self.next] <= 0:
+            self.next += 1
+            self._average_and_step(self.buckets[self.next - 1])
 
     def _average_and_step(self, params: list[Tensor]) -> None:
         state = self.state
@@ -126,14 +152,22 @@ class _StepPass:
         views, offset = [], 0
         for p in params:  # the layout of DDP's bucket: each gradient with its parameter's strides
             view = buffer.as_strided(p.size(), p.stride(), offset)
-            view.copy_(p.grad)
+            if p.grad is None:  # find_unused_parameters: not used here (DDP's zeros)
+                view.zero_()
+            else:
+                view.copy_(p.grad)
             views.append(view)
             offset += p.numel()
         buffer.mul_(1.0 / state.world)  # as the comm hook (and DDP's reducer) does
         dist.all_reduce(buffer, group=state.group)
         todo: dict[Any, list[Tensor]] = {}
+        used = state.used if state.find_unused else None
         for p, view in zip(params, views):
-            p.grad = view
+            if used is not None and id(p) not in used:
+                if p.grad is None:
+                    continue  # no process used it: DDP leaves its .grad alone
+            else:
+                p.grad = view
             ref = state.owner.get(p)
             opt = None if ref is None else ref()
             if opt is not None and not opt._lo_engine.no_step_depth:
@@ -144,12 +178,23 @@ class _StepPass:
             opt._lo_engine.last_backward_steps = n
 
     def check_done(self) -> None:
-        if any(self.left):
+        self._average_ready()  # trailing buckets nothing of which was used here
+        if self.next < len(self.buckets):
             raise AttachError(_UNUSED)
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+        state = self.state
+        state.pass_fired = None
+        if state.find_unused:
+            # This pass ran the reducer's autograd hooks again after its
+            # end-of-backward: they marked parameters used in DDP's map, which
+            # the next backward would read (and fail on). Reset it, and ours.
+            state.fired.clear()
+            ddp = state.ddp()
+            if ddp is not None:
+                ddp.reducer._reset_state()
 
 
 def two_passes(engines: list[Any]) -> _TwoPasses:
@@ -264,7 +309,6 @@ class DDPAttachment:
 
 def _check_ddp(ddp: nn.Module) -> None:
     problems = {
-        "find_unused_parameters=True": ddp.find_unused_parameters,
         "mixed_precision": getattr(ddp, "mixed_precision", None) is not None,
         "the Python reducer (compiled DDP)": getattr(ddp, "_use_python_reducer", False),
         "delayed all-reduce of every parameter": getattr(
@@ -293,6 +337,7 @@ def attach_ddp(
     *,
     bucket_cap_mb: float = 1.0,
     overlap: bool = True,
+    clip_value: float | None = None,
 ) -> DDPAttachment:
     """Step a DistributedDataParallel model's buckets on their averaged gradients, in backward.
 
@@ -312,7 +357,10 @@ def attach_ddp(
 
     Args:
         ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` instance,
-            with ``find_unused_parameters=False`` and no other comm hook.
+            without another comm hook. With ``find_unused_parameters=True``
+            one small all-reduce per backward tells which parameters some
+            process used (as DDP does); buckets then land at the end of
+            backward (no ``.then()`` overlap).
         optimizer: a layeropt optimizer, several, or ``None`` for every live
             layeropt optimizer owning some of the model's parameters.
         bucket_cap_mb: at the end of backward, an optimizer's landed buckets
@@ -322,6 +370,10 @@ def attach_ddp(
             ``.then()`` are stepped alone.
         overlap: ``True`` (default) steps CUDA buckets in ``.then()``;
             ``False`` steps every bucket at the end of backward.
+        clip_value: clip each averaged gradient element to
+            ``[-clip_value, clip_value]`` before its update (as
+            ``clip_grad_value_`` after DDP's backward). Global-norm clipping is
+            :func:`layeropt.backward`'s ``max_norm=``.
 
     Returns:
         A :class:`DDPAttachment`; ``.remove()`` returns to plain DDP behaviour.
@@ -344,8 +396,9 @@ def attach_ddp(
             f"attach_ddp() needs a DistributedDataParallel model, got "
             f"{type(ddp_model).__name__}; use layeropt.attach for other models."
         )
-    if not bucket_cap_mb >= 0:
-        raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("clip_value", clip_value)):
+        if value is not None and not value >= 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
     optimizers = resolve_owners(ddp_model.module, optimizer)
     _check_ddp(ddp_model)
     state = _DDP_STATES.get(ddp_model)
@@ -372,6 +425,7 @@ def attach_ddp(
     state.overlap = overlap
     for opt in optimizers:
         opt._lo_engine.cap_bytes = int(bucket_cap_mb * 2**20)
+        opt._lo_engine.clip_value = clip_value
     return DDPAttachment(ddp_model, optimizers, state)
 
 

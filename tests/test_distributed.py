@@ -345,10 +345,6 @@ def _errors(rank: int) -> dict[str, str]:
         assert all(p.grad is None for p in model.parameters())
         assert opt.stepped_in_backward == len(opt.param_groups[0]["params"])
 
-    def find_unused():
-        ddp = DDP(_model(), process_group=group, find_unused_parameters=True)
-        attach_ddp(ddp, layeropt.Adam(ddp.parameters()))
-
     def other_comm_hook():
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -385,7 +381,6 @@ def _errors(rank: int) -> dict[str, str]:
 
     cases = dict(
         negative_cap=negative_cap,
-        find_unused=find_unused,
         other_comm_hook=other_comm_hook,
         attach_twice=attach_twice,
         plain_torch_optimizer=plain_torch_optimizer,
@@ -652,6 +647,73 @@ def _activation_checkpoint(rank: int) -> dict[str, Any]:
     return out
 
 
+class _Branchy(nn.Module):
+    """``b`` is used by rank 1 on some micro-batches only; ``spare`` never."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.a, self.b, self.spare = (
+            nn.Linear(8, 8), nn.Linear(8, 3), nn.Linear(8, 3), nn.Linear(3, 3))
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        return self.a(h) + self.b(h) if use_b else self.a(h)
+
+
+# name -> DDP options (+ "clip": layeropt.backward / clip_grad_norm_), accumulation
+FIND_UNUSED = {
+    "plain": ({}, None),
+    "bucket_view": (dict(gradient_as_bucket_view=True), None),
+    "clip": (dict(clip=0.05), None),
+    "no_sync": ({}, "no_sync"),
+    "no_sync-clip": (dict(clip=0.05), "no_sync"),
+    "no_step": ({}, "no_step"),
+}
+
+
+def _find_unused(rank: int) -> dict[str, Any]:
+    """DDP(find_unused_parameters=True): parameters unused on one rank, or on all."""
+    out: dict[str, Any] = {}
+    for name, (options, accum) in FIND_UNUSED.items():
+        options = dict(options)
+        clip = options.pop("clip", None)
+        for layer in (True, False):
+            ddp = DDP(_Branchy(), bucket_cap_mb=BUCKET_MB, find_unused_parameters=True,
+                      **options)
+            cls = layeropt.AdamW if layer else torch.optim.AdamW
+            opt = cls(ddp.parameters(), lr=0.01, weight_decay=0.1)
+            if layer:
+                attach_ddp(ddp, opt)
+            n = ACCUM if accum else 1
+            for step in range(4):
+                for micro in range(n):
+                    with contextlib.ExitStack() as ctx:
+                        last = micro == n - 1
+                        if not last and accum == "no_sync":
+                            ctx.enter_context(ddp.no_sync())
+                        if not last and accum == "no_step" and layer:
+                            ctx.enter_context(opt.no_step())
+                        g = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
+                        use_b = rank == 1 and (step + micro) % 2 == 0
+                        loss = F.mse_loss(ddp(torch.randn(4, 8, generator=g), use_b),
+                                          torch.randn(4, 3, generator=g)) / n
+                        if last and layer and clip is not None:
+                            layeropt.backward(loss, opt, max_norm=clip)
+                        else:
+                            loss.backward()
+                if not layer and clip is not None:
+                    torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
+                if layer:
+                    out[f"{name}/grads_left"] = [k for k, p in ddp.named_parameters()
+                                                 if p.grad is not None]  # fmt: skip
+                opt.step()
+                opt.zero_grad()
+            out[f"{name}/{layer}"] = dict(params=[_full(p) for p in ddp.parameters()],
+                                          state=_state(opt))
+    return out
+
+
 # ----------------------------------------------------------------------------
 # The two-rank job
 # ----------------------------------------------------------------------------
@@ -689,6 +751,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     jobs["mixed"] = lambda: _mixed(rank)
     jobs["activation_checkpoint"] = lambda: _activation_checkpoint(rank)
     jobs["compiled"] = lambda: _compiled(rank)
+    jobs["find_unused"] = lambda: _find_unused(rank)
     jobs["errors"] = lambda: _errors(rank)  # last: it aborts backwards mid-way
     results: dict[str, Any] = {}
     for key, job in jobs.items():
@@ -789,6 +852,19 @@ def test_ddp_steps_buckets_at_end_of_backward(ranks, name):
         assert [b[0][1] for b in backwards] == sorted({b[0][1] for b in backwards})
 
 
+@pytest.mark.parametrize("name", list(FIND_UNUSED))
+def test_find_unused_parameters_equals_torch_optim(ranks, name):
+    """Parameters unused on one rank are stepped on the average; unused on all: untouched."""
+    for r, out in enumerate(_get(ranks, "find_unused")):
+        lo, ref = out[f"{name}/True"], out[f"{name}/False"]
+        assert_same(lo["params"], ref["params"], f"rank {r}: params vs torch.optim")
+        assert_same(lo["state"], ref["state"], f"rank {r}: state vs torch.optim")
+        assert out[f"{name}/grads_left"] == [], "a .grad survived an attached backward"
+        assert len(ref["state"]) == 6  # spare (2 tensors) never got a gradient: no state
+    first = _get(ranks, "find_unused")[0][f"{name}/True"]
+    assert_same(first["params"], _get(ranks, "find_unused")[1][f"{name}/True"]["params"])
+
+
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_distributed_checkpoint_resumes_bitwise(ranks, engine):
     for run in _get(ranks, f"checkpoint/{engine}"):
@@ -871,8 +947,6 @@ def test_params_of_other_optimizers_get_the_averaged_grad(ranks):
 LOCAL = "AttachError: a layeropt hook was about to step a parameter"
 # case -> what the outcome must contain (the error and the fix it names)
 ERRORS = {
-    "find_unused": ["AttachError: layeropt cannot step in backward under DDP with "
-                    "find_unused_parameters=True", "without it"],
     "other_comm_hook": ["AttachError: this DDP model already has a communication hook",
                         "without register_comm_hook"],
     "attach_twice": ["AttachError: this DDP model is already attached", ".remove()"],
