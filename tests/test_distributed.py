@@ -89,6 +89,9 @@ TRAIN = {
         "ddp", "sgd", dict(clip=0.05, scaler=True, gradient_as_bucket_view=True), None
     ),
     "ddp-accum-no_step-clip-scaler": ("ddp", "adamw_fused", dict(clip=0.05, scaler=True), "no_step"),
+    # attach(ddp, opt, clip_value=...) vs clip_grad_value_ after backward
+    "ddp-clip_value": ("ddp", "adam", dict(clip_value=0.01, cap=0), None),
+    "ddp-accum-no_sync-clip_value": ("ddp", "sgd", dict(clip_value=0.01), "no_sync"),
     "fsdp2-clip": ("fsdp2", "adam", dict(clip=0.05), None),
     "fsdp2-accum-no_step-clip": ("fsdp2", "sgd", dict(clip=0.05), "no_step"),
 }
@@ -149,7 +152,10 @@ def _cpu_mesh() -> Any:
 
 
 def _attach(engine: str, wrapped: nn.Module, opt: Any, overlap: bool,
-            cap: float | None = None) -> Any:  # fmt: skip
+            cap: float | None = None, clip_value: float | None = None) -> Any:  # fmt: skip
+    if clip_value is not None:
+        kw = {} if cap is None else {"bucket_cap_mb": cap}
+        return layeropt.attach(wrapped, opt, clip_value=clip_value, **kw)
     if engine == "ddp" and not overlap:
         kw = {} if cap is None else {"bucket_cap_mb": cap}
         return attach_ddp(wrapped, opt, overlap=False, **kw)
@@ -178,6 +184,7 @@ def _train_steps(
     layer: bool = True,
     clip: float | None = None,
     scaler: bool = False,
+    clip_value: float | None = None,
 ) -> bool:
     """Train; return whether every .grad was None after every last backward.
 
@@ -207,6 +214,8 @@ def _train_steps(
             amp.unscale_(opt)
         if not layer and clip is not None:
             torch.nn.utils.clip_grad_norm_(wrapped.parameters(), clip)
+        if not layer and clip_value is not None:
+            torch.nn.utils.clip_grad_value_(wrapped.parameters(), clip_value)
         grads_none &= all(p.grad is None for p in wrapped.parameters())
         if amp is not None:
             amp.step(opt)
@@ -222,11 +231,12 @@ def _train(rank: int, name: str, layer: bool) -> dict[str, Any]:
     options = dict(options)
     overlap, cap = options.pop("overlap", True), options.pop("cap", None)
     clip, scaler = options.pop("clip", None), options.pop("scaler", False)
+    clip_value = options.pop("clip_value", None)
     wrapped, no_sync = _wrap(engine, options)
     opt = _opt(opt_name, wrapped.parameters(), layer)
     calls: list[tuple[int, int]] = []
     if layer:
-        _attach(engine, wrapped, opt, overlap, cap)
+        _attach(engine, wrapped, opt, overlap, cap, clip_value)
         step_params = opt._step_params
         first = next(wrapped.parameters())  # the conv weight: its grad lands last
         arrived = [0]  # backwards in which the conv weight's gradient was computed
@@ -238,7 +248,7 @@ def _train(rank: int, name: str, layer: bool) -> dict[str, Any]:
 
         opt._step_params = logged
     grads_none = _train_steps(wrapped, no_sync, opt, rank, accum, STEPS, layer=layer,
-                              clip=clip, scaler=scaler)
+                              clip=clip, scaler=scaler, clip_value=clip_value)
     return dict(
         params=[_full(p) for p in wrapped.parameters()],
         state=_state(opt),

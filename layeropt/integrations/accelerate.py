@@ -26,14 +26,22 @@ and updates each layer during backward, with the parameters ``Accelerator`` +
   ``clip_value=``) to skip the learning step; a later call with other values
   raises.
 
-Single process (``num_processes == 1``); tested with accelerate 1.15.
+Under several processes (``accelerate launch`` / ``torchrun``) ``prepare``
+wraps the model in ``DistributedDataParallel`` and the wrapper is attached:
+each bucket is stepped on its averaged gradient, ``accumulate`` keeps DDP's
+``no_sync``, and clipping measures the averaged gradients - the parameters
+equal accelerate + ``torch.optim`` on every process, bit for bit
+(``find_unused_parameters=True`` included). Other multi-process set-ups
+(FSDP, DeepSpeed plugins) are refused in ``prepare``. Tested with
+accelerate 1.15.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..attaching import Attachment, attach
 from ..backward_pass import backward as layeropt_backward
@@ -72,8 +80,8 @@ class LayeroptAccelerator(Accelerator):
         **kwargs: ``Accelerator``'s keyword arguments.
 
     Raises:
-        AccelerateSetupError: a distributed run; a clipping call that differs
-            from the one learned or given.
+        AccelerateSetupError: a clipping call that differs from the one
+            learned or given.
 
     Example:
         >>> accelerator = LayeroptAccelerator(gradient_accumulation_steps=4)  # doctest: +SKIP
@@ -113,21 +121,28 @@ class LayeroptAccelerator(Accelerator):
         """``Accelerator.prepare``; then attaches prepared models to their layeropt optimizers."""
         out = super().prepare(*args, **kwargs)
         opts = self.layeropt_optimizers
-        if opts and self.num_processes > 1:
-            raise AccelerateSetupError(
-                "LayeroptAccelerator runs in a single process; this run has "
-                f"{self.num_processes}. Use torch.optim with accelerate, or a custom loop "
-                "with layeropt.distributed (docs/distributed.md)."
-            )
-        for model in self._models:
-            if id(model) in self._lo_handles:
+        # The models as prepared (DistributedDataParallel under several processes):
+        # the wrapper is what the loop calls, and what averages the gradients.
+        prepared = out if isinstance(out, tuple) else (out,)
+        for model in prepared:
+            if not isinstance(model, nn.Module) or id(model) in self._lo_handles:
                 continue
             params = list(model.parameters())
             owners = [o for o in opts if any(o.owns(p) for p in params)]
+            key = id(model)
+            model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: what it compiled
+            if owners and self.num_processes > 1 and not isinstance(model, DDP):
+                raise AccelerateSetupError(
+                    f"LayeroptAccelerator supports one process or DistributedDataParallel; "
+                    f"this run ({self.distributed_type}) prepared the model as "
+                    f"{type(model).__name__}, whose gradients layeropt cannot average. "
+                    "Use torch.optim with this plugin, or a custom loop with FSDP2's "
+                    "fully_shard and layeropt.attach."
+                )
             if owners:
                 kw = {} if self.layeropt_bucket_cap_mb is None else {
                     "bucket_cap_mb": self.layeropt_bucket_cap_mb}
-                self._lo_handles[id(model)] = attach(model, owners, **kw)
+                self._lo_handles[key] = attach(model, owners, **kw)
         self._apply_clip_value()
         return out
 

@@ -32,9 +32,17 @@ message naming the fix, before the first step.
 Checkpoints need nothing: ``optimizer.pt`` is torch's state dict (layeropt
 optimizers are the torch classes), so ``save_steps`` and
 ``resume_from_checkpoint`` work unchanged, also across torch.optim and
-layeropt runs. Single process only (no DDP/FSDP/DeepSpeed under the Trainer:
-use ``layeropt.distributed`` in a custom loop). Tested with transformers 5.24
-and accelerate 1.15; needs transformers >= 4.46.
+layeropt runs.
+
+Under several processes (``torchrun`` / ``accelerate launch``) the Trainer
+wraps the model in ``DistributedDataParallel``; ``LayeroptTrainer`` attaches
+that wrapper, so each bucket is stepped on its averaged gradient (with the
+Trainer's default ``find_unused_parameters=True`` for a ``PreTrainedModel``,
+too) and clipping measures the averaged gradients: the same parameters as
+``Trainer`` + ``torch.optim`` on every process, bit for bit. FSDP, DeepSpeed
+and ``DataParallel`` are refused, and so is ``LayeroptCallback`` under DDP
+(a callback never sees the wrapper). Tested with transformers 5.24 and
+accelerate 1.15; needs transformers >= 4.46.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..attaching import Attachment, attach
 from ..backward_pass import backward as layeropt_backward
@@ -68,12 +77,26 @@ class TrainerSetupError(LayeroptError):
 
 def _check_args(args: Any, *, plain: bool) -> None:
     """Refuse settings the integration cannot make exact (see the messages)."""
-    if getattr(args, "world_size", 1) > 1 or getattr(args, "n_gpu", 0) > 1:
+    if getattr(args, "n_gpu", 0) > 1:
         raise TrainerSetupError(
-            "layeropt's Trainer integration runs in a single process, but this Trainer "
-            "is distributed (DDP/FSDP/DeepSpeed or DataParallel). Train with a custom "
-            "loop and layeropt.distributed.attach_ddp (docs/distributed.md), or use "
-            "torch.optim with the Trainer."
+            f"this Trainer runs torch.nn.DataParallel over {args.n_gpu} GPUs in one "
+            "process, whose replicas layeropt cannot step in backward. Launch one process "
+            "per GPU (torchrun / accelerate launch: DistributedDataParallel), or make one "
+            "GPU visible (CUDA_VISIBLE_DEVICES)."
+        )
+    if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
+        raise TrainerSetupError(
+            "layeropt's Trainer integration supports one process or "
+            "DistributedDataParallel (torchrun / accelerate launch), not FSDP or "
+            "DeepSpeed under the Trainer: use torch.optim there, or a custom loop with "
+            "FSDP2's fully_shard and layeropt.attach (docs/distributed.md)."
+        )
+    if plain and getattr(args, "world_size", 1) > 1:
+        raise TrainerSetupError(
+            f"LayeroptCallback cannot reach the DistributedDataParallel model this "
+            f"Trainer builds ({args.world_size} processes), and the model it is given "
+            "would step on each process's local gradient. Use LayeroptTrainer, which "
+            "attaches the DDP model."
         )
     if "lomo" in str(getattr(args, "optim", "")).lower():
         raise TrainerSetupError(
@@ -129,8 +152,9 @@ class LayeroptTrainer(Trainer):
             layeropt version of ``args.optim``'s optimizer is built.
 
     Raises:
-        TrainerSetupError: (at the first training step) a distributed run, a
-            LOMO optimizer, or an optimizer that is not a layeropt one.
+        TrainerSetupError: (at the first training step) FSDP, DeepSpeed or
+            DataParallel, a LOMO optimizer, or an optimizer that is not a
+            layeropt one.
 
     Example:
         >>> trainer = LayeroptTrainer(model=model, args=args, train_dataset=data)  # doctest: +SKIP
@@ -169,16 +193,25 @@ class LayeroptTrainer(Trainer):
             )
         return opt
 
-    def _layeropt_attach(self) -> InBackwardOptimizer:
+    def _layeropt_attach(self, model: nn.Module) -> InBackwardOptimizer:
+        """Attach ``model``, the model as the Trainer wrapped it (DDP under several processes)."""
         opt = self.layeropt_optimizer()
         if not opt.attached:
             _check_args(self.args, plain=False)
-            self._layeropt_handle = attach(self.model, opt, **_attach_kwargs(self.bucket_cap_mb))
+            model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: what it compiled
+            if self.args.world_size > 1 and not isinstance(model, DDP):
+                raise TrainerSetupError(
+                    f"LayeroptTrainer supports one process or DistributedDataParallel; this "
+                    f"Trainer runs {self.args.world_size} processes with the model wrapped as "
+                    f"{type(model).__name__}, whose gradients layeropt cannot average. Use "
+                    "torch.optim with it."
+                )
+            self._layeropt_handle = attach(model, opt, **_attach_kwargs(self.bucket_cap_mb))
         return opt
 
     def training_step(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Tensor:
         """``Trainer.training_step`` with layeropt's backward (see the module docstring)."""
-        opt = self._layeropt_attach()
+        opt = self._layeropt_attach(model)
         acc = self.accelerator
         sync = bool(acc.sync_gradients)
         had = acc.__dict__.get("backward")
@@ -255,8 +288,9 @@ class LayeroptCallback(TrainerCallback):
         bucket_cap_mb: passed to :func:`layeropt.attach` (``None``: its default).
 
     Raises:
-        TrainerSetupError: at ``on_train_begin``, for the settings above, a
-            distributed run, or when no layeropt optimizer owns the model.
+        TrainerSetupError: at ``on_train_begin``, for the settings above,
+            several processes (use ``LayeroptTrainer``), or when no layeropt
+            optimizer owns the model.
 
     Example:
         >>> opt = layeropt.AdamW(model.parameters(), lr=1e-3)  # doctest: +SKIP

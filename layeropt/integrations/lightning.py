@@ -26,9 +26,13 @@ and refuses torch-style accumulation - but it then saves no memory.
   without clipping it costs the extra backward pass too).
 
 Parameters and optimizer state equal the same ``Trainer`` with ``torch.optim``
-bit for bit. Single process, automatic optimization (with manual optimization
-layeropt's own rules apply: call ``layeropt.backward`` in ``training_step``).
-Tested with Lightning 2.6.
+bit for bit. One process, or several with a DDP strategy (``strategy="ddp"``
+and its variants, ``find_unused_parameters=True`` included): the strategy's
+``DistributedDataParallel`` wrapper is attached, so each bucket is stepped on
+its averaged gradient. Other strategies under several processes (FSDP,
+DeepSpeed) are refused. Automatic optimization only (with manual
+optimization layeropt's own rules apply: call ``layeropt.backward`` in
+``training_step``). Tested with Lightning 2.6.
 """
 
 from __future__ import annotations
@@ -69,7 +73,8 @@ class LayeroptCallback(Callback):
 
     Raises:
         LightningSetupError: at ``fit`` start, when no optimizer is a layeropt
-            one, the run is distributed, or the module uses manual optimization.
+            one, several processes run a strategy other than DDP, or the module
+            uses manual optimization.
 
     Example:
         >>> class Net(L.LightningModule):  # doctest: +SKIP
@@ -91,12 +96,7 @@ class LayeroptCallback(Callback):
     # -- setup / teardown ------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the set-up, attach the module, route backward through layeropt."""
-        if trainer.world_size > 1:
-            raise LightningSetupError(
-                "LayeroptCallback runs in a single process; this Trainer is distributed. "
-                "Use torch.optim with it, or a custom loop with "
-                "layeropt.distributed (docs/distributed.md)."
-            )
+        model = _model_to_attach(trainer, pl_module)
         if not pl_module.automatic_optimization:
             raise LightningSetupError(
                 "LayeroptCallback is for automatic optimization. With manual optimization, "
@@ -120,7 +120,7 @@ class LayeroptCallback(Callback):
             kwargs["bucket_cap_mb"] = self.bucket_cap_mb
         if self._clip is not None and algorithm == "value":
             kwargs["clip_value"] = clip_val
-        self._handle = attach(pl_module, self._optimizers, **kwargs)
+        self._handle = attach(model, self._optimizers, **kwargs)
         precision = trainer.precision_plugin
         self._patch(precision, "backward", self._backward(trainer))
         self._patch(precision, "clip_gradients", self._clip_gradients)
@@ -193,6 +193,24 @@ class LayeroptCallback(Callback):
             norm = unwrap_optimizer(optimizer).last_grad_norm
             if norm is not None:
                 pl_module.log("grad_2.0_norm_total", norm, on_step=True)
+
+
+def _model_to_attach(trainer: pl.Trainer, pl_module: pl.LightningModule) -> torch.nn.Module:
+    """The module itself, or under several processes the strategy's DDP wrapper."""
+    if trainer.world_size <= 1:
+        return pl_module
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = trainer.strategy.model
+    if not isinstance(wrapped, DistributedDataParallel):
+        raise LightningSetupError(
+            f"LayeroptCallback supports one process or DistributedDataParallel "
+            f"(strategy='ddp' and its variants); this Trainer runs "
+            f"{type(trainer.strategy).__name__} over {trainer.world_size} processes. Use "
+            "torch.optim with it, or a custom loop with FSDP2's fully_shard and "
+            "layeropt.attach (docs/distributed.md)."
+        )
+    return wrapped
 
 
 def _algorithm(value: Any) -> str:
