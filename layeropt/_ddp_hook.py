@@ -227,8 +227,8 @@ _UNUSED = (
 def _allreduce_then_step(state, bucket):  # no annotations: DDP inspects them
     """DDP comm hook: average the bucket; step its parameters once the average lands."""
     state.begin()
-    landing = _Landing(state, bucket)  # sorted now: frees the local gradients at once
     buffer = bucket.buffer()
+    landing = _Landing(state, bucket, buffer)  # sorted now: frees the local gradients at once
     buffer.mul_(1.0 / state.world)  # what the built-in reducer does, bit for bit
     fut = state.group.allreduce([buffer]).get_future()  # (a sum, as dist.all_reduce)
     if state.overlap and buffer.device.type != "cpu" and not state.find_unused:
@@ -251,21 +251,21 @@ class _Landing:
     bucket's all-reduce has landed.
     """
 
-    __slots__ = ("state", "steps", "measures", "write_back", "params", "device", "held")
+    __slots__ = ("device", "held", "measures", "params", "state", "steps", "write_back")
 
-    def __init__(self, state: _HookState, bucket: Any) -> None:
+    def __init__(self, state: _HookState, bucket: Any, buffer: Tensor) -> None:
         self.state = state
         self.steps: dict[Any, list[tuple[Tensor, Tensor]]] = {}  # optimizer -> (param, view)
         self.measures: list[tuple[Any, Tensor, Tensor]] = []
         self.write_back: list[tuple[Tensor, Tensor]] = []
-        self.params = list(bucket.parameters())
-        self.device = bucket.buffer().device
+        self.params = params = bucket.parameters()
+        self.device = buffer.device
         # find_unused_parameters: gradients not produced since the last sync
         # (held by no_step()); stepped as they are if no process used them.
         self.held: dict[Tensor, Tensor] = {}
         owner = state.owner if state.active else {}
         modes: dict[int, Any] = {}  # id(owner ref) -> what its parameters get, this bucket
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
+        for p, g in zip(params, bucket.gradients()):
             view = _grad_view(p, g)
             ref = owner.get(p)
             mode = modes.get(id(ref), _WRITE_BACK if ref is None else None)
