@@ -99,12 +99,13 @@ HF = {
     "ga1-max_grad_norm-find_unused_false": dict(
         ga=1, max_grad_norm=0.1, ddp_find_unused_parameters=False),
     "ga2-bf16": dict(ga=2, bf16=True),
+    "built-ga2": dict(ga=2, built=True),  # no optimizers=: args.optim's class (layeropt's)
     "callback-refused": dict(ga=2, callback=True),
 }
 
 
 def _hf(kind: str, ga: int = 2, max_grad_norm: float = 0.0, callback: bool = False,
-        **targs: Any) -> dict[str, Any]:
+        built: bool = False, **targs: Any) -> dict[str, Any]:
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -136,20 +137,22 @@ def _hf(kind: str, ga: int = 2, max_grad_norm: float = 0.0, callback: bool = Fal
             gradient_accumulation_steps=ga, learning_rate=1e-2, max_grad_norm=max_grad_norm,
             lr_scheduler_type="cosine", warmup_steps=1, logging_steps=1, seed=0,
             report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no", **targs)
-        if kind == "torch":
+        common = dict(model=model, args=args, train_dataset=data)
+        if built:  # the Trainer builds args.optim's optimizer (LayeroptTrainer: layeropt's)
+            cls = Trainer if kind == "torch" else LayeroptTrainer
+            trainer = cls(**common, callbacks=[Probe()])
+        elif kind == "torch":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            trainer = Trainer(model=model, args=args, train_dataset=data,
-                              optimizers=(opt, None), callbacks=[Probe()])
+            trainer = Trainer(**common, optimizers=(opt, None), callbacks=[Probe()])
         elif callback:
             opt = layeropt.AdamW(model.parameters(), lr=1e-2)
-            trainer = Trainer(model=model, args=args, train_dataset=data,
-                              optimizers=(opt, None), callbacks=[LayeroptCallback()])
+            trainer = Trainer(**common, optimizers=(opt, None), callbacks=[LayeroptCallback()])
         else:
             opt = layeropt.AdamW(model.parameters(), lr=1e-2)
-            trainer = LayeroptTrainer(model=model, args=args, train_dataset=data,
-                                      optimizers=(opt, None), bucket_cap_mb=0,
+            trainer = LayeroptTrainer(**common, optimizers=(opt, None), bucket_cap_mb=0,
                                       callbacks=[Probe()])
         trainer.train()
+    opt = trainer.optimizer
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     return _result(model, opt, norms=norms if max_grad_norm > 0 else [],
                    wrapper=type(trainer.model_wrapped).__name__,
