@@ -115,3 +115,45 @@ def test_hf_callback_under_ddp_is_refused(runs):
 @pytest.mark.parametrize("case", list(LIGHTNING))
 def test_lightning_under_ddp_equals_torch_optim(runs, case):
     _same(runs("lightning"), case)
+
+
+def test_lightning_forking_its_own_processes_equals_torch_optim():
+    """``strategy="ddp_notebook"``: Lightning forks the ranks; rank 0's weights come back."""
+    L = pytest.importorskip("lightning")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import layeropt
+    from layeropt.integrations.lightning import LayeroptCallback
+
+    class Net(L.LightningModule):
+        def __init__(self, opt_cls: Any) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(),
+                                           torch.nn.Linear(32, 4))
+            self.opt_cls = opt_cls
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return self.opt_cls(self.parameters(), lr=1e-2)
+
+    def fit(opt_cls: Any, callbacks: list) -> Net:
+        g = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 4, generator=g))
+        module = Net(opt_cls)
+        trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=WORLD,
+                            strategy="ddp_notebook", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            gradient_clip_val=0.05, accumulate_grad_batches=2,
+                            callbacks=callbacks)
+        trainer.fit(module, DataLoader(data, batch_size=4))
+        return module
+
+    ref = fit(torch.optim.AdamW, [])
+    got = fit(layeropt.AdamW, [LayeroptCallback()])
+    start = Net(torch.optim.AdamW)
+    assert not all(torch.equal(p, q) for p, q in zip(ref.parameters(), start.parameters()))
+    assert_same(list(got.parameters()), list(ref.parameters()), "params vs torch.optim")
