@@ -100,12 +100,15 @@ HF = {
         ga=1, max_grad_norm=0.1, ddp_find_unused_parameters=False),
     "ga2-bf16": dict(ga=2, bf16=True),
     "built-ga2": dict(ga=2, built=True),  # no optimizers=: args.optim's class (layeropt's)
+    # activation checkpointing (the Trainer then builds DDP with find_unused=False)
+    "ga2-checkpointing-reentrant": dict(ga=2, max_grad_norm=0.5, ckpt={"use_reentrant": True}),
+    "ga2-checkpointing": dict(ga=2, ckpt={"use_reentrant": False}),
     "callback-refused": dict(ga=2, callback=True),
 }
 
 
 def _hf(kind: str, ga: int = 2, max_grad_norm: float = 0.0, callback: bool = False,
-        built: bool = False, **targs: Any) -> dict[str, Any]:
+        built: bool = False, ckpt: dict | None = None, **targs: Any) -> dict[str, Any]:
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -131,6 +134,11 @@ def _hf(kind: str, ga: int = 2, max_grad_norm: float = 0.0, callback: bool = Fal
     gen = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, VOCAB, (16,), generator=gen) for _ in range(24)]
     data = [{"input_ids": r, "labels": r} for r in rows]
+    if ckpt is not None:  # transformers >= 5: activation_*; before: gradient_*
+        name = ("activation_checkpointing"
+                if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+                else "gradient_checkpointing")
+        targs.update({name: True, f"{name}_kwargs": ckpt})
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(
             output_dir=tmp, max_steps=STEPS, per_device_train_batch_size=2,
@@ -156,7 +164,8 @@ def _hf(kind: str, ga: int = 2, max_grad_norm: float = 0.0, callback: bool = Fal
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     return _result(model, opt, norms=norms if max_grad_norm > 0 else [],
                    wrapper=type(trainer.model_wrapped).__name__,
-                   world=args.world_size, grads_alive=grads_alive)
+                   world=args.world_size, grads_alive=grads_alive,
+                   checkpointing=model.is_gradient_checkpointing)
 
 
 # ----------------------------------------------------------------------------

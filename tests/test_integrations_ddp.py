@@ -99,6 +99,7 @@ def test_accelerate_under_ddp_equals_torch_optim(runs, case):
 def test_hf_trainer_under_ddp_equals_torch_optim(runs, case):
     for ref, got in _same(runs("hf"), case):
         assert got["world"] == WORLD
+        assert got["checkpointing"] == ref["checkpointing"] == ("ckpt" in HF[case])
         assert got["norms"] == ref["norms"]  # logged grad_norm (clipping cases)
         if HF[case].get("max_grad_norm"):
             assert len(got["norms"]) == 3
