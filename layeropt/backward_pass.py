@@ -123,6 +123,13 @@ def backward(
         _attached_backward(loss, engines, retain_graph, None)
         return None
 
+    # Layers unfrozen (or frozen) since attach: hooked (unhooked) now, so that the
+    # measure pass sees every gradient the step will use. (A plain backward picks
+    # them up as it goes, rule 7 of landing.py; two passes cannot.)
+    for e in engines:
+        for attachment in list(e.attachments):
+            attachment.sync()
+
     inv_scale = found_inf = None
     if scaler is not None:
         scale = scaler._scale

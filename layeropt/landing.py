@@ -51,8 +51,10 @@ through :meth:`Engine.on_grad`. From there:
    training step is one transaction of ``layeropt/_subset.py``;
 7. parameters unfrozen (``requires_grad_(True)``) after ``attach`` are picked
    up at the next backward: that backward steps every gradient it left when
-   it ends and the hooks are rebuilt (also at a ``step()`` that found
-   gradients no hook took); frozen ones leave their buckets.
+   it ends (holds them, under ``no_step()``) and the hooks are rebuilt (also
+   at a ``step()`` that found gradients no hook took); frozen ones leave their
+   buckets. ``layeropt.backward``'s two passes rebuild the hooks before the
+   first, which must measure every gradient the step uses.
 
 If a backward raises, autograd drops it; its end callback is then released
 without running, and the partial gradients it left (arrived but not
@@ -506,7 +508,13 @@ class Engine:
                         self.measure.take(p)
             elif self._hold:
                 self._held_backwards += 1
-            elif not self._no_step_depth:
+            elif self._no_step_depth:
+                if self._sweep:  # unfrozen since attach: no hook held them (rule 7)
+                    for attachment in list(self.attachments):
+                        for p in attachment.owned:
+                            if p.grad is not None:
+                                self.held.setdefault(p, None)
+            else:
                 self._step(self._ready + self._leftovers())
                 self.held.clear()
                 if self._steps:

@@ -331,6 +331,29 @@ def test_trainer_matches_torch_optim(tmp_path, kind, ref_kind, opts, tol):
         assert norms == ref_norms if tol == 0 else norms == pytest.approx(ref_norms, rel=1e-6)
 
 
+class _Unfreeze(TrainerCallback):
+    """Gradual unfreezing: decoder layer 0 trains from optimizer step 2 on."""
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        model.model.layers[0].requires_grad_(state.global_step >= 2)
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_trainer_with_layers_unfrozen_mid_training(tmp_path, ga):
+    """Clipping measures the unfrozen layer's gradient too (its first step included)."""
+    runs = []
+    for kind in ("torch", "layeropt"):
+        trainer, model, _ = _trainer(tmp_path, kind, ga=ga, max_grad_norm=0.5, steps=4)
+        model.model.layers[0].requires_grad_(False)
+        trainer.add_callback(_Unfreeze())
+        trainer.train()
+        runs.append((model, _grad_norms(trainer)))
+    (ref, ref_norms), (model, norms) = runs
+    assert len(norms) == 4 and norms == ref_norms
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach(), name)
+
+
 @pytest.mark.filterwarnings("ignore:.*the norm is not measured")  # its grad_norm logging
 @pytest.mark.parametrize("ga, max_grad_norm, error", [
     (2, 0.0, layeropt.BackwardStateError),  # every micro-batch would step

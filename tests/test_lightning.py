@@ -119,6 +119,28 @@ def test_callback_with_library_defaults_matches_torch_optim():
         assert_same(p.detach(), q.detach())
 
 
+class _Unfreeze(L.Callback):
+    """Gradual unfreezing: the first layer trains from optimizer step 2 on."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pl_module.net[0].requires_grad_(trainer.global_step >= 2)
+
+
+@pytest.mark.parametrize("setup", ["clip-norm", "accumulate-3-clip"])
+def test_callback_with_layers_unfrozen_mid_training(setup):
+    """Clipping measures the unfrozen layer (its first step, accumulated ones too)."""
+    modules = []
+    for cls, callbacks in ((torch.optim.AdamW, []), (layeropt.AdamW, [LayeroptCallback()])):
+        module = Net(cls)
+        module.net[0].requires_grad_(False)
+        _fit(module, [*callbacks, _Unfreeze()], steps=4, **_kw(SETUPS[setup]))
+        modules.append(module)
+    ref, module = modules
+    assert not torch.equal(ref.net[0].weight, Net(torch.optim.AdamW).net[0].weight)  # trained
+    for p, q in zip(module.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach())
+
+
 @pytest.mark.parametrize("setup", ["clip-norm", "bf16-mixed", "16-mixed"])
 def test_attached_without_callback_is_exact_but_warns(setup):
     """Without the callback an attached optimizer under Lightning holds its gradients

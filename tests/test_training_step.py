@@ -253,6 +253,64 @@ def test_gradual_unfreezing_matches_torch(cap):
     assert hooked == {id(p) for p in model.parameters()}  # every layer hooked by now
 
 
+# How each step's backward runs: (clip, GradScaler, micro-batches, the micro-batch
+# before which the schedule unfreezes the next layer).
+UNFREEZE_BACKWARDS = {
+    "clip": (0.05, False, 1, 0),
+    "clip-scaler": (0.05, True, 1, 0),
+    "scaler": (None, True, 1, 0),
+    "no_step-unfrozen-first-micro-clip": (0.05, False, 2, 0),
+    "no_step-unfrozen-last-micro-clip": (0.05, False, 2, 1),
+    "no_step-unfrozen-first-micro": (None, False, 2, 0),
+}
+
+
+@pytest.mark.parametrize("cap", [0.0, None])
+@pytest.mark.parametrize("case", list(UNFREEZE_BACKWARDS))
+def test_gradual_unfreezing_through_layeropt_backward_matches_torch(case, cap):
+    """Layers unfrozen since attach are measured (clip norm, inf check) and stepped
+    with the clipped gradient, also when they accumulate under no_step() first."""
+    clip, scaled, micro_batches, unfreeze_at = UNFREEZE_BACKWARDS[case]
+    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair("mlp", "AdamW")
+    _unfreeze_schedule(ref, 0)
+    _unfreeze_schedule(model, 0)
+    layeropt.attach(model, opt, **({} if cap is None else {"bucket_cap_mb": cap}))
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**4) if scaled else None
+               for _ in range(2)]  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    norms, ref_norms = [], []
+    for step in range(4):
+        for micro in range(micro_batches):
+            if micro == unfreeze_at:
+                _unfreeze_schedule(ref, step)
+                _unfreeze_schedule(model, step)
+            data = batch_fn(gen)
+            ref_loss, loss = (loss_fn(m, data) / micro_batches for m in (ref, model))
+            if scaled:
+                ref_loss, loss = scalers[0].scale(ref_loss), scalers[1].scale(loss)
+            ref_loss.backward()
+            if micro < micro_batches - 1:
+                with opt.no_step():
+                    loss.backward()
+            else:
+                norms.append(layeropt.backward(loss, opt, max_norm=clip, scaler=scalers[1]))
+        if scaled:
+            scalers[0].unscale_(ref_opt)
+        if clip is not None:
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip))
+        for sc, o in ((scalers[0], ref_opt), (scalers[1], opt)):
+            if sc is None:
+                o.step()
+            else:
+                sc.step(o)
+                sc.update()
+            o.zero_grad()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+    if clip is not None:
+        assert_same(norms, ref_norms, "the clipping norms")
+
+
 def test_unfreezing_with_no_hooked_layer_left_is_stepped_by_step():
     """Everything trainable so far frozen, new layers unfrozen: no hook fires at all;
     step() updates them (as torch) and hooks them for the next backward."""
