@@ -158,6 +158,9 @@ def backward(
 
     total = None
     if max_norm is not None:
+        for o in optimizers:  # zero_grad(set_to_none=False): torch measures their zeros too
+            for p in o._lo_engine.unused_kept(o):
+                measured.setdefault(p, torch.zeros((), dtype=p.dtype, device=p.device))
         total = _total_norm(_grad_order(optimizers, measured, parameters), norm_type)
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
             raise RuntimeError(

@@ -223,6 +223,9 @@ class Engine:
         self._bounded = False  # step() or zero_grad() was called since attach
         self._stepped_backwards = 0
         self._held_backwards = 0
+        # zero_grad(set_to_none=False): ids of the parameters whose .grad torch would
+        # keep as zeros - and step at every step(), used or not. None: set_to_none=True.
+        self.kept_grads: set[int] | None = None
         nesting._ENGINES.add(self)
         _watch._ENGINES.add(self)
         watch_torch_checkpoint()
@@ -684,6 +687,7 @@ class Engine:
         if optimizer is None:
             return
         self.check_boundary("step()")
+        self._zero_kept_grads(optimizer)
         params = [
             p for g in optimizer.param_groups for p in g["params"] if p.grad is not None
         ]
@@ -693,6 +697,30 @@ class Engine:
         if params:  # gradients no hook took: layers unfrozen (or hooks lost) since
             for attachment in list(self.attachments):
                 attachment.sync()
+
+    # -- zero_grad(set_to_none=False) -------------------------------------
+    def zero_grad_called(self, set_to_none: bool) -> None:
+        """Follow which ``.grad`` torch would keep: with ``set_to_none=False`` every
+        parameter that got a gradient since the last ``set_to_none=True`` keeps a
+        zero one, which torch's ``step()`` updates with whether used or not."""
+        if set_to_none:
+            self.kept_grads = None
+            return
+        kept = self.kept_grads if self.kept_grads is not None else set()
+        kept.update(map(id, self.stepped))  # (earlier steps' are in already)
+        self.kept_grads = kept
+
+    def unused_kept(self, optimizer: Any) -> list[Tensor]:
+        """Kept parameters (see :meth:`zero_grad_called`) this training step did not use."""
+        if not self.kept_grads:
+            return []
+        used = set(map(id, self.stepped))
+        return [p for g in optimizer.param_groups for p in g["params"]
+                if p.grad is None and id(p) in self.kept_grads and id(p) not in used]  # fmt: skip
+
+    def _zero_kept_grads(self, optimizer: Any) -> None:
+        for p in self.unused_kept(optimizer):  # torch steps them on a zero gradient
+            p.grad = torch.zeros_like(p)
 
     # -- training-step boundaries (rule 6) ---------------------------------
     @property

@@ -230,6 +230,7 @@ class InBackwardOptimizer(Optimizer):
             engine.check_boundary("zero_grad()")
         super().zero_grad(set_to_none)
         engine.held.clear()
+        engine.zero_grad_called(set_to_none)
         if self.attached:
             engine.boundary()
 

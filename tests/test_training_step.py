@@ -337,3 +337,83 @@ def test_unfreezing_with_no_hooked_layer_left_is_stepped_by_step():
         opt.zero_grad()
     assert_models_equal(ref, model)
     assert model.head.weight not in {p for b in handle.buckets for p in b.params}
+
+
+# -- zero_grad(set_to_none=False) ----------------------------------------------
+
+
+class _Branches(torch.nn.Module):
+    """``b`` used every other step; ``c`` in the first two steps only (frozen at 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        out = self.a(x)
+        if step % 2 == 0:
+            out = out + self.b(x)
+        if step < 2:
+            out = out + self.c(x)
+        return out
+
+
+@pytest.mark.parametrize("opt_name, kw", [
+    ("AdamW", dict(lr=0.1, weight_decay=0.1)),
+    ("SGD", dict(lr=0.1, momentum=0.9, weight_decay=0.1)),
+])
+@pytest.mark.parametrize("where", ["before-backward", "after-step"])
+@pytest.mark.parametrize("how", ["plain", "clip", "no_step"])
+def test_zero_grad_keeping_zeros_steps_unused_parameters_as_torch(opt_name, kw, where, how):
+    """torch keeps a zero .grad for every parameter that had one and steps it at each
+    step(), used or not (weight decay, momentum); layeropt does the same."""
+    ref, model = _Branches(), _Branches()
+    ref_opt = getattr(torch.optim, opt_name)(ref.parameters(), **kw)
+    opt = getattr(layeropt, opt_name)(model.parameters(), **kw)
+    layeropt.attach(model, opt)
+    norms, ref_norms = [], []
+    for step in range(5):
+        if step == 3:
+            for m in (ref, model):
+                m.c.requires_grad_(False)  # a zero .grad still: torch still steps it
+        if where == "before-backward":
+            ref_opt.zero_grad(set_to_none=False)
+            opt.zero_grad(set_to_none=False)
+        xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + i))
+              for i in range(2 if how == "no_step" else 1)]  # fmt: skip
+        for i, x in enumerate(xs):
+            ref(x, step).sum().backward()
+            if i < len(xs) - 1:
+                with opt.no_step():
+                    model(x, step).sum().backward()
+            elif how == "clip":
+                norms.append(layeropt.backward(model(x, step).sum(), opt, max_norm=0.5))
+            else:
+                model(x, step).sum().backward()
+        if how == "clip":
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
+        ref_opt.step()
+        opt.step()
+        if where == "after-step":
+            ref_opt.zero_grad(set_to_none=False)
+            opt.zero_grad(set_to_none=False)
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+    assert_same(norms, ref_norms, "clipping norms")
+    assert all(p.grad is None for p in model.parameters())  # no gradient memory kept
+
+
+def test_zero_grad_to_none_again_forgets_kept_gradients():
+    ref, model = _Branches(), _Branches()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+    opt = layeropt.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    layeropt.attach(model, opt)
+    for step in range(5):
+        set_to_none = step >= 2  # zeros kept for two steps, then the default again
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad(set_to_none=set_to_none)
+            m(torch.randn(2, 4, generator=torch.Generator().manual_seed(step)), step).sum().backward()
+            o.step()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
