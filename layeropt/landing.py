@@ -79,6 +79,7 @@ from torch import Tensor
 from . import _nesting as nesting
 from . import _watch
 from ._nesting import Pin, TaskEnd, _graph_task_id, watch_torch_checkpoint
+from ._hyper import check_unchanged
 from ._transforms import Measure, all_finite, prepare_grads
 from ._registry import check_local_hooks_allowed, world_size
 from .errors import AttachError, BackwardStateError, LayeroptError, warn
@@ -226,6 +227,9 @@ class Engine:
         # zero_grad(set_to_none=False): ids of the parameters whose .grad torch would
         # keep as zeros - and step at every step(), used or not. None: set_to_none=True.
         self.kept_grads: set[int] | None = None
+        # param_groups as this training step's first update read them (layeropt/_hyper.py)
+        self.hyper: list[dict[str, Any]] | None = None
+        self.hyper_txn = -1
         nesting._ENGINES.add(self)
         _watch._ENGINES.add(self)
         watch_torch_checkpoint()
@@ -729,7 +733,13 @@ class Engine:
         return self._stepped_backwards > 0
 
     def check_boundary(self, where: str) -> None:
-        """Refuse a step()/zero_grad() that ends what torch would take as one step of several."""
+        """Refuse a step()/zero_grad() that ends what torch would take as one step of
+        several, or after the hyperparameters the updates used were changed."""
+        if self.hyper is not None:
+            before, self.hyper = self.hyper, None
+            optimizer = self._optimizer()
+            if optimizer is not None:
+                check_unchanged(before, optimizer.param_groups, where)
         stepped, held = self._stepped_backwards, self._held_backwards
         if stepped >= 2 or (stepped and held):
             self._stepped_backwards = self._held_backwards = 0
@@ -741,6 +751,7 @@ class Engine:
 
     def boundary(self) -> None:
         """``step()`` or ``zero_grad()`` ended a training step."""
+        self.hyper = None  # (updates step() itself made read the values of that moment)
         self._stepped_backwards = self._held_backwards = 0
         self._bounded = True
         self.txn += 1

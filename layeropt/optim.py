@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import _use_grad_for_differentiable
 
+from ._hyper import snapshot
 from ._subset import SubsetStepper, narrowable
 from .errors import LayeroptError
 from .landing import Engine
@@ -140,8 +141,12 @@ class InBackwardOptimizer(Optimizer):
         transaction; everything else (hyperparameters, lazily created state,
         foreach/fused dispatch) is torch's.
         """
-        self._lo_stepper(self, params, self._lo_engine.txn)
+        engine = self._lo_engine
+        self._lo_stepper(self, params, engine.txn)
         self._opt_called = True  # an LR scheduler sees that a step happened
+        if engine.hyper_txn != engine.txn:  # the training step's first update: what it read
+            engine.hyper_txn = engine.txn
+            engine.hyper = snapshot(self.param_groups)
 
     # ------------------------------------------------------------------
     # Public surface on top of torch's.

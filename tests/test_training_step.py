@@ -417,3 +417,52 @@ def test_zero_grad_to_none_again_forgets_kept_gradients():
             o.step()
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+# -- hyperparameters changed between backward and step() -----------------------
+
+# how the loop changes a hyperparameter after backward: (key, change)
+LATE_CHANGES = {
+    "lr-set": ("lr", lambda g: g.__setitem__("lr", g["lr"] * 0.5)),
+    "weight_decay-set": ("weight_decay", lambda g: g.__setitem__("weight_decay", 0.3)),
+    "lr-tensor-in-place": ("lr", lambda g: g["lr"].fill_(0.002)),
+}
+
+
+@pytest.mark.parametrize("case", list(LATE_CHANGES))
+def test_hyperparameter_changed_after_backward_is_refused_at_step(case):
+    """torch reads param_groups in step(); the attached backward already used them."""
+    key, change = LATE_CHANGES[case]
+    lr = torch.tensor(0.01) if "tensor" in case else 0.01
+    model, batch_fn, loss_fn = make_model("mlp")
+    opt = layeropt.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    loss_fn(model, batch_fn(gen)).backward()
+    change(opt.param_groups[0])
+    with pytest.raises(layeropt.BackwardStateError, match=rf"param_groups\[0\]\['{key}'\] changed"):
+        opt.step()
+    opt.zero_grad()  # the loop can go on (nothing is left to compare)
+    loss_fn(model, batch_fn(gen)).backward()
+    opt.step()
+
+
+def test_scheduler_before_step_is_refused_and_after_step_is_exact():
+    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair("mlp", "AdamW")
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (ref_opt, opt)]
+    layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        data = batch_fn(gen)
+        for m, o, s in ((ref, ref_opt, scheds[0]), (model, opt, scheds[1])):
+            loss_fn(m, data).backward()
+            o.step()
+            s.step()  # after optimizer.step(): the next step's value
+            o.zero_grad()
+    assert_models_equal(ref, model)
+    loss_fn(model, batch_fn(gen)).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own "lr_scheduler.step() before optimizer.step()"
+        scheds[1].step()
+    with pytest.raises(layeropt.BackwardStateError, match="scheduler.step\\(\\) after optimizer.step"):
+        opt.step()
