@@ -4,7 +4,8 @@
   must not be applied before ``scaler.step`` has checked them all for
   inf/NaN. :func:`scaled_backward` tells whether the running backward is one;
   the engine then holds its gradients for ``step()`` (exactly torch's recipe).
-* ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``: after an
+* ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` /
+  ``clip_grads_with_norm_``: after an
   attached backward the gradients were already applied and freed, so
   clipping them does nothing and returns 0. Called with parameters stepped
   that way, they raise (a finite ``max_norm``, or by value) or warn (an
@@ -121,8 +122,12 @@ def watch() -> None:
 
     from torch.nn.utils import clip_grad
 
-    for name, by_norm in (("clip_grad_norm_", True), ("clip_grad_value_", False)):
-        fn = getattr(clip_grad, name)
+    # (clip_grads_with_norm_(parameters, max_norm, total_norm): torch >= 2.6)
+    for name, by_norm in (("clip_grad_norm_", True), ("clip_grad_value_", False),
+                          ("clip_grads_with_norm_", True)):
+        fn = getattr(clip_grad, name, None)
+        if fn is None:
+            continue
         if getattr(fn, "_layeropt_guard", False):
             continue
         guarded = _guard(fn, by_norm)

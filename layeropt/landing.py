@@ -109,6 +109,16 @@ ACCUMULATION_ERROR = (
     "accelerate: layeropt.integrations.accelerate.LayeroptAccelerator, Hugging Face: "
     "layeropt.integrations.hf.LayeroptTrainer)."
 )
+SECOND_UPDATE_ERROR = (
+    "step() found a gradient on {n} parameter(s) (the first of shape {shape}) that "
+    "the attached backward already updated in this training step: code between "
+    "backward() and step() set or changed .grad (per-sample clipping and noise as in "
+    "Opacus, gradient surgery). torch would apply one update with that gradient; "
+    "layeropt applied the backward's and drops this one. Change gradients before "
+    "they are applied - in a tensor hook (param.register_hook) or with "
+    "layeropt.backward's clipping - or run that backward inside `with opt.no_step():` "
+    "so that step() applies the final gradient once."
+)
 SCALER_HOLD_WARNING = (
     "this backward runs through a GradScaler-scaled loss (scaler.scale(loss).backward()), "
     "whose gradients must all be checked for inf/NaN before any update: layeropt "
@@ -695,12 +705,25 @@ class Engine:
         params = [
             p for g in optimizer.param_groups for p in g["params"] if p.grad is not None
         ]
+        if params and self._stepped_backwards:
+            self._refuse_second_update(params)
         self._step([params] if params else [])
         self.held.clear()
         self.boundary()
         if params:  # gradients no hook took: layers unfrozen (or hooks lost) since
             for attachment in list(self.attachments):
                 attachment.sync()
+
+    def _refuse_second_update(self, params: list[Tensor]) -> None:
+        """A gradient set after backward for a parameter backward already updated:
+        torch would update it once, with that gradient (Opacus, gradient surgery)."""
+        done = set(map(id, self.stepped))
+        again = [p for p in params if id(p) in done]
+        if again:
+            for p in again:
+                p.grad = None  # not applied: nothing more changes
+            raise BackwardStateError(SECOND_UPDATE_ERROR.format(
+                n=len(again), shape=tuple(again[0].shape)))
 
     # -- zero_grad(set_to_none=False) -------------------------------------
     def zero_grad_called(self, set_to_none: bool) -> None:

@@ -198,6 +198,9 @@ def test_clipping_after_an_attached_backward_is_refused():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     with pytest.raises(layeropt.LayeroptError, match="clip_grad_value_"):
         torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+    if hasattr(torch.nn.utils, "clip_grads_with_norm_"):  # torch >= 2.6
+        with pytest.raises(layeropt.LayeroptError, match="clip_grads_with_norm_"):
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, torch.tensor(2.0))
     with pytest.warns(UserWarning, match="not measured"):  # max_norm=inf: a measurement
         torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
     opt.step()
@@ -466,3 +469,46 @@ def test_scheduler_before_step_is_refused_and_after_step_is_exact():
         scheds[1].step()
     with pytest.raises(layeropt.BackwardStateError, match="scheduler.step\\(\\) after optimizer.step"):
         opt.step()
+
+
+# -- a gradient set after backward already applied one -------------------------
+
+
+def test_gradient_set_after_backward_on_an_updated_parameter_is_refused():
+    """Opacus-style: torch applies one update with the new gradient; layeropt has applied
+    the backward's already, so step() refuses the second one (and applies nothing)."""
+    model, batch_fn, loss_fn = make_model("mlp")
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    loss_fn(model, batch_fn(gen)).backward()
+    after_backward = _snapshot(model)
+    first = next(model.parameters())
+    first.grad = torch.ones_like(first)
+    with pytest.raises(layeropt.BackwardStateError, match="already updated in this training"):
+        opt.step()
+    assert first.grad is None
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, after_backward[k]), k
+
+
+def test_gradient_set_by_hand_where_backward_left_none_is_stepped_as_torch():
+    """Parameters no backward reached, and a step() of a gradient alone: torch's updates."""
+    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair("mlp", "SGD", lr=0.1, momentum=0.9)
+    layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    for m, o in ((ref, ref_opt), (model, opt)):
+        m.requires_grad_(False)
+        m.head.requires_grad_(True)
+    data = batch_fn(gen)
+    for m, o in ((ref, ref_opt), (model, opt)):
+        loss_fn(m, data).backward()
+        first = next(m.parameters())  # frozen: no gradient from backward
+        first.grad = torch.full_like(first, 0.5)
+        o.step()
+        o.zero_grad()
+        first.grad = torch.full_like(first, 0.25)  # a step() of its own: another update
+        o.step()
+        o.zero_grad()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
