@@ -82,7 +82,7 @@ def _stepped_ids() -> set[int]:
     return ids
 
 
-def _guard(fn: Callable[..., Any], by_norm: bool) -> Callable[..., Any]:
+def _guard(fn: Callable[..., Any], by_norm: bool, name: str) -> Callable[..., Any]:
     @functools.wraps(fn)
     def guarded(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(parameters, Tensor):
@@ -92,7 +92,7 @@ def _guard(fn: Callable[..., Any], by_norm: bool) -> Callable[..., Any]:
         if stepped and any(p.grad is None and id(p) in stepped for p in parameters):
             max_norm = args[0] if args else kwargs.get("max_norm", math.inf)
             message = CLIP_AFTER_BACKWARD.format(
-                fn=f"torch.nn.utils.{fn.__name__}",
+                fn=f"torch.nn.utils.{name}",
                 result="it returns a norm of 0" if by_norm else "no gradient is left",
             )
             if by_norm and math.isinf(float(max_norm)):
@@ -122,15 +122,16 @@ def watch() -> None:
 
     from torch.nn.utils import clip_grad
 
-    # (clip_grads_with_norm_(parameters, max_norm, total_norm): torch >= 2.6)
-    for name, by_norm in (("clip_grad_norm_", True), ("clip_grad_value_", False),
-                          ("clip_grads_with_norm_", True)):
-        fn = getattr(clip_grad, name, None)
-        if fn is None:
-            continue
+    for name, by_norm in (("clip_grad_norm_", True), ("clip_grad_value_", False)):
+        fn = getattr(clip_grad, name)
         if getattr(fn, "_layeropt_guard", False):
             continue
-        guarded = _guard(fn, by_norm)
+        guarded = _guard(fn, by_norm, name)
         setattr(clip_grad, name, guarded)
         if getattr(torch.nn.utils, name, None) is fn:
             setattr(torch.nn.utils, name, guarded)
+    # clip_grads_with_norm_(parameters, max_norm, total_norm), torch >= 2.6: public
+    # only in torch.nn.utils (clip_grad_norm_ calls the private one: left alone)
+    fn = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
+    if fn is not None and not getattr(fn, "_layeropt_guard", False):
+        torch.nn.utils.clip_grads_with_norm_ = _guard(fn, True, "clip_grads_with_norm_")
