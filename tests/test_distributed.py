@@ -595,6 +595,8 @@ class _Blocks(nn.Module):
                 x = block(x)
             elif self.mode == "function":
                 x = _FunctionCheckpoint.apply(block, x)
+            elif self.mode.startswith("layeropt"):
+                x = layeropt.checkpoint(block, x, use_reentrant=self.mode.endswith("reentrant"))
             else:
                 reentrant = self.mode == "reentrant"
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
@@ -625,7 +627,7 @@ def _compiled(rank: int) -> dict[str, Any]:
     return out
 
 
-CHECKPOINT_MODES = ("reentrant", "non-reentrant", "function")
+CHECKPOINT_MODES = ("reentrant", "non-reentrant", "function", "layeropt", "layeropt-reentrant")
 
 
 def _activation_checkpoint(rank: int) -> dict[str, Any]:
@@ -650,7 +652,8 @@ def _activation_checkpoint(rank: int) -> dict[str, Any]:
     for mode, name in cases:
         for layer in (False, True):
             model = _Blocks(mode)
-            ddp = DDP(model, static_graph=mode != "non-reentrant", bucket_cap_mb=BUCKET_MB)
+            reentrant = mode in ("reentrant", "function", "layeropt-reentrant")
+            ddp = DDP(model, static_graph=reentrant, bucket_cap_mb=BUCKET_MB)
             opt = makers[name](ddp.parameters(), layer)
             if layer:
                 attach_ddp(ddp, opt, bucket_cap_mb=0)
