@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import warnings
 from typing import Any
 
@@ -294,6 +295,11 @@ TRAINER_CASES = [
     ("callback", "torch", dict(ga=2, user_scheduler=True)),
     ("layeropt-built", "torch-built", dict(ga=2)),
     ("layeropt-built", "torch-built", dict(ga=2, optim="sgd")),
+    ("layeropt-built", "torch-built", dict(ga=2, optim="adafactor")),  # transformers' own
+    ("layeropt-built", "torch-built", dict(ga=2, optim="rmsprop", max_grad_norm=0.5)),
+    *([("layeropt-built", "torch-built", dict(ga=2, optim="schedule_free_adamw",
+                                             max_grad_norm=0.5))]
+      if importlib.util.find_spec("schedulefree") else []),
     # Trainer's two param groups (decay / no decay) hold the parameters in another
     # order than model.parameters(), whose order clip_grad_norm_ sums the norms in:
     # LayeroptTrainer measures in that order too (bit for bit).
