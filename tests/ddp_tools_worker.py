@@ -179,6 +179,8 @@ LIGHTNING = {
                                    gradient_clip_algorithm="value"),
     "find_unused-clip-norm": dict(strategy="ddp_find_unused_parameters_true",
                                   gradient_clip_val=0.05),
+    "bf16-mixed-accumulate2-clip-norm": dict(precision="bf16-mixed", accumulate_grad_batches=2,
+                                             gradient_clip_val=0.05),
 }
 
 
