@@ -701,6 +701,10 @@ FIND_UNUSED: dict[str, tuple[dict[str, Any], str | None, Callable]] = {
     "no_sync": ({}, "no_sync", _b_on_rank1),
     "no_sync-clip": (dict(clip=0.05), "no_sync", _b_on_rank1),
     "no_step": ({}, "no_step", _b_on_rank1),
+    # head b trained by a second, plain torch.optim optimizer: DDP's averaged .grad
+    "b-plain-optimizer": (dict(split_b=True), None, _b_on_rank1),
+    "b-plain-optimizer-bucket_view-no_sync": (
+        dict(split_b=True, gradient_as_bucket_view=True), "no_sync", _b_on_rank1),
 }
 
 
@@ -727,11 +731,15 @@ def _find_unused(rank: int) -> dict[str, Any]:
     for name, (options, accum, usage) in FIND_UNUSED.items():
         options = dict(options)
         clip = options.pop("clip", None)
+        split_b = options.pop("split_b", False)
         for layer in (True, False):
             ddp = DDP(_Branchy(), bucket_cap_mb=BUCKET_MB, find_unused_parameters=True,
                       **options)
             cls = layeropt.AdamW if layer else torch.optim.AdamW
-            opt = cls(ddp.parameters(), lr=0.01, weight_decay=0.1)
+            b = list(ddp.module.b.parameters()) if split_b else []
+            opt = cls([p for p in ddp.parameters() if all(p is not q for q in b)],
+                      lr=0.01, weight_decay=0.1)
+            plain = [torch.optim.AdamW(b, lr=0.01, weight_decay=0.1)] if b else []
             if layer:
                 attach_ddp(ddp, opt)
             n = ACCUM if accum else 1
@@ -754,9 +762,10 @@ def _find_unused(rank: int) -> dict[str, Any]:
                     torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
                 if layer:
                     out[f"{name}/grads_left"] = [k for k, p in ddp.named_parameters()
-                                                 if p.grad is not None]  # fmt: skip
-                opt.step()
-                opt.zero_grad()
+                                                 if p.grad is not None and "b." not in k]
+                for o in (opt, *plain):
+                    o.step()
+                    o.zero_grad()
             out[f"{name}/{layer}"] = dict(params=[_full(p) for p in ddp.parameters()],
                                           state=_state(opt))
     return out
