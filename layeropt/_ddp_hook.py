@@ -96,6 +96,9 @@ class _HookState:
         """
         if not self.fresh:
             return
+        ddp = self.ddp()
+        if ddp is not None and getattr(getattr(ddp, "_join_config", None), "enable", False):
+            raise AttachError(_JOIN)  # on every process: no all-reduce of this backward ran
         with self.lock:
             self.fresh = False
             refs = {id(r): r for r in self.owner.values()} if self.active else {}
@@ -216,6 +219,13 @@ def _write_back(p: Tensor, view: Tensor, bucket_view: bool | None = None) -> Non
         p.grad.copy_(view)
 
 
+_JOIN = (
+    "DDP's join() (uneven inputs) is not supported with in-backward updates: a "
+    "process that ran out of data would all-reduce zero buckets through layeropt's "
+    "hook without any gradient of its own. Give every process the same number of "
+    "batches (DistributedSampler with drop_last=True), or call .remove() on the "
+    "attachment for a loop that needs join()."
+)
 _UNUSED = (
     "a parameter DDP synchronises got no gradient in this backward (an unused "
     "parameter under static_graph=True); layeropt cannot tell whether other "

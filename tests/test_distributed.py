@@ -395,12 +395,18 @@ def _errors(rank: int) -> dict[str, str]:
         ddp = DDP(_model(), process_group=group)
         attach_ddp(ddp, torch.optim.Adam(ddp.parameters()))
 
+    def uneven_inputs_join():
+        ddp = DDP(_model(), process_group=group)
+        with attach_ddp(ddp, layeropt.Adam(ddp.parameters())), ddp.join():
+            _backward(ddp, rank)
+
     def negative_cap():
         ddp = DDP(_model(), process_group=group)
         layeropt.attach(ddp, layeropt.Adam(ddp.parameters()), bucket_cap_mb=-1)
 
     cases = dict(
         negative_cap=negative_cap,
+        uneven_inputs_join=uneven_inputs_join,
         other_comm_hook=other_comm_hook,
         attach_twice=attach_twice,
         plain_torch_optimizer=plain_torch_optimizer,
@@ -1013,6 +1019,8 @@ ERRORS = {
                         "without register_comm_hook"],
     "attach_twice": ["AttachError: this DDP model is already attached", ".remove()"],
     "negative_cap": ["ValueError: bucket_cap_mb must be >= 0, got -1"],
+    "uneven_inputs_join": ["AttachError: DDP's join() (uneven inputs) is not supported",
+                           "drop_last=True"],
     "plain_torch_optimizer": ["AttachError: torch.optim.adam.Adam is not a layeropt optimizer",
                               "layeropt.Adam(...)"],
     "global_clipping": ["ok"],  # layeropt.backward clips under DDP too
