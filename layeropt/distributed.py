@@ -72,8 +72,6 @@ class _TwoPasses:
         if not self.states:
             yield
             return
-        params = [p for state in self.states for p in state.owner]
-        self._before = {p: None if p.grad is None else p.grad.detach().clone() for p in params}
         for state in self.states:
             ddp = state.ddp() if state.find_unused else None
             if ddp is not None and not hasattr(ddp.reducer, "_reset_state"):
@@ -83,6 +81,8 @@ class _TwoPasses:
                     f"map: this torch ({torch.__version__}) cannot. Upgrade torch, or build "
                     "DDP with find_unused_parameters=False."
                 )
+        params = [p for state in self.states for p in state.owner]
+        self._before = {p: None if p.grad is None else p.grad.detach().clone() for p in params}
         for state in self.states:
             state.recording = []
             state.pass_fired = set() if state.find_unused else None
