@@ -132,3 +132,36 @@ def test_plain_accelerator_with_attached_optimizer_refuses():
                 opt.step()
                 opt.zero_grad()
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_accelerate_compiling_the_model_with_clipping():
+    """accelerate's dynamo plugin compiles the prepared model; clipping's two passes run
+    its graph twice (donated buffers off until free_memory()), bit for bit."""
+    from accelerate.utils import TorchDynamoPlugin
+    from torch._functorch import config as functorch_config
+
+    runs = []
+    for kind in ("torch", "layeropt"):
+        torch._dynamo.reset()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        model, batch_fn, loss_fn = make_model("mlp")
+        plugin = TorchDynamoPlugin(backend="aot_eager")
+        cls, opt_cls = ((accelerate.Accelerator, torch.optim.AdamW) if kind == "torch"
+                        else (LayeroptAccelerator, layeropt.AdamW))  # fmt: skip
+        accelerator = cls(cpu=True, gradient_accumulation_steps=2, dynamo_plugin=plugin)
+        compiled, opt = accelerator.prepare(model, opt_cls(model.parameters(), lr=1e-2))
+        gen = torch.Generator().manual_seed(1)
+        norms = []
+        for _ in range(6):
+            with accelerator.accumulate(compiled):
+                accelerator.backward(loss_fn(compiled, batch_fn(gen)))
+                if accelerator.sync_gradients:
+                    norms.append(accelerator.clip_grad_norm_(compiled.parameters(), 0.05))
+                opt.step()
+                opt.zero_grad()
+        assert type(compiled).__name__ == "OptimizedModule"
+        runs.append((model, unwrap(opt), norms))
+        accelerator.free_memory()
+        assert getattr(functorch_config, "donated_buffer", True)  # restored
+    _compare(runs[0], runs[1])

@@ -450,3 +450,23 @@ def test_callback_needs_layeropt_optimizer(tmp_path):
     trainer.add_callback(LayeroptCallback())
     with pytest.raises(TrainerSetupError, match="layeropt optimizer"):
         trainer.train()
+
+
+def test_trainer_torch_compile_with_clipping(tmp_path):
+    """``torch_compile=True`` + ``max_grad_norm``: layeropt.backward's two passes run the
+    compiled graph twice (donated buffers off while training), bit for bit."""
+    from torch._functorch import config as functorch_config
+
+    runs = []
+    for kind in ("torch", "layeropt"):
+        torch._dynamo.reset()  # each run compiles its own graphs
+        trainer, model, probe = _trainer(tmp_path, kind, ga=2, max_grad_norm=0.5,
+                                         torch_compile=True, torch_compile_backend="aot_eager")
+        trainer.train()
+        runs.append((model, _grad_norms(trainer), probe))
+    (ref, ref_norms, _), (model, norms, probe) = runs
+    assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
+    assert probe.grads_alive == [0, 0, 0] and len(norms) == 3 and norms == ref_norms
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach(), name)
+    assert getattr(functorch_config, "donated_buffer", True)  # restored when train() ended

@@ -173,3 +173,20 @@ def test_callback_refuses_what_it_cannot_make_exact():
 
     with pytest.raises(LightningSetupError, match="manual optimization"):
         _fit(Manual(), [LayeroptCallback()])
+
+
+def test_callback_with_a_compiled_module_and_clipping():
+    """A ``torch.compile``'d module: the two passes of clipping run its graph twice."""
+    from torch._functorch import config as functorch_config
+
+    modules = []
+    for cls, callbacks in ((torch.optim.AdamW, []), (layeropt.AdamW, [LayeroptCallback()])):
+        torch._dynamo.reset()
+        module = Net(cls)
+        _fit(torch.compile(module, backend="aot_eager"), callbacks, steps=4,
+             **_kw(SETUPS["accumulate-3-clip"]))
+        modules.append(module)
+    ref, module = modules
+    for p, q in zip(module.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach())
+    assert getattr(functorch_config, "donated_buffer", True)  # restored when fit ended

@@ -38,6 +38,7 @@ accelerate 1.15.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from torch import Tensor, nn
@@ -47,9 +48,11 @@ from ..attaching import Attachment, attach
 from ..backward_pass import backward as layeropt_backward
 from ..errors import LayeroptError
 from ..optim import InBackwardOptimizer, no_step_all, unwrap_optimizer
+from . import two_pass_compile
 
 try:
     from accelerate import Accelerator
+    from accelerate.utils import DynamoBackend
 except ImportError as exc:  # pragma: no cover - exercised without accelerate
     raise ImportError(
         "layeropt.integrations.accelerate needs accelerate: pip install "
@@ -109,6 +112,9 @@ class LayeroptAccelerator(Accelerator):
             float(max_grad_norm), float(norm_type), None)
         self._lo_value: Any = unset if clip_value is None else float(clip_value)
         self._lo_learning: int | None = None  # engine txn of the learning step, while it runs
+        # accelerate compiles the prepared models: graphs two backwards can run, until
+        # free_memory() (layeropt.integrations.two_pass_compile)
+        self._lo_compiling = contextlib.ExitStack()
 
     # -- the layeropt optimizers and attachments -----------------------------
     @property
@@ -119,6 +125,8 @@ class LayeroptAccelerator(Accelerator):
 
     def prepare(self, *args: Any, **kwargs: Any) -> Any:
         """``Accelerator.prepare``; then attaches prepared models to their layeropt optimizers."""
+        if self.state.dynamo_plugin.backend != DynamoBackend.NO:
+            self._lo_compiling.enter_context(two_pass_compile())
         out = super().prepare(*args, **kwargs)
         opts = self.layeropt_optimizers
         # The models as prepared (DistributedDataParallel under several processes):
@@ -151,6 +159,7 @@ class LayeroptAccelerator(Accelerator):
         for handle in self._lo_handles.values():
             handle.remove()
         self._lo_handles.clear()
+        self._lo_compiling.close()
         return super().free_memory(*objects)
 
     # -- backward ---------------------------------------------------------------

@@ -59,6 +59,7 @@ from ..attaching import Attachment, attach
 from ..backward_pass import backward as layeropt_backward
 from ..errors import LayeroptError
 from ..optim import InBackwardOptimizer, in_backward, live_optimizers, unwrap_optimizer
+from . import two_pass_compile
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -262,9 +263,14 @@ class LayeroptTrainer(Trainer):
         return grad_norm
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train``; the model is detached again when it returns."""
+        """``Trainer.train``; the model is detached again when it returns.
+
+        With ``torch_compile``, AOTAutograd's donated buffers are off while it
+        trains (:func:`layeropt.integrations.two_pass_compile`).
+        """
         try:
-            return super().train(*args, **kwargs)
+            with two_pass_compile() if self.args.torch_compile else contextlib.nullcontext():
+                return super().train(*args, **kwargs)
         finally:
             if self._layeropt_handle is not None:
                 self._layeropt_handle.remove()

@@ -37,6 +37,7 @@ optimization layeropt's own rules apply: call ``layeropt.backward`` in
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -46,6 +47,7 @@ from ..attaching import Attachment, attach
 from ..backward_pass import backward as layeropt_backward
 from ..errors import LayeroptError
 from ..optim import InBackwardOptimizer, no_step_all, unwrap_optimizer
+from . import two_pass_compile
 
 try:
     import lightning.pytorch as pl
@@ -92,6 +94,7 @@ class LayeroptCallback(Callback):
         self._optimizers: list[InBackwardOptimizer] = []
         self._patched: list[tuple[Any, str]] = []
         self._clip: tuple[float, str] | None = None
+        self._compiling = contextlib.ExitStack()  # (layeropt.integrations.two_pass_compile)
 
     # -- setup / teardown ------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -121,6 +124,8 @@ class LayeroptCallback(Callback):
         if self._clip is not None and algorithm == "value":
             kwargs["clip_value"] = clip_val
         self._handle = attach(model, self._optimizers, **kwargs)
+        # a module compiled for this fit: graphs layeropt.backward's two passes can run
+        self._compiling.enter_context(two_pass_compile())
         precision = trainer.precision_plugin
         self._patch(precision, "backward", self._backward(trainer))
         self._patch(precision, "clip_gradients", self._clip_gradients)
@@ -144,6 +149,7 @@ class LayeroptCallback(Callback):
         for obj, name in reversed(self._patched):
             obj.__dict__.pop(name, None)
         self._patched.clear()
+        self._compiling.close()
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
