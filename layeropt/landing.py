@@ -76,10 +76,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from torch import Tensor
 
+from . import _between, _watch
 from . import _nesting as nesting
-from . import _watch
 from ._nesting import Pin, TaskEnd, _graph_task_id, watch_torch_checkpoint
-from ._hyper import check_unchanged
 from ._transforms import Measure, all_finite, prepare_grads
 from ._registry import check_local_hooks_allowed, world_size
 from .errors import AttachError, BackwardStateError, LayeroptError, warn
@@ -108,16 +107,6 @@ ACCUMULATION_ERROR = (
     "layeropt integration (Lightning: layeropt.integrations.lightning.LayeroptCallback, "
     "accelerate: layeropt.integrations.accelerate.LayeroptAccelerator, Hugging Face: "
     "layeropt.integrations.hf.LayeroptTrainer)."
-)
-SECOND_UPDATE_ERROR = (
-    "step() found a gradient on {n} parameter(s) (the first of shape {shape}) that "
-    "the attached backward already updated in this training step: code between "
-    "backward() and step() set or changed .grad (per-sample clipping and noise as in "
-    "Opacus, gradient surgery). torch would apply one update with that gradient; "
-    "layeropt applied the backward's and drops this one. Change gradients before "
-    "they are applied - in a tensor hook (param.register_hook) or with "
-    "layeropt.backward's clipping - or run that backward inside `with opt.no_step():` "
-    "so that step() applies the final gradient once."
 )
 SCALER_HOLD_WARNING = (
     "this backward runs through a GradScaler-scaled loss (scaler.scale(loss).backward()), "
@@ -237,7 +226,7 @@ class Engine:
         # zero_grad(set_to_none=False): ids of the parameters whose .grad torch would
         # keep as zeros - and step at every step(), used or not. None: set_to_none=True.
         self.kept_grads: set[int] | None = None
-        # param_groups as this training step's first update read them (layeropt/_hyper.py)
+        # param_groups as this training step's first update read them (layeropt/_between.py)
         self.hyper: list[dict[str, Any]] | None = None
         self.hyper_txn = -1
         nesting._ENGINES.add(self)
@@ -705,8 +694,8 @@ class Engine:
         params = [
             p for g in optimizer.param_groups for p in g["params"] if p.grad is not None
         ]
-        if params and self._stepped_backwards:
-            self._refuse_second_update(params)
+        if params and self._stepped_backwards:  # set after backward (layeropt/_between.py)
+            _between.refuse_second_update(self.stepped, params)
         self._step([params] if params else [])
         self.held.clear()
         self.boundary()
@@ -714,36 +703,14 @@ class Engine:
             for attachment in list(self.attachments):
                 attachment.sync()
 
-    def _refuse_second_update(self, params: list[Tensor]) -> None:
-        """A gradient set after backward for a parameter backward already updated:
-        torch would update it once, with that gradient (Opacus, gradient surgery)."""
-        done = set(map(id, self.stepped))
-        again = [p for p in params if id(p) in done]
-        if again:
-            for p in again:
-                p.grad = None  # not applied: nothing more changes
-            raise BackwardStateError(SECOND_UPDATE_ERROR.format(
-                n=len(again), shape=tuple(again[0].shape)))
-
-    # -- zero_grad(set_to_none=False) -------------------------------------
+    # -- zero_grad(set_to_none=False) (layeropt/_between.py) ----------------
     def zero_grad_called(self, set_to_none: bool) -> None:
-        """Follow which ``.grad`` torch would keep: with ``set_to_none=False`` every
-        parameter that got a gradient since the last ``set_to_none=True`` keeps a
-        zero one, which torch's ``step()`` updates with whether used or not."""
-        if set_to_none:
-            self.kept_grads = None
-            return
-        kept = self.kept_grads if self.kept_grads is not None else set()
-        kept.update(map(id, self.stepped))  # (earlier steps' are in already)
-        self.kept_grads = kept
+        self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, self.stepped,
+                                                        set_to_none)
 
     def unused_kept(self, optimizer: Any) -> list[Tensor]:
-        """Kept parameters (see :meth:`zero_grad_called`) this training step did not use."""
-        if not self.kept_grads:
-            return []
-        used = set(map(id, self.stepped))
-        return [p for g in optimizer.param_groups for p in g["params"]
-                if p.grad is None and id(p) in self.kept_grads and id(p) not in used]  # fmt: skip
+        """Parameters torch would update on a kept zero gradient at this ``step()``."""
+        return _between.unused_kept(self.kept_grads, self.stepped, optimizer.param_groups)
 
     def _zero_kept_grads(self, optimizer: Any) -> None:
         for p in self.unused_kept(optimizer):  # torch steps them on a zero gradient
@@ -762,7 +729,7 @@ class Engine:
             before, self.hyper = self.hyper, None
             optimizer = self._optimizer()
             if optimizer is not None:
-                check_unchanged(before, optimizer.param_groups, where)
+                _between.check_unchanged(before, optimizer.param_groups, where)
         stepped, held = self._stepped_backwards, self._held_backwards
         if stepped >= 2 or (stepped and held):
             self._stepped_backwards = self._held_backwards = 0

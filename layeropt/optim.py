@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import _use_grad_for_differentiable
 
-from ._hyper import snapshot
+from ._between import snapshot
 from ._subset import SubsetStepper, narrowable
 from .errors import LayeroptError
 from .landing import Engine

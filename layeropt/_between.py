@@ -1,0 +1,110 @@
+"""Between ``backward()`` and ``step()``: what torch's ``step()`` would still see.
+
+torch applies the update in ``step()``, reading ``.grad`` and ``param_groups``
+then; an attached backward has already applied it. Three things a loop can do
+in between therefore need a word (``Engine.flush_leftovers`` and
+``Engine.check_boundary`` call these):
+
+* **hyperparameters set after backward** (a learning-rate warm-up written
+  there, ``scheduler.step()`` before ``optimizer.step()``): the update used
+  the old value. :func:`snapshot` records the groups once the training step's
+  first update ran (``InBackwardOptimizer._step_params``);
+  :func:`check_unchanged` refuses at ``step()`` / ``zero_grad()``. Tensor
+  values compare by identity and version counter, never by reading them.
+* **a gradient set on a parameter backward already updated** (Opacus' noise,
+  gradient surgery): torch would update once, with it;
+  :func:`refuse_second_update` drops it and raises.
+* **``zero_grad(set_to_none=False)``**: torch keeps a zero ``.grad`` for every
+  parameter that had one and updates it at each ``step()``, used or not
+  (weight decay, momentum). :func:`kept_after_zero_grad` follows which;
+  :func:`unused_kept` lists those a training step did not use, which
+  ``step()`` then updates on a zero gradient made for the moment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor
+
+from .errors import BackwardStateError
+
+HYPERPARAMETER_ERROR = (
+    "param_groups[{index}][{key!r}] changed from {old} to {new} after an attached "
+    "backward had already updated the parameters with {old}; torch, which reads it "
+    "in {where}, would have used {new} for this step. Set hyperparameters before "
+    "backward: a learning-rate schedule at the top of the iteration, or "
+    "scheduler.step() after optimizer.step() (its documented place)."
+)
+SECOND_UPDATE_ERROR = (
+    "step() found a gradient on {n} parameter(s) (the first of shape {shape}) that "
+    "the attached backward already updated in this training step: code between "
+    "backward() and step() set or changed .grad (per-sample clipping and noise as in "
+    "Opacus, gradient surgery). torch would apply one update with that gradient; "
+    "layeropt applied the backward's and drops this one. Change gradients before "
+    "they are applied - in a tensor hook (param.register_hook) or with "
+    "layeropt.backward's clipping - or run that backward inside `with opt.no_step():` "
+    "so that step() applies the final gradient once."
+)
+
+
+# -- hyperparameters -------------------------------------------------------------
+def _key(value: Any) -> Any:
+    return (id(value), value._version) if isinstance(value, Tensor) else value
+
+
+def snapshot(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The groups' values (all but ``params``), as the next comparison needs them."""
+    return [{k: _key(v) for k, v in g.items() if k != "params"} for g in param_groups]
+
+
+def check_unchanged(before: list[dict[str, Any]], param_groups: list[dict[str, Any]],
+                    where: str) -> None:
+    """Raise if a value of ``before`` differs now (new groups and keys are not compared)."""
+    for index, (old, group) in enumerate(zip(before, param_groups)):
+        for key, was in old.items():
+            if key in group and _key(group[key]) != was:
+                new = group[key]
+                shown = "its old value" if isinstance(new, Tensor) else was
+                raise BackwardStateError(HYPERPARAMETER_ERROR.format(
+                    index=index, key=key, old=shown, new=new, where=where))
+
+
+# -- a gradient for a parameter already updated ----------------------------------
+def refuse_second_update(stepped: Iterable[Tensor], params: list[Tensor]) -> None:
+    """Raise (dropping those gradients) if any of ``params`` is among ``stepped``."""
+    done = set(map(id, stepped))
+    again = [p for p in params if id(p) in done]
+    if again:
+        for p in again:
+            p.grad = None  # not applied: nothing more changes
+        raise BackwardStateError(SECOND_UPDATE_ERROR.format(
+            n=len(again), shape=tuple(again[0].shape)))
+
+
+# -- zero_grad(set_to_none=False) ------------------------------------------------
+def kept_after_zero_grad(kept: set[int] | None, stepped: Iterable[Tensor],
+                         set_to_none: bool) -> set[int] | None:
+    """The ids of parameters torch holds a (zeroed) ``.grad`` for after this ``zero_grad``.
+
+    ``None``: the loop sets gradients to ``None`` (the default); nothing is kept.
+    Otherwise every parameter that got a gradient since the last
+    ``set_to_none=True`` (``stepped``: the latest training step's; earlier
+    ones are in ``kept`` already).
+    """
+    if set_to_none:
+        return None
+    kept = set() if kept is None else kept
+    kept.update(map(id, stepped))
+    return kept
+
+
+def unused_kept(kept: set[int] | None, stepped: Iterable[Tensor],
+                param_groups: list[dict[str, Any]]) -> list[Tensor]:
+    """Kept parameters the latest training step did not update (no gradient now)."""
+    if not kept:
+        return []
+    used = set(map(id, stepped))
+    return [p for g in param_groups for p in g["params"]
+            if p.grad is None and id(p) in kept and id(p) not in used]  # fmt: skip
