@@ -797,6 +797,9 @@ def _wire_check() -> None:
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks share the cores, as under torchrun
+    # Inductor (torchao's optimizers compile their step) in a forked child must not
+    # use the compile-worker pool the parent may have started: it would wait forever.
+    torch._inductor.config.compile_threads = 1
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
         timeout=datetime.timedelta(seconds=60),
