@@ -46,11 +46,12 @@ ACCELERATE = {
     "clip-value": dict(clip="value"),
     "given-max-norm": dict(clip="norm", given=True),
     "find_unused-ga2-clip-norm": dict(ga=2, clip="norm", find_unused=True),
+    "default-cap-ga2-clip-norm": dict(ga=2, clip="norm", cap=None),  # the library's defaults
 }
 
 
 def _accelerate(kind: str, ga: int = 1, clip: str | None = None, given: bool = False,
-                find_unused: bool = False) -> dict[str, Any]:
+                find_unused: bool = False, cap: float | None = 0.0) -> dict[str, Any]:
     import accelerate
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DistributedDataParallelKwargs
@@ -70,7 +71,7 @@ def _accelerate(kind: str, ga: int = 1, clip: str | None = None, given: bool = F
     else:
         if given:
             kw["max_grad_norm"] = 0.05
-        acc = LayeroptAccelerator(bucket_cap_mb=0, **kw)
+        acc = LayeroptAccelerator(bucket_cap_mb=cap, **kw)
         opt = layeropt.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     ddp, opt = acc.prepare(model, opt)
     gen = torch.Generator().manual_seed(1 + acc.process_index)

@@ -157,3 +157,25 @@ class InfGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         return torch.full_like(g, float("inf"))
+
+
+class OtherReentrant(torch.autograd.Function):
+    """A reentrant checkpoint that is not torch's (as DeepSpeed's or fairscale's):
+    ``fn(x)`` without a graph in forward, recomputed in a nested backward."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[[torch.Tensor], torch.Tensor],
+                x: torch.Tensor) -> torch.Tensor:
+        ctx.fn = fn
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[None, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            y = ctx.fn(x)
+        torch.autograd.backward(y, g)
+        return None, x.grad

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as tc
-from harness import Boom, assert_models_equal, assert_same
+from harness import Boom, OtherReentrant, assert_models_equal, assert_same
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -321,26 +321,6 @@ def test_torch_reentrant_checkpoint_is_exact_and_warns(scenario, opt_name, kw):
     assert nesting.segment_depth.value == 0 and not nesting._PINS
 
 
-class _OtherReentrant(torch.autograd.Function):
-    """A reentrant checkpoint that is not torch's (as DeepSpeed's or fairscale's)."""
-
-    @staticmethod
-    def forward(ctx, fn, x):
-        ctx.fn = fn
-        ctx.save_for_backward(x)
-        with torch.no_grad():
-            return fn(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        x = x.detach().requires_grad_()
-        with torch.enable_grad():
-            y = ctx.fn(x)
-        torch.autograd.backward(y, g)
-        return None, x.grad
-
-
 def test_other_reentrant_checkpoint_raises_before_any_update():
     model, batch_fn, loss_fn = _sequential_all_inside()
     opt = layeropt.Adam(model.parameters(), lr=0.1)
@@ -348,7 +328,7 @@ def test_other_reentrant_checkpoint_raises_before_any_update():
     data = batch_fn(torch.Generator().manual_seed(0))
     loss_fn(model, data).backward()  # one plain step, so optimizer state exists
     before, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-    y = _OtherReentrant.apply(model, data[0].requires_grad_())
+    y = OtherReentrant.apply(model, data[0].requires_grad_())
     with pytest.raises(BackwardStateError, match="layeropt.checkpoint"):
         F.mse_loss(y, data[1]).backward()
     assert_same(before, model.state_dict())

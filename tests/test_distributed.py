@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import layeropt
-from harness import assert_same
+from harness import OtherReentrant, assert_same
 from layeropt.errors import AttachError
 
 pytestmark = pytest.mark.skipif(
@@ -564,26 +564,6 @@ def _mixed(rank: int) -> dict[str, Any]:
     return out
 
 
-class _FunctionCheckpoint(torch.autograd.Function):
-    """A reentrant checkpoint of its own (as DeepSpeed's): a nested backward torch cannot see."""
-
-    @staticmethod
-    def forward(ctx: Any, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        ctx.block = block
-        ctx.save_for_backward(x)
-        with torch.no_grad():
-            return block(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        (x,) = ctx.saved_tensors
-        x = x.detach().requires_grad_()
-        with torch.enable_grad():
-            out = ctx.block(x)
-        torch.autograd.backward(out, grad)
-        return None, x.grad
-
-
 class _Blocks(nn.Module):
     """Blocks, checkpointed as ``mode`` says ("none": not); reentrant modes: buckets
     land in nested graph tasks."""
@@ -600,7 +580,7 @@ class _Blocks(nn.Module):
             if self.mode == "none":
                 x = block(x)
             elif self.mode == "function":
-                x = _FunctionCheckpoint.apply(block, x)
+                x = OtherReentrant.apply(block, x)
             elif self.mode.startswith("layeropt"):
                 x = layeropt.checkpoint(block, x, use_reentrant=self.mode.endswith("reentrant"))
             else:
