@@ -23,7 +23,8 @@ OUT = ROOT / "docs" / "api.md"
 MODULES = [
     "layeropt.optim", "layeropt.attaching", "layeropt.backward_pass", "layeropt.landing",
     "layeropt.checkpointing", "layeropt.loop", "layeropt.losses", "layeropt.memory",
-    "layeropt.distributed", "layeropt.integrations.hf", "layeropt.integrations.lightning",
+    "layeropt.distributed", "layeropt.integrations", "layeropt.integrations.hf",
+    "layeropt.integrations.lightning",
     "layeropt.integrations.accelerate", "layeropt.report", "layeropt.demo",
     "layeropt.models", "layeropt.plan", "layeropt.errors",
 ]

@@ -17,6 +17,7 @@ from .attaching import Attachment, attach
 from .backward_pass import backward
 from .checkpointing import CheckpointHandle, checkpoint, checkpoint_modules
 from .errors import AttachError, BackwardStateError, LayeroptError
+from .integrations import two_pass_compile
 from .landing import Bucket
 from .loop import LoopAccumulator, LoopStateError, loop_recurrent, loop_stack
 from .optim import (
@@ -69,6 +70,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_modules",
     "CheckpointHandle",
+    "two_pass_compile",
 ]
 
 try:

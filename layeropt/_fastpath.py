@@ -57,7 +57,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import Optimizer, _to_scalar
+from torch.optim import optimizer as _optimizer
+from torch.optim.optimizer import Optimizer
+
+# The fused loop body below is the one of torch versions that have this helper.
+_to_scalar = getattr(_optimizer, "_to_scalar", None)
 
 __all__ = ["FastPath", "fast_path_for", "supported"]
 
@@ -77,6 +81,10 @@ def _module(name: str) -> Any:
 _ADAM, _SGD, _ADAGRAD, _RMSPROP, _ADAFACTOR = map(
     _module, ("adam", "sgd", "adagrad", "rmsprop", "_adafactor")
 )
+# What torch's step calls first (named _cuda_graph_capture_health_check before torch 2.6).
+_health_check = getattr(
+    Optimizer, "_accelerator_graph_capture_health_check", None
+) or getattr(Optimizer, "_cuda_graph_capture_health_check")
 _MAX_ENTRIES = 4096  # buckets remembered per optimizer; all forgotten beyond it
 
 
@@ -254,9 +262,10 @@ _CALL_KEYWORDS = {
 def supported() -> dict[type, _Kind]:
     """The torch.optim classes the fast path serves, each with its :class:`_Kind`.
 
-    A kind is used only where the installed torch's ``_init_group`` and
-    functional have the signatures it was written for (torch 2.6 and later;
-    older versions take the general path).
+    A kind is used only on torch 2.6 and later (what it was written and
+    tested for) and only where the installed torch's ``_init_group`` and
+    functional have the signatures it was written for; otherwise the
+    general path serves every call.
 
     Returns:
         ``{torch class: kind}``.
@@ -264,6 +273,8 @@ def supported() -> dict[type, _Kind]:
     from .optim import _raw_step
 
     table: dict[type, _Kind] = {}
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 6):
+        return table
     for module, cls_name, fn_name, init_args, kind in _CANDIDATES:
         try:
             mod = _module(module)
@@ -454,7 +465,7 @@ class FastPath:
         ):
             return self._drop(key)
         if self.kind.health_check:
-            optimizer._accelerator_graph_capture_health_check()
+            _health_check(optimizer)
         grad_mode = torch.is_grad_enabled()
         if grad_mode:  # torch's step updates under no_grad (torch.no_grad() costs more)
             _set_grad_enabled(False)
@@ -544,7 +555,7 @@ class FastPath:
             if len(got) != len(ps) or not all(map(is_, got, ps)):
                 return
             chunk = _Chunk(i, g, tuple(map(g.get, kind.options)), list(ps), lists, flags)
-            if kind.fused is not None and g["fused"] and not g["differentiable"]:
+            if kind.fused is not None and _to_scalar is not None and g["fused"] and not g["differentiable"]:
                 chunk.device = _one_group(ps, grads, lists)
             chunks.append(chunk)
         try:

@@ -70,7 +70,10 @@ def is_dtensor(t: Tensor) -> bool:
     """Whether ``t`` is a DTensor (FSDP2's sharded parameters are)."""
     if not dist.is_available():
         return False
-    from torch.distributed.tensor import DTensor
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor import DTensor
 
     return isinstance(t, DTensor)
 

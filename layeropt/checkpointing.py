@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -259,6 +260,9 @@ def _reentrant(
     return tree_unflatten(out_flat, out_spec)
 
 
+_TORCH_CHECKPOINT_OPTIONS = frozenset(inspect.signature(tc.checkpoint).parameters)
+
+
 def _non_reentrant(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], **options: Any
 ) -> Any:
@@ -276,7 +280,12 @@ def _non_reentrant(
         pin.append(Pin(list(reads.found.values())))
         return out
 
-    return tc.checkpoint(run, *args, use_reentrant=False, **options, **kwargs)
+    if "early_stop" in _TORCH_CHECKPOINT_OPTIONS:
+        return tc.checkpoint(run, *args, use_reentrant=False, **options, **kwargs)
+    # torch 2.4: early stop is only a global setting, read when the segment runs forward
+    stop = contextlib.nullcontext() if options.pop("early_stop") else tc.set_checkpoint_early_stop(False)
+    with stop:
+        return tc.checkpoint(run, *args, use_reentrant=False, **options, **kwargs)
 
 
 def checkpoint(

@@ -129,6 +129,13 @@ CLOSURE_HOLD_WARNING = (
     "call loss.backward() and then optimizer.step() without a closure."
 )
 
+NO_GRAPH_TASK_ERROR = (
+    "a gradient landed outside any autograd graph task, so layeropt cannot tell "
+    "when this backward ends (torch's compiled autograd does this in some versions, "
+    "2.4 to 2.6 among them; nothing of this backward was applied). Turn "
+    "torch._dynamo.config.compiled_autograd off, or upgrade torch."
+)
+
 
 def _queue_callback(fn: Any) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
@@ -138,10 +145,13 @@ def _queue_callback(fn: Any) -> None:
 def _dynamo_switches() -> tuple[Callable[[Any], Any], Callable[[Any], None]]:
     """dynamo's frame-evaluation switch and code skipper (imported at first attach)."""
     try:
-        from torch._dynamo.eval_frame import set_eval_frame, skip_code
+        from torch._dynamo import eval_frame
     except ImportError:  # pragma: no cover - a torch build without dynamo: nothing to hide from
         return (lambda callback: None), (lambda code: None)
-    return set_eval_frame, functools.cache(skip_code)
+    set_eval_frame = getattr(eval_frame, "set_eval_frame", None)
+    if set_eval_frame is None:  # torch 2.5 keeps it in the C module only
+        from torch._C._dynamo.eval_frame import set_eval_frame
+    return set_eval_frame, functools.cache(eval_frame.skip_code)
 
 
 def _all_dense(groups: list[list[Tensor]]) -> bool:
@@ -456,6 +466,8 @@ class Engine:
         backward that reaches them (:meth:`_decide`) waits for the first
         gradient that lands here.
         """
+        if task == -1:  # before any state changes: nothing of this backward is applied
+            raise BackwardStateError(NO_GRAPH_TASK_ERROR)
         if not defer:
             nesting.segment_depth.value = 0  # a first hook outside any segment: nothing is nested
         self._active_task = task

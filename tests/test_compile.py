@@ -29,7 +29,6 @@ from layeropt.models import make_model
 dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
-from torch._functorch import config as functorch_config  # noqa: E402
 
 OPTIMIZERS = [
     ("Adam", dict(lr=1e-2)),
@@ -37,12 +36,14 @@ OPTIMIZERS = [
     ("AdamW", dict(lr=1e-2, fused=True)),
 ]
 
+_TORCH = torch.torch_version.TorchVersion(torch.__version__)
 _NO_CXX = not any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
 # (backend, model, optimizer index, tolerance against eager torch.optim)
 CASES = [
     ("aot_eager", "mlp", 0, 0.0),
-    ("aot_eager", "unet", 1, 0.0),  # skip connections
+    # skip connections; before torch 2.13, aot_eager moves it from eager (2.4-2.6: 1.5e-8)
+    ("aot_eager", "unet", 1, 0.0 if _TORCH >= (2, 13) else 1e-7),
     ("aot_eager", "gpt", 2, 0.0),  # tied embedding / head
     # Inductor generates fused C++ kernels whose float reassociation moves
     # results by a few ulps per step (measured: 2.3e-6 after 3 Adam steps, lr 1e-2).
@@ -133,6 +134,14 @@ def test_compiled_autograd_matches_torch_optim(name):
         compiled = torch.compile(m, backend="aot_eager")
         return torch.compile(lambda data: loss_fn(compiled, data).backward(), backend="aot_eager")
 
+    # Some torch versions (2.6 here) call such hooks from the compiled graph with no
+    # autograd graph task running: no callback can then mark the backward's end, and
+    # layeropt must refuse that backward before any update. A plain hook on the
+    # reference model tells which case this torch is.
+    tasks: list[int] = []
+    probe = dynamo.disable(lambda p: tasks.append(torch._C._current_graph_task_id()))
+    for p in ref.parameters():
+        p.register_post_accumulate_grad_hook(probe)
     with dynamo.config.patch(compiled_autograd=True):
         ref_step, lo_step = step_fn(ref), step_fn(model)
         gen = torch.Generator().manual_seed(1)
@@ -141,11 +150,19 @@ def test_compiled_autograd_matches_torch_optim(name):
             ref_step(data)
             ref_opt.step()
             ref_opt.zero_grad()
+            if -1 in tasks:
+                before = [p.detach().clone() for p in model.parameters()]
+                with pytest.raises(layeropt.BackwardStateError, match="compiled_autograd off"):
+                    lo_step(data)
+                handle.remove()
+                for p, b in zip(model.parameters(), before):
+                    assert_same(p.detach(), b)  # refused before any update
+                return
             lo_step(data)
             assert lo_opt.stepped_in_backward == len(list(model.parameters()))
             assert all(p.grad is None for p in model.parameters())
     handle.remove()
-    assert counters["compiled_autograd"]["captures"] >= 2, "compiled autograd did not run"
+    assert counters["compiled_autograd"]["captures"] >= 1, "compiled autograd did not run"
     for p, q in zip(ref.parameters(), model.parameters()):
         assert_same(p.detach(), q.detach())
     assert_same(ref_opt.state_dict(), lo_opt.state_dict())
@@ -160,7 +177,7 @@ def test_compiled_model_no_step_accumulation():
     (without it: "compiled with non-empty donated buffers which requires ...
     retain_graph=False").
     """
-    with functorch_config.patch(donated_buffer=False):
+    with layeropt.two_pass_compile():
         _accumulate_and_clip_through_compiled_model()
 
 

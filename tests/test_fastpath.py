@@ -32,6 +32,10 @@ from harness import (
 )
 from layeropt._fastpath import FastPath, supported
 
+pytestmark = pytest.mark.skipif(
+    not supported(), reason="torch < 2.6: every call takes torch's step (the general path)"
+)
+
 
 def _fast(opt: Any) -> FastPath:
     fast = opt._lo_stepper.fast

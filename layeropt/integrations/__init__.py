@@ -15,17 +15,32 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-__all__: list[str] = []
+__all__ = ["two_pass_compile"]
 
 
 def two_pass_compile() -> Any:
     """A context in which ``torch.compile`` builds graphs that two backwards can run.
 
-    ``layeropt.backward`` (clipping, a ``GradScaler``) runs a measuring
-    backward and then the stepping one over the same graph; AOTAutograd's
-    donated buffers would refuse the second ("compiled with non-empty donated
-    buffers"). The integrations turn them off while they train (a memory
+    ``layeropt.backward`` with ``max_norm``/``clip_value``/``scaler`` runs a
+    measuring backward and then the stepping one over the same graph;
+    AOTAutograd's donated buffers refuse the second ("compiled with non-empty
+    donated buffers"). Inside this context they are off (a memory
     optimisation of the compiled backward only; the numbers do not change).
+    Enter it before the model is compiled and keep it while training. On a
+    torch without donated buffers (2.4) it does nothing. The
+    integrations enter it for you while they train.
+
+    Returns:
+        A context manager.
+
+    Example:
+        >>> import torch, layeropt
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = layeropt.AdamW(model.parameters(), lr=1e-3)
+        >>> with layeropt.two_pass_compile():
+        ...     compiled = torch.compile(model, backend="aot_eager")
+        ...     with layeropt.attach(compiled, opt):
+        ...         layeropt.backward(compiled(torch.randn(2, 4)).sum(), max_norm=1.0)
     """
     try:
         from torch._functorch import config
