@@ -108,7 +108,10 @@ def _minimal_hook(ddp: nn.Module) -> None:
 
 def _fully_shard(model: nn.Module) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.blocks:

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 import layeropt
 from layeropt._fastpath import FastPath
 from layeropt.demo import checkpoint_blocks
+from layeropt.losses import has_native_linear_cross_entropy, linear_cross_entropy
 from layeropt.memory import PeakMemory
 from layeropt.models import TinyGPT
 
@@ -118,10 +119,12 @@ def _chunked_lm_loss(m: nn.Module, tokens: Tensor) -> Tensor:
     x = m.embed(tokens[:, :-1]) + m.pos[: tokens.shape[1] - 1]
     for block in m.blocks:
         x = block(x)
+    hidden, targets = m.ln_f(x).flatten(0, 1), tokens[:, 1:].flatten()
+    if not has_native_linear_cross_entropy():  # torch < 2.13: layeropt's chunked loss
+        return linear_cross_entropy(hidden, m.embed.weight, targets, impl="chunked")
     return F.linear_cross_entropy(
-        m.ln_f(x).flatten(0, 1), m.embed.weight, tokens[:, 1:].flatten(),
-        options=torch.nn.LinearCrossEntropyOptions(),
-    )  # fmt: skip
+        hidden, m.embed.weight, targets, options=torch.nn.LinearCrossEntropyOptions()
+    )
 
 
 # -- contenders ---------------------------------------------------------------

@@ -18,15 +18,20 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-BLOCK = re.compile(r"```python\n(.*?)```", re.S)
-BLOCKS = {
-    f"{path.name}#{i}": code
-    for path in DOCS
-    for i, code in enumerate(BLOCK.findall(path.read_text()))
-}
+# A block may follow a line "<!-- needs torch >= X.Y -->" (its text says so too).
+BLOCK = re.compile(r"(?:<!-- needs torch >= ([0-9.]+) -->\n)?```python\n(.*?)```", re.S)
+NEEDS: dict[str, str] = {}
+BLOCKS: dict[str, str] = {}
+for _path in DOCS:
+    for _i, (_needs, _code) in enumerate(BLOCK.findall(_path.read_text())):
+        BLOCKS[f"{_path.name}#{_i}"] = _code
+        if _needs:
+            NEEDS[f"{_path.name}#{_i}"] = _needs
+TORCH = torch.torch_version.TorchVersion(torch.__version__)
 
 # Runs in a fresh interpreter: reads {name: code}, prints {name: error or ""}.
 RUNNER = r'''
@@ -88,6 +93,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_doc_code_block_runs(results, name):
+    if name in NEEDS and TORCH < tuple(int(v) for v in NEEDS[name].split(".")):
+        pytest.skip(f"needs torch >= {NEEDS[name]}")
     assert results[name] == "", f"{name} failed:\n{BLOCKS[name]}\n{results[name][-3000:]}"
 
 

@@ -43,6 +43,10 @@ from layeropt.integrations.hf import (  # noqa: E402
     unwrap_optimizer,
 )
 
+_TORCH = torch.torch_version.TorchVersion(torch.__version__)
+# transformers 5 measures the norm after backward when not clipping (4.x logs none)
+_MEASURES_NORM = hasattr(Trainer, "_get_grad_norm")
+
 hf_logging.set_verbosity_error()
 VOCAB = 64
 
@@ -315,7 +319,7 @@ def test_trainer_matches_torch_optim(tmp_path, kind, ref_kind, opts):
     ref_trainer, ref, ref_probe = _trainer(tmp_path, ref_kind, **opts)
     ref_trainer.train()
     trainer, model, probe = _trainer(tmp_path, kind, **opts)
-    if kind == "callback":  # plain Trainer logs clip_grad_norm_(inf) after backward: said
+    if kind == "callback" and _MEASURES_NORM:  # plain Trainer logs clip_grad_norm_(inf): said
         with pytest.warns(UserWarning, match="norm is not measured"):
             trainer.train()
     else:
@@ -372,6 +376,7 @@ def test_plain_trainer_with_attached_optimizer_refuses(tmp_path, ga, max_grad_no
     assert trainer.state.global_step == 0
 
 
+@pytest.mark.skipif(_TORCH < (2, 6), reason="transformers' torch.load needs torch >= 2.6")
 def test_trainer_checkpoint_resume(tmp_path):
     """optimizer.pt is torch's state dict: resume is exact, across torch and layeropt too."""
     opts = dict(ga=2, max_grad_norm=0.5, steps=4, save_steps=2)
@@ -452,6 +457,7 @@ def test_callback_needs_layeropt_optimizer(tmp_path):
         trainer.train()
 
 
+@pytest.mark.skipif(_TORCH < (2, 6), reason="transformers' masks do not compile on torch < 2.6")
 def test_trainer_torch_compile_with_clipping(tmp_path):
     """``torch_compile=True`` + ``max_grad_norm``: layeropt.backward's two passes run the
     compiled graph twice (donated buffers off while training), bit for bit."""

@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import math
 from typing import Any
 
 import torch
@@ -70,6 +72,9 @@ except ImportError as exc:  # pragma: no cover - exercised without transformers
     ) from exc
 
 __all__ = ["LayeroptTrainer", "LayeroptCallback", "TrainerSetupError", "unwrap_optimizer"]
+
+# transformers 5 passes the model to create_optimizer; 4.x takes none.
+_CREATE_OPTIMIZER_TAKES_MODEL = "model" in inspect.signature(Trainer.create_optimizer).parameters
 
 
 class TrainerSetupError(LayeroptError):
@@ -170,7 +175,7 @@ class LayeroptTrainer(Trainer):
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """``Trainer.create_optimizer``, building the layeropt class of ``args.optim``."""
         if self.optimizer is not None:
-            return super().create_optimizer(model)
+            return self._base_create_optimizer(model)
         _check_args(self.args, plain=False)
         saved = getattr(self, "optimizer_cls_and_kwargs", None)
         if saved is not None:
@@ -179,9 +184,14 @@ class LayeroptTrainer(Trainer):
             cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model or self.model)
         self.optimizer_cls_and_kwargs = (_in_backward_class(cls, self.args.optim), kwargs)
         try:
-            return super().create_optimizer(model)
+            return self._base_create_optimizer(model)
         finally:
             self.optimizer_cls_and_kwargs = saved
+
+    def _base_create_optimizer(self, model: nn.Module | None) -> torch.optim.Optimizer:
+        if _CREATE_OPTIMIZER_TAKES_MODEL:
+            return super().create_optimizer(model)
+        return super().create_optimizer()  # transformers 4.x: no model argument
 
     def layeropt_optimizer(self) -> InBackwardOptimizer:
         """The layeropt optimizer this Trainer steps (unwrapped from accelerate)."""
@@ -217,6 +227,7 @@ class LayeroptTrainer(Trainer):
         sync = bool(acc.sync_gradients)
         had = acc.__dict__.get("backward")
         acc.backward = functools.partial(self._layeropt_backward, opt, sync)
+        acc.clip_grad_norm_ = self._layeropt_grad_norm  # the Trainer clips after training_step
         try:
             with contextlib.nullcontext() if sync else opt.no_step():
                 return super().training_step(model, inputs, *args, **kwargs)
@@ -254,13 +265,16 @@ class LayeroptTrainer(Trainer):
             **kwargs,
         )
 
-    def _clip_grad_norm(self, model: nn.Module) -> Tensor | None:
-        """The global norm ``layeropt.backward`` measured and clipped with."""
-        return self.layeropt_optimizer().last_grad_norm
+    def _layeropt_grad_norm(self, parameters: Any, max_norm: float, *args: Any, **kw: Any) -> Any:
+        """``Accelerator.clip_grad_norm_`` as the Trainer calls it after ``training_step``.
 
-    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
-        """The clipped-with norm; ``None`` without clipping (no gradient is left to measure)."""
-        return grad_norm
+        ``layeropt.backward`` already clipped with ``args.max_grad_norm``: the
+        norm it measured. The Trainer's norm-only call (``max_norm=inf``, for
+        logging without clipping) gets ``None``: no gradient is left to measure.
+        """
+        if math.isinf(max_norm):
+            return None
+        return self.layeropt_optimizer().last_grad_norm
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; the model is detached again when it returns.
@@ -272,6 +286,7 @@ class LayeroptTrainer(Trainer):
             with two_pass_compile() if self.args.torch_compile else contextlib.nullcontext():
                 return super().train(*args, **kwargs)
         finally:
+            self.accelerator.__dict__.pop("clip_grad_norm_", None)
             if self._layeropt_handle is not None:
                 self._layeropt_handle.remove()
                 self._layeropt_handle = None
