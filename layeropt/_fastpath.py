@@ -555,7 +555,8 @@ class FastPath:
             if len(got) != len(ps) or not all(map(is_, got, ps)):
                 return
             chunk = _Chunk(i, g, tuple(map(g.get, kind.options)), list(ps), lists, flags)
-            if kind.fused is not None and _to_scalar is not None and g["fused"] and not g["differentiable"]:
+            fused_body = kind.fused is not None and _to_scalar is not None
+            if fused_body and g["fused"] and not g["differentiable"]:
                 chunk.device = _one_group(ps, grads, lists)
             chunks.append(chunk)
         try:

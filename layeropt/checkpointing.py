@@ -260,7 +260,7 @@ def _reentrant(
     return tree_unflatten(out_flat, out_spec)
 
 
-_TORCH_CHECKPOINT_OPTIONS = frozenset(inspect.signature(tc.checkpoint).parameters)
+_TORCH_TAKES_EARLY_STOP = "early_stop" in inspect.signature(tc.checkpoint).parameters
 
 
 def _non_reentrant(
@@ -280,11 +280,11 @@ def _non_reentrant(
         pin.append(Pin(list(reads.found.values())))
         return out
 
-    if "early_stop" in _TORCH_CHECKPOINT_OPTIONS:
+    if _TORCH_TAKES_EARLY_STOP:
         return tc.checkpoint(run, *args, use_reentrant=False, **options, **kwargs)
-    # torch 2.4: early stop is only a global setting, read when the segment runs forward
-    stop = contextlib.nullcontext() if options.pop("early_stop") else tc.set_checkpoint_early_stop(False)
-    with stop:
+    # torch 2.4-2.5: early stop is only a global setting, read when the segment runs forward
+    early_stop = options.pop("early_stop")
+    with contextlib.nullcontext() if early_stop else tc.set_checkpoint_early_stop(False):
         return tc.checkpoint(run, *args, use_reentrant=False, **options, **kwargs)
 
 

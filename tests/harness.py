@@ -12,10 +12,17 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 import layeropt
 from layeropt.models import make_model
+
+# The installed torch, for what depends on it (compared as a tuple: TORCH >= (2, 8)).
+TORCH = torch.torch_version.TorchVersion(torch.__version__)
+# FSDP2 runs on CPU (gloo) from torch 2.8 (tested; 2.4-2.6 need CUDA streams).
+FSDP2_ON_CPU = TORCH >= (2, 8)
+needs_fsdp2 = pytest.mark.skipif(not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8")
 
 # (name, torch class, kwargs): every option torch offers for each optimizer.
 OPTIMIZER_CONFIGS: list[tuple[str, dict[str, Any]]] = [

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
+from harness import needs_fsdp2
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -31,12 +31,8 @@ SMOKE = {
 }
 
 
-_FSDP2_ON_CPU = torch.torch_version.TorchVersion(torch.__version__) >= (2, 8)
-_needs_fsdp2 = pytest.mark.skipif(not _FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8")
-
-
 @pytest.mark.parametrize(
-    "command", [pytest.param(c, marks=_needs_fsdp2) if "--fsdp" in c else c for c in SMOKE]
+    "command", [pytest.param(c, marks=needs_fsdp2) if "--fsdp" in c else c for c in SMOKE]
 )
 def test_benchmark_runs(command):
     script, *args = command.split()

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import assert_same
+from harness import TORCH, assert_same
 
 import layeropt
 from layeropt.models import make_model
@@ -36,14 +36,13 @@ OPTIMIZERS = [
     ("AdamW", dict(lr=1e-2, fused=True)),
 ]
 
-_TORCH = torch.torch_version.TorchVersion(torch.__version__)
 _NO_CXX = not any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
 # (backend, model, optimizer index, tolerance against eager torch.optim)
 CASES = [
     ("aot_eager", "mlp", 0, 0.0),
     # skip connections; before torch 2.13, aot_eager moves it from eager (2.4-2.6: 1.5e-8)
-    ("aot_eager", "unet", 1, 0.0 if _TORCH >= (2, 13) else 1e-7),
+    ("aot_eager", "unet", 1, 0.0 if TORCH >= (2, 13) else 1e-7),
     ("aot_eager", "gpt", 2, 0.0),  # tied embedding / head
     # Inductor generates fused C++ kernels whose float reassociation moves
     # results by a few ulps per step (measured: 2.3e-6 after 3 Adam steps, lr 1e-2).

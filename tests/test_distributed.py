@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import layeropt
-from harness import OtherReentrant, assert_same
+from harness import FSDP2_ON_CPU, TORCH, OtherReentrant, assert_same, needs_fsdp2
 from layeropt.errors import AttachError
 
 pytestmark = pytest.mark.skipif(
@@ -73,15 +73,9 @@ OPTS = {
     # third-party: the class itself vs layeropt.in_backward(class)
     "torchao_adamw8bit": ("torchao.optim.AdamW8bit", dict(lr=0.01)),
 }
-# FSDP2 runs on CPU (gloo) from torch 2.8 (tested; 2.4-2.6 need CUDA streams).
-TORCH = torch.torch_version.TorchVersion(torch.__version__)
-FSDP2_ON_CPU = TORCH >= (2, 8)
-_needs_fsdp2 = pytest.mark.skipif(not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8")
-
-
 def _cases(names: Any) -> list[Any]:
     """Parametrize values; the FSDP2 ones skipped where FSDP2 cannot run on CPU."""
-    return [pytest.param(n, marks=_needs_fsdp2) if n.startswith("fsdp2") else n for n in names]
+    return [pytest.param(n, marks=needs_fsdp2) if n.startswith("fsdp2") else n for n in names]
 
 
 # name: (engine, optimizer, options, accumulation). Options are DDP's
@@ -998,7 +992,7 @@ def test_ddp_memory_frees_local_gradients_bucket_by_bucket(ranks):
         assert peaks["ddp/layeropt-bucket_view"] <= peaks["ddp/torch-bucket_view"] + slack
 
 
-@_needs_fsdp2
+@needs_fsdp2
 def test_fsdp2_frees_each_sharded_gradient_when_its_reduce_scatter_is_stepped(ranks):
     for out in _get(ranks, "memory"):
         shards = out["fsdp2/layeropt/shard_bytes"]

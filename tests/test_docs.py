@@ -18,20 +18,19 @@ import subprocess
 import sys
 
 import pytest
-import torch
+from harness import TORCH
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # A block may follow a line "<!-- needs torch >= X.Y -->" (its text says so too).
 BLOCK = re.compile(r"(?:<!-- needs torch >= ([0-9.]+) -->\n)?```python\n(.*?)```", re.S)
-NEEDS: dict[str, str] = {}
-BLOCKS: dict[str, str] = {}
-for _path in DOCS:
-    for _i, (_needs, _code) in enumerate(BLOCK.findall(_path.read_text())):
-        BLOCKS[f"{_path.name}#{_i}"] = _code
-        if _needs:
-            NEEDS[f"{_path.name}#{_i}"] = _needs
-TORCH = torch.torch_version.TorchVersion(torch.__version__)
+FOUND = {
+    f"{path.name}#{i}": (needs, code)
+    for path in DOCS
+    for i, (needs, code) in enumerate(BLOCK.findall(path.read_text()))
+}
+BLOCKS = {name: code for name, (_, code) in FOUND.items()}
+NEEDS = {name: needs for name, (needs, _) in FOUND.items() if needs}
 
 # Runs in a fresh interpreter: reads {name: code}, prints {name: error or ""}.
 RUNNER = r'''

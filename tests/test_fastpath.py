@@ -21,6 +21,7 @@ import layeropt
 from harness import (
     MODEL_NAMES,
     OPTIMIZER_CONFIGS,
+    TORCH,
     InfGrad,
     assert_models_equal,
     assert_same,
@@ -32,7 +33,6 @@ from harness import (
 )
 from layeropt._fastpath import FastPath, supported
 
-_TORCH = torch.torch_version.TorchVersion(torch.__version__)
 pytestmark = pytest.mark.skipif(
     not supported(), reason="torch < 2.6: every call takes torch's step (the general path)"
 )
@@ -41,8 +41,8 @@ pytestmark = pytest.mark.skipif(
 def _fast(opt: Any) -> FastPath:
     base = next(k for k in type(opt).__mro__ if k.__module__.startswith("torch.optim"))
     if base not in supported():  # its signatures are older on this torch
-        assert _TORCH < (2, 13), f"{base.__name__} should take the fast path on torch {_TORCH}"
-        pytest.skip(f"{base.__name__} takes torch's step on torch {_TORCH}")
+        assert TORCH < (2, 13), f"{base.__name__} should take the fast path on torch {TORCH}"
+        pytest.skip(f"{base.__name__} takes torch's step on torch {TORCH}")
     fast = opt._lo_stepper.fast
     assert isinstance(fast, FastPath), "the fast path was never set up"
     return fast
@@ -56,9 +56,6 @@ def _fast(opt: Any) -> FastPath:
 def test_exact_table_takes_the_fast_path(cfg, model_name):
     """Step 1 goes through torch's step (state created there); steps 2-3 all fast."""
     opt_name, kw = cfg
-    if torch_class(opt_name) not in supported():  # its signatures are older on this torch
-        assert _TORCH < (2, 13), f"{opt_name} should take the fast path on torch {_TORCH}"
-        pytest.skip(f"{opt_name} takes torch's step on torch {_TORCH}")
     ref, ref_opt, model, lo_opt = train_pair(model_name, opt_name, kw, steps=3)
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), lo_opt.state_dict())

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import assert_same
+from harness import TORCH, assert_same
 
 import layeropt
 from layeropt.memory import PeakMemory
@@ -43,7 +43,6 @@ from layeropt.integrations.hf import (  # noqa: E402
     unwrap_optimizer,
 )
 
-_TORCH = torch.torch_version.TorchVersion(torch.__version__)
 # transformers 5 measures the norm after backward when not clipping (4.x logs none)
 _MEASURES_NORM = hasattr(Trainer, "_get_grad_norm")
 
@@ -376,7 +375,7 @@ def test_plain_trainer_with_attached_optimizer_refuses(tmp_path, ga, max_grad_no
     assert trainer.state.global_step == 0
 
 
-@pytest.mark.skipif(_TORCH < (2, 6), reason="transformers' torch.load needs torch >= 2.6")
+@pytest.mark.skipif(TORCH < (2, 6), reason="transformers' torch.load needs torch >= 2.6")
 def test_trainer_checkpoint_resume(tmp_path):
     """optimizer.pt is torch's state dict: resume is exact, across torch and layeropt too."""
     opts = dict(ga=2, max_grad_norm=0.5, steps=4, save_steps=2)
@@ -457,7 +456,7 @@ def test_callback_needs_layeropt_optimizer(tmp_path):
         trainer.train()
 
 
-@pytest.mark.skipif(_TORCH < (2, 6), reason="transformers' masks do not compile on torch < 2.6")
+@pytest.mark.skipif(TORCH < (2, 6), reason="transformers' masks do not compile on torch < 2.6")
 def test_trainer_torch_compile_with_clipping(tmp_path):
     """``torch_compile=True`` + ``max_grad_norm``: layeropt.backward's two passes run the
     compiled graph twice (donated buffers off while training), bit for bit."""
