@@ -53,6 +53,7 @@ class _HookState:
         self.lock = threading.Lock()  # bucket steps may land on comm threads
         self.fresh = True  # DDP ran a forward since the last training step began
         self.steps: dict[int, int] = {}  # id(optimizer) -> updates this backward
+        self.holding: set[int] = set()  # id(optimizer): gradients held for step() this backward
         self.recording: list[list[Tensor]] | None = None  # buckets seen in a measure pass
         self.buckets: list[list[Tensor]] = []  # those of the latest measure pass
         self.deferred: list[tuple[_Landing, Any]] = []  # to land at the end, in bucket order
@@ -100,15 +101,13 @@ class _HookState:
         if ddp is not None and getattr(getattr(ddp, "_join_config", None), "enable", False):
             raise AttachError(_JOIN)  # on every process: no all-reduce of this backward ran
         with self.lock:
-            self.fresh = False
             refs = {id(r): r for r in self.owner.values()} if self.active else {}
-            for ref in refs.values():  # (a set would hash the refs: dead ones cannot)
-                opt = ref()
-                if opt is not None:
-                    _check_engine(opt._lo_engine)
-                    opt._lo_engine.last_backward_steps = 0
-                    if opt._lo_engine.measure is None:
-                        opt._lo_engine.txn += 1  # a new training step (transaction)
+            optimizers = [o for o in (r() for r in refs.values()) if o is not None]
+            for opt in optimizers:
+                _check_engine(opt._lo_engine)
+            # the engine's rules, as for a plain backward (may refuse it: nothing ran yet)
+            self.holding = {id(opt) for opt in optimizers if opt._lo_engine.begin_averaged()}
+            self.fresh = False
             self.steps = {}
 
     def defer(self, landing: _Landing, fut: Any) -> None:
@@ -281,7 +280,7 @@ class _Landing:
             mode = modes.get(id(ref), _WRITE_BACK if ref is None else None)
             if mode is None:  # the optimizer's first parameter in this bucket
                 opt = ref()  # type: ignore[misc]
-                if opt is None or opt._lo_engine.no_step_depth:
+                if opt is None or id(opt) in state.holding:
                     mode = _WRITE_BACK
                 elif opt._lo_engine.measure is not None:  # layeropt.backward's first pass
                     mode = opt._lo_engine.measure
@@ -355,19 +354,10 @@ def _stepping(state: _HookState) -> Iterator[None]:
 
 
 def _step(state: _HookState, opt: Any, params: list[Tensor]) -> None:
-    """Step ``params`` (``.grad`` = averaged bucket slices) and free their ``.grad``.
-
-    ``clip_value`` (``attach``'s option, or an integration's) clips the averaged
-    gradients element-wise first, as ``clip_grad_value_`` after DDP's backward.
-    """
-    clip_value = opt._lo_engine.clip_value
-    if clip_value is not None:
-        torch.nn.utils.clip_grad_value_(params, clip_value)
-    opt._step_params(params)
-    for p in params:
-        p.grad = None
-    n = state.steps[id(opt)] = state.steps.get(id(opt), 0) + len(params)
-    opt._lo_engine.last_backward_steps = n
+    """Step ``params`` (``.grad`` = averaged bucket slices) through the engine's one
+    step path (clipping by value, rules, record), which frees their ``.grad``."""
+    opt._lo_engine.step_averaged(params)
+    state.steps[id(opt)] = state.steps.get(id(opt), 0) + len(params)
 
 
 _WRITE_BACK = object()  # _Landing: leave the averaged gradient in .grad, as DDP would

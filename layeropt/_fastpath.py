@@ -313,15 +313,13 @@ def fast_path_for(optimizer: Any) -> FastPath | None:
 
     cls = type(optimizer)
     mro = cls.__mro__
-    base = next((k for k in mro if k.__module__.startswith("torch.optim")), None)
+    base = getattr(cls, "_lo_base", None)  # the class in_backward() was given
     kind = supported().get(base) if base is not None else None
     if kind is None:
         return None
     for k in mro[: mro.index(base)]:
-        if k is not InBackwardOptimizer and k.__module__ != "layeropt.optim":
+        if k is not InBackwardOptimizer and vars(k).get("_lo_base") is not base:
             return None  # a user class between layeropt's and torch's
-        if k is not InBackwardOptimizer and ("_init_group" in vars(k) or "__setstate__" in vars(k)):
-            return None
     fast = FastPath(kind)
     register = getattr(optimizer, "register_load_state_dict_post_hook", None)
     if register is not None:

@@ -32,12 +32,24 @@ __all__ = [
     "hooked_by",
     "mark_hooked",
     "unmark_hooked",
+    "WeakOrderedSet",
 ]
 
 # Attribute set on parameters declared for local updates (a plain value: picklable).
 _LOCAL_OK = "_layeropt_local_updates"
 # id(parameter) -> the attachment whose hook it carries (weakly)
 _HOOKED: dict[int, weakref.ref] = {}
+
+
+class WeakOrderedSet(weakref.WeakKeyDictionary):
+    """A set of weak references iterated in insertion order (``weakref.WeakSet``
+    iterates in memory order, which would make results depend on addresses)."""
+
+    def add(self, item: Any) -> None:
+        self[item] = None
+
+    def discard(self, item: Any) -> None:
+        self.pop(item, None)
 
 
 def hooked_by(param: Tensor) -> Any:

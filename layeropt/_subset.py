@@ -58,14 +58,16 @@ def narrowable(step: Callable[..., Any]) -> bool:
 _MISSING = object()
 
 GLOBAL_ESTIMATE_ERROR = (
-    "{name} keeps param-group state that depends on the gradients of all its "
-    "parameters together ({keys}: a global estimate, as in D-Adaptation or "
-    "Prodigy), so it cannot update one layer at a time during backward. {outcome} "
+    "{name} keeps state outside its per-parameter state (param-group values or "
+    "attributes of the optimizer: {keys}) that depends on the gradients of all its "
+    "parameters together (a global estimate, as in D-Adaptation or Prodigy), so it "
+    "cannot update one layer at a time during backward. {outcome} "
     "Use it as a plain optimizer (without layeropt.attach), or an optimizer whose "
     "state is per parameter."
 )
 LATE_MOVE_ERROR = (
-    "{name} changed its param-group values ({keys}) in a step call although earlier "
+    "{name} changed values it keeps outside its per-parameter state ({keys}) in a "
+    "step call although earlier "
     "calls of the same training step did not, so its layers would be stepped with "
     "different group state. {outcome} Use it as a plain optimizer (without "
     "layeropt.attach)."
@@ -117,11 +119,52 @@ def _restore_values(group: dict[str, Any], values: dict[str, Any]) -> None:
             group[k] = v.clone() if isinstance(v, Tensor) else v
 
 
+# Instance attributes that are the optimizer's machinery, not its algorithm's state.
+_MACHINERY = {"param_groups", "state", "defaults", "_opt_called", "last_grad_norm",
+              "_zero_grad_profile_name", "_warned_capturable_if_run_uncaptured"}
+_SCALARS = (bool, int, float, complex, str, type(None), Tensor)
+
+
+def _own(optimizer: Any) -> dict[str, Any]:
+    """Values the optimizer keeps on itself (``self.t += 1`` in ``step``): scalars and
+    tensors, copied. One training step moves them once, as its param-group values."""
+    return {
+        k: (v.detach().clone() if isinstance(v, Tensor) else v)
+        for k, v in vars(optimizer).items()
+        if k not in _MACHINERY and not k.startswith("_lo_") and isinstance(v, _SCALARS)
+    }
+
+
+def _snapshot(optimizer: Any) -> list[dict[str, Any]]:
+    """Every param group's values, then the optimizer's own (:func:`_own`)."""
+    return [*(_values(g) for g in optimizer.param_groups), _own(optimizer)]
+
+
+def _diff(snapshot: list[dict[str, Any]], optimizer: Any) -> list[str]:
+    """The keys whose values differ now from ``snapshot`` (``self.x`` for own values)."""
+    keys = {k for b, g in zip(snapshot, optimizer.param_groups) for k in _changed(b, g)}
+    keys.update(f"self.{k}" for k in _changed(snapshot[-1], _own(optimizer)))
+    return sorted(keys)
+
+
+def _restore(optimizer: Any, snapshot: list[dict[str, Any]]) -> None:
+    for g, values in zip(optimizer.param_groups, snapshot):
+        _restore_values(g, values)
+    for k, v in snapshot[-1].items():
+        old = vars(optimizer).get(k)
+        if isinstance(v, Tensor) and isinstance(old, Tensor) and old.shape == v.shape:
+            with torch.no_grad():
+                old.copy_(v)
+        else:
+            setattr(optimizer, k, v.clone() if isinstance(v, Tensor) else v)
+
+
 def _inner(t: Tensor) -> list[Tensor]:
     """The plain tensors a tensor is stored in (a quantized state's codes and scales)."""
     if type(t) is not Tensor and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return [x for n in names for x in _inner(getattr(t, n))]
+        names, _ = t.__tensor_flatten__()  # (a DTensor lists its device mesh too)
+        parts = [getattr(t, n) for n in names]
+        return [x for part in parts if isinstance(part, Tensor) for x in _inner(part)]
     return [t]
 
 
@@ -177,7 +220,7 @@ class SubsetStepper:
         self.narrow = narrow
         self.name = name
         self._key: object = None  # the open transaction
-        self._pre: list[dict[str, Any]] | None = None  # group values it started with
+        self._pre: list[dict[str, Any]] | None = None  # values it started with (_snapshot)
         self._post: list[dict[str, Any]] | None = None  # and those its first call ended with
         self._moved = False  # whether the transaction's first call changed group values
         self._probes_left = self.PROBED_STEPS
@@ -209,19 +252,18 @@ class SubsetStepper:
     def _transact(self, optimizer: Any, params: list[Tensor]) -> None:
         groups = optimizer.param_groups
         if self._pre is None:  # the transaction's first call
-            self._pre = [_values(g) for g in groups]
+            self._pre = _snapshot(optimizer)
             self._whole(optimizer, params)
-            self._post = [_values(g) for g in groups]
-            self._moved = any(_changed(b, g) for b, g in zip(self._pre, groups))
+            self._post = _snapshot(optimizer)
+            self._moved = bool(_diff(self._pre, optimizer))
             if not self._moved:  # static group values this step: nothing to compare
                 self._end_probe()
             return
         if self._moved:
-            for g, values in zip(groups, self._pre):
-                _restore_values(g, values)
+            _restore(optimizer, self._pre)
         self._whole(optimizer, params)
         assert self._post is not None
-        keys = sorted({k for b, g in zip(self._post, groups) for k in _changed(b, g)})
+        keys = _diff(self._post, optimizer)
         if keys:
             self._refuse(optimizer, keys, GLOBAL_ESTIMATE_ERROR if self._moved else LATE_MOVE_ERROR)
         self._end_probe()
@@ -236,8 +278,7 @@ class SubsetStepper:
         for record in reversed(saved):
             record.restore(optimizer)
         if self._pre is not None:
-            for g, values in zip(optimizer.param_groups, self._pre):
-                _restore_values(g, values)
+            _restore(optimizer, self._pre)
         self._key = None
         outcome = (
             "Nothing was updated." if saved else

@@ -11,8 +11,8 @@
   that way, they raise (a finite ``max_norm``, or by value) or warn (an
   infinite ``max_norm``: a measurement) instead of silently doing nothing.
 
-Both are wrapped once per process, when the first layeropt optimizer is made;
-nothing else about them changes.
+Both are wrapped once per process, when the first layeropt optimizer is made
+(never by importing layeropt); nothing else about them changes.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ __all__ = ["watch", "scaled_backward", "CLIP_AFTER_BACKWARD"]
 
 _SCALED: list[weakref.ref] = []  # outputs of GradScaler.scale still alive
 _ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()  # engines to ask about stepped params
+_CALLING: list[str] = []  # guarded clipping functions running now (the outermost checks)
 
 CLIP_AFTER_BACKWARD = (
     "{fn} was called on parameters that an attached backward has already updated, "
@@ -85,6 +86,8 @@ def _stepped_ids() -> set[int]:
 def _guard(fn: Callable[..., Any], by_norm: bool, name: str) -> Callable[..., Any]:
     @functools.wraps(fn)
     def guarded(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        if _CALLING:  # called by another guarded function (clip_grad_norm_ -> clip_grads_with_norm_)
+            return fn(parameters, *args, **kwargs)
         if isinstance(parameters, Tensor):
             parameters = [parameters]
         parameters = list(parameters)
@@ -99,7 +102,11 @@ def _guard(fn: Callable[..., Any], by_norm: bool, name: str) -> Callable[..., An
                 warn(message.replace("nothing would be clipped", "the norm is not measured"))
             else:
                 raise LayeroptError(message)
-        return fn(parameters, *args, **kwargs)
+        _CALLING.append(name)
+        try:
+            return fn(parameters, *args, **kwargs)
+        finally:
+            _CALLING.pop()
 
     guarded._layeropt_guard = True  # type: ignore[attr-defined]
     return guarded
@@ -122,16 +129,33 @@ def watch() -> None:
 
     from torch.nn.utils import clip_grad
 
-    for name, by_norm in (("clip_grad_norm_", True), ("clip_grad_value_", False)):
-        fn = getattr(clip_grad, name)
-        if getattr(fn, "_layeropt_guard", False):
-            continue
-        guarded = _guard(fn, by_norm, name)
-        setattr(clip_grad, name, guarded)
-        if getattr(torch.nn.utils, name, None) is fn:
+    names = [("clip_grad_norm_", True), ("clip_grad_value_", False)]
+    if hasattr(torch.nn.utils, "clip_grads_with_norm_"):  # torch >= 2.6
+        names.append(("clip_grads_with_norm_", True))
+    for name, by_norm in names:
+        fn = getattr(torch.nn.utils, name, None) or getattr(clip_grad, name)
+        if not _guard_inside(fn, by_norm, name):  # a torch without the _no_grad wrapper
+            guarded = _guard(fn, by_norm, name)
             setattr(torch.nn.utils, name, guarded)
-    # clip_grads_with_norm_(parameters, max_norm, total_norm), torch >= 2.6: public
-    # only in torch.nn.utils (clip_grad_norm_ calls the private one: left alone)
-    fn = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
-    if fn is not None and not getattr(fn, "_layeropt_guard", False):
-        torch.nn.utils.clip_grads_with_norm_ = _guard(fn, True, "clip_grads_with_norm_")
+            if getattr(clip_grad, name, None) is fn:
+                setattr(clip_grad, name, guarded)
+
+
+def _guard_inside(fn: Callable[..., Any], by_norm: bool, name: str) -> bool:
+    """Guard the function torch's ``_no_grad`` wrapper ``fn`` calls, in its closure cell.
+
+    torch's public clipping functions are ``_no_grad`` wrappers around the
+    real function, held in the wrapper's closure. Replacing that cell's
+    content (not a module attribute) reaches every reference to the public
+    function, ``from torch.nn.utils import clip_grad_norm_`` made before
+    layeropt was imported included. torch offers no hook here; this is the
+    one place layeropt reaches past its public surface to see a call.
+    """
+    for cell in getattr(fn, "__closure__", None) or ():
+        inner = cell.cell_contents
+        if getattr(inner, "_layeropt_guard", False):
+            return True
+        if callable(inner) and getattr(inner, "__name__", None) in (name, "_" + name):
+            cell.cell_contents = _guard(inner, by_norm, name)
+            return True
+    return False

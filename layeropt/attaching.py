@@ -8,6 +8,8 @@ post-accumulate-grad hook per parameter. What the hook does is in
 
 from __future__ import annotations
 
+import os
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,7 +20,8 @@ from torch.optim import Optimizer
 from ._registry import hooked_by, mark_hooked, unmark_hooked
 from .errors import AttachError
 from .landing import Bucket
-from .optim import InBackwardOptimizer, live_optimizers, optimizer_list
+from .errors import warn
+from .optim import InBackwardOptimizer, in_backward_spelling, live_optimizers, optimizer_list
 
 __all__ = ["attach", "Attachment"]
 
@@ -32,7 +35,6 @@ def register_wrapper(cls: type, attach_fn: Callable[..., Any]) -> None:
     _WRAPPERS[cls] = attach_fn
 
 _SPARSE_MODULES = (nn.Embedding, nn.EmbeddingBag)
-_BUILTIN = {"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adafactor"}  # layeropt.<name>
 
 
 def resolve_owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer]:
@@ -51,15 +53,10 @@ def resolve_owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer
     for o in optimizers:
         if not isinstance(o, InBackwardOptimizer):
             cls = type(o)
-            name = f"{cls.__module__}.{cls.__qualname__}"
-            builtin = cls.__module__.startswith("torch.optim") and cls.__name__ in _BUILTIN
-            fix = (
-                f"layeropt.{cls.__name__}(...) (same arguments)" if builtin
-                else f"layeropt.in_backward({name})(...) (same arguments)"
-            )
             raise AttachError(
-                f"{name} is not a layeropt optimizer, so it cannot step in backward. "
-                f"Build it as {fix} and attach that."
+                f"{cls.__module__}.{cls.__qualname__} is not a layeropt optimizer, so it "
+                f"cannot step in backward. Build it as {in_backward_spelling(cls)}(...) "
+                "(same arguments) and attach that."
             )
         if any(g.get("differentiable", False) for g in o.param_groups):
             raise AttachError(
@@ -145,12 +142,18 @@ class Attachment:
         self._trainable: tuple[bool, ...] = ()  # their requires_grad when hooked
         self.stale = False  # requires_grad changed during a backward: rebuild at its end
         self._removed = False
+        self.where = _caller()  # the user's line that attached, for messages
         self._hook_all()
 
     @property
     def optimizers(self) -> list[InBackwardOptimizer]:
         """The (still alive) layeropt optimizers whose parameters are hooked."""
         return [o for o in (r() for r in self._optimizers) if o is not None]
+
+    def describe(self) -> str:
+        """The optimizers and where ``attach`` was called, for messages."""
+        opts = ", ".join(type(o).__name__ for o in self.optimizers) or "a deleted optimizer"
+        return f"{opts} (attached at {self.where})"
 
     def _hook_all(self) -> None:
         model = self._model()
@@ -161,7 +164,8 @@ class Attachment:
         self._trainable = tuple(p.requires_grad for p in self._owned)
         self.stale = False
         pairs = layer_buckets(model, optimizers)
-        for _, b in pairs:
+        names = {id(p): n for n, p in model.named_parameters()}
+        for _, b in reversed(pairs):  # (model order: the first parameter is named)
             for p in b.params:
                 other = hooked_by(p)
                 if other is not None and other is not self:
@@ -169,12 +173,14 @@ class Attachment:
                         other.remove()
                         continue
                     raise AttachError(
-                        f"a parameter of {b.name!r} is already attached (by {other!r}). "
-                        "Call .remove() on that attachment before attaching again."
+                        f"parameter {names.get(id(p), b.name)!r} is already attached, to "
+                        f"{other.describe()}. Call .remove() on that attachment (the handle "
+                        "attach() returned) before attaching it to another optimizer."
                     )
+        for opt in optimizers:  # (also one none of whose parameters trains yet: rule 7)
+            opt._lo_engine.attachments.add(self)
         for opt, b in pairs:
             engine = opt._lo_engine
-            engine.attachments.add(self)
             for i, p in enumerate(b.params):
                 hook = engine.hook(b, i)
                 hook.attachment = self  # the handle lives as long as its hooked parameters
@@ -252,10 +258,9 @@ class Attachment:
     def remove(self) -> None:
         """Remove every hook; the optimizers behave like torch.optim again."""
         if not self._removed:
-            engines = set(self._engines)
             self._release()
-            for engine in engines:
-                engine.attachments.discard(self)
+            for opt in self.optimizers:
+                opt._lo_engine.attachments.discard(self)
             self._removed = True
 
     def __enter__(self) -> Attachment:
@@ -267,6 +272,27 @@ class Attachment:
     def __repr__(self) -> str:
         state = "removed" if self._removed else f"{len(self.buckets)} buckets"
         return f"<layeropt.Attachment {state}>"
+
+
+def _caller() -> str:
+    """``file:line`` of the first frame outside layeropt (and torch)."""
+    from .errors import _internal
+
+    frame = sys._getframe(1)
+    while frame is not None and _internal(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return "an unknown place"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def _attached_before(model: nn.Module, optimizers: list[InBackwardOptimizer]) -> Any:
+    """The live attachment of exactly this model and these optimizers, if any."""
+    for p in model.parameters():
+        other = hooked_by(p)
+        if other is not None and other.model is model and other.optimizers == optimizers:
+            return other
+    return None
 
 
 def attach(
@@ -366,7 +392,16 @@ def attach(
             "the optimizer owns none of this model's parameters. Build it from "
             "model.parameters() (or add them with add_param_group) before attaching."
         )
-    handle = Attachment(model, optimizers)
+    handle = _attached_before(model, optimizers)
+    if handle is None:  # (attaching again to the same optimizers: that handle, updated)
+        handle = Attachment(model, optimizers)
+    if not handle.buckets:
+        warn(
+            f"attach(): none of this model's parameters that {handle.describe()} owns "
+            "requires grad, so nothing is updated in backward yet (layers unfrozen later "
+            "are picked up at the next backward). Check requires_grad, or that the "
+            "optimizer was built from this model's parameters."
+        )
     for opt in optimizers:
         opt._lo_engine.cap_bytes = int(bucket_cap_mb * 2**20)
         opt._lo_engine.configure_clipping(

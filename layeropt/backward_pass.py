@@ -28,7 +28,8 @@ from torch import Tensor
 
 from .distributed import two_passes
 from .errors import LayeroptError
-from .optim import InBackwardOptimizer, live_optimizers, optimizer_list
+from ._transforms import _norm, prepare_grads
+from .optim import InBackwardOptimizer, live_optimizers, no_step_all, optimizer_list
 
 __all__ = ["backward"]
 
@@ -40,18 +41,28 @@ def _total_norm(norms: list[Tensor], norm_type: float) -> Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
 
 
-def _grad_order(
-    optimizers: list[InBackwardOptimizer],
-    measured: dict[Tensor, Tensor],
-    parameters: Iterable[Tensor] | None,
-) -> list[Tensor]:
+def _parameters(optimizers: list[InBackwardOptimizer]) -> list[Tensor]:
+    """What ``clip_grad_norm_`` would be given by default: the attached models'
+    ``parameters()``, in order, then the optimizers' other parameters."""
+    out: dict[int, Tensor] = {}
+    for opt in optimizers:
+        for attachment in list(opt._lo_engine.attachments):
+            model = attachment.model
+            for p in model.parameters() if model is not None else ():
+                out.setdefault(id(p), p)
+    for opt in optimizers:
+        for g in opt.param_groups:
+            for p in g["params"]:
+                out.setdefault(id(p), p)
+    return list(out.values())
+
+
+def _grad_order(measured: dict[Tensor, Tensor], parameters: list[Tensor]) -> list[Tensor]:
     """Norms in the order ``clip_grad_norm_(parameters)`` stacks them.
 
     The total norm sums the per-tensor norms; its last bit depends on their
-    order, so it follows ``parameters`` (default: the optimizers' param groups).
+    order, so it follows ``parameters``.
     """
-    if parameters is None:
-        parameters = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     seen: set[int] = set()
     for p in parameters:
@@ -90,10 +101,13 @@ def backward(
         error_if_nonfinite: raise if the total norm is inf/NaN (before any update).
         scaler: a ``torch.amp.GradScaler`` whose ``scale(loss)`` was passed.
         retain_graph: for the final pass, as in ``Tensor.backward``.
-        parameters: the parameters in the order you would pass them to
-            ``clip_grad_norm_`` (e.g. ``model.parameters()``); the total norm
-            then equals torch's to the last bit. Default: the optimizers'
-            param-group order.
+        parameters: what you would pass to ``clip_grad_norm_``; the total norm
+            is summed in this order, as torch's, to the last bit. Default: the
+            attached models' ``parameters()``, then the optimizers' other
+            parameters. Trainable ones no attached optimizer owns (a layer
+            trained by a second, plain optimizer) are measured and clipped
+            in ``.grad`` too, as ``clip_grad_norm_`` would, and get each
+            backward's gradient once.
 
     Returns:
         The total gradient norm (of the unscaled gradient) when clipping,
@@ -130,58 +144,123 @@ def backward(
         for attachment in list(e.attachments):
             attachment.sync()
 
-    inv_scale = found_inf = None
+    parameters = _parameters(optimizers) if parameters is None else list(parameters)
+    # Trainable parameters no attached optimizer steps (trained by another optimizer, or
+    # not at all): torch's clip_grad_norm_ measures and clips them too. Each pass
+    # accumulates into their .grad, so pass 1's is measured and set aside.
+    unowned = _Unowned(parameters, optimizers)
+    if unowned and scaler is not None and max_norm is not None:
+        raise LayeroptError(
+            f"layeropt.backward(max_norm=..., scaler=...): {len(unowned)} trainable "
+            f"parameter(s) (the first of shape {tuple(unowned.params[0].shape)}) are not "
+            "owned by an attached layeropt optimizer, so another optimizer unscales them "
+            "and the global norm cannot be taken here. Give them to the layeropt "
+            "optimizer (or freeze them), or pass parameters= without them. Nothing was "
+            "updated."
+        )
+
+    inv_scale = None
+    found: dict[Any, Tensor] = {}  # engine -> its inf/NaN flag (scaler.unscale_ per optimizer)
     if scaler is not None:
         scale = scaler._scale
         if scale is None:
             raise LayeroptError("the GradScaler has no scale yet: pass scaler.scale(loss).")
         inv_scale = scale.double().reciprocal().float()
-        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+        found = {e: torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+                 for e in engines}
 
-    # Pass 1: measure. Its recomputations (activation checkpointing) must leave no
-    # trace in the modules' buffers (BatchNorm's running statistics): pass 2
-    # recomputes again, as the single backward of plain training does.
+    # Pass 1: measure. What it leaves in the modules' buffers (recomputations under
+    # activation checkpointing update BatchNorm's running statistics) and in the .grad of
+    # parameters no attached optimizer owns is undone before pass 2, which does it again,
+    # as the single backward of plain training does; kept if pass 2 does not run.
     measured: dict[Tensor, Tensor] = {}
     buffers = _BufferSnapshot(engines)
+    unowned.set_aside()
     ddp = two_passes(engines)  # DDP models: average before measuring, and again in pass 2
+    norm = norm_type if max_norm is not None else None
     for e in engines:
-        e.start_measure(measured, norm_type if max_norm is not None else None, inv_scale, found_inf)
+        e.start_measure(measured, norm, inv_scale, found.get(e))
     try:
         with ddp.measure():
             loss.backward(retain_graph=True)
         for e in engines:
             e.finish_measure()
+        unowned.measure(measured, norm)
+    except BaseException:
+        buffers.restore()
+        unowned.restore()
+        raise
     finally:
         for e in engines:
             e.measure = None
-        buffers.restore()
 
     total = None
     if max_norm is not None:
         for o in optimizers:  # zero_grad(set_to_none=False): torch measures their zeros too
             for p in o._lo_engine.unused_kept(o):
                 measured.setdefault(p, torch.zeros((), dtype=p.dtype, device=p.device))
-        total = _total_norm(_grad_order(optimizers, measured, parameters), norm_type)
+        total = _total_norm(_grad_order(measured, parameters), norm_type)
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+            buffers.restore()
+            unowned.restore()
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients is non-finite, so it "
                 "cannot be clipped; no parameter was updated. To clip anyway, set "
                 "error_if_nonfinite=False."
             )
-    skip = found_inf is not None and bool(found_inf.item())
-
+    # scaler.step(opt) skips exactly the optimizers whose gradients hold an inf/NaN
+    skipped = [e for e, flag in found.items() if bool(flag.item())]
     if scaler is not None:
-        _record_for_scaler(scaler, optimizers, found_inf)
-    if skip:  # an inf/NaN: no step pass, nothing changes
-        for e in engines:
-            e.discard_held()
-    else:  # Pass 2: the ordinary attached backward, unscale/clip before each step.
+        _record_for_scaler(scaler, optimizers, found)
+    if len(skipped) < len(engines):  # Pass 2: the ordinary attached backward
+        buffers.restore()
+        unowned.restore()
         coef = None if total is None else torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        with ddp.step() as finish:
+        with ddp.step() as finish, no_step_all(o for o in optimizers if o._lo_engine in skipped):
             _attached_backward(loss, engines, retain_graph, (inv_scale, coef), finish)
+        unowned.clip(coef)
+    for o in optimizers:  # their step is skipped: nothing of theirs changes
+        if o._lo_engine in skipped:
+            o._lo_engine.discard_held()
+            for g in o.param_groups:
+                for p in g["params"]:
+                    p.grad = None
     for o in optimizers:
         o.last_grad_norm = total
     return total
+
+
+class _Unowned:
+    """Trainable ``parameters`` that no attached optimizer owns (see :func:`backward`)."""
+
+    def __init__(self, parameters: list[Tensor], optimizers: list[Any]) -> None:
+        self.params = [p for p in parameters if p.requires_grad
+                       and not any(o.owns(p) for o in optimizers)]
+        self.before: dict[Tensor, Tensor | None] = {}
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def measure(self, measured: dict[Tensor, Tensor], norm_type: float | None) -> None:
+        """After pass 1: their norms (their .grad now holds what torch would clip)."""
+        for p in self.params:
+            if p.grad is not None and norm_type is not None:
+                measured[p] = _norm(p.grad, norm_type)
+
+    def set_aside(self) -> None:
+        self.before = {p: None if p.grad is None else p.grad.clone() for p in self.params}
+
+    def restore(self) -> None:
+        """Before pass 2: their .grad as before pass 1 (pass 2 accumulates it again)."""
+        for p, grad in self.before.items():
+            p.grad = grad
+        self.before = {}
+
+    def clip(self, coef: Tensor | None) -> None:
+        """After pass 2: clipped as clip_grad_norm_ would (their optimizer steps later)."""
+        grads = [p for p in self.params if p.grad is not None]
+        if coef is not None and grads:
+            prepare_grads(grads, (None, coef), None, None, 2.0)
 
 
 class _BufferSnapshot:
@@ -223,6 +302,9 @@ def _attached_backward(
         loss.backward(retain_graph=retain_graph)
         if finish is not None:
             finish()
+        if transform is not None:
+            for e in engines:
+                e.step_held()
     finally:
         for e in engines:
             e.transform = None
@@ -241,11 +323,12 @@ def _resolve(optimizer: Any) -> list[InBackwardOptimizer]:
     return optimizer_list(optimizer)  # type: ignore[return-value]
 
 
-def _record_for_scaler(scaler: Any, optimizers: list[Any], found_inf: Tensor | None) -> None:
+def _record_for_scaler(scaler: Any, optimizers: list[Any], found: dict[Any, Tensor]) -> None:
     """Leave the scaler as if ``scaler.unscale_(opt)`` had run for each optimizer."""
     from torch.amp.grad_scaler import OptState
 
     for o in optimizers:
+        found_inf = found[o._lo_engine]
         state = scaler._per_optimizer_states[id(o)]
         if state["stage"] is not OptState.READY:
             raise LayeroptError(

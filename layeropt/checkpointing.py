@@ -34,11 +34,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from .errors import BackwardStateError
-from .landing import Pin, watch_torch_checkpoint
+from ._nesting import Pin
 
 __all__ = ["checkpoint", "checkpoint_modules", "CheckpointHandle"]
-
-watch_torch_checkpoint()
 
 _SWAPS: list[dict[int, Tensor]] = []  # captured tensors replaced in recomputations running now
 

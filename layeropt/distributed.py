@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ._ddp_hook import _UNUSED, _allreduce_then_step, _Copied, _HookState
+from ._ddp_hook import _UNUSED, _allreduce_then_step, _Copied, _HookState, _step
 from ._registry import allow_local_updates, check_local_hooks_allowed, hooked_by
 from .attaching import layer_buckets, register_wrapper, resolve_owners
 from .errors import AttachError
@@ -173,9 +173,7 @@ class _StepPass:
             if opt is not None and not opt._lo_engine.no_step_depth:
                 todo.setdefault(opt, []).append(p)
         for opt, owned in todo.items():
-            opt._lo_engine.step_averaged(owned)
-            n = state.steps[id(opt)] = state.steps.get(id(opt), 0) + len(owned)
-            opt._lo_engine.last_backward_steps = n
+            _step(state, opt, owned)
 
     def check_done(self) -> None:
         self._average_ready()  # trailing buckets nothing of which was used here

@@ -78,15 +78,15 @@ from torch import Tensor
 
 from . import _between, _watch
 from . import _nesting as nesting
-from ._nesting import Pin, TaskEnd, _graph_task_id, watch_torch_checkpoint
+from ._nesting import TaskEnd, _graph_task_id, watch_torch_checkpoint
 from ._transforms import Measure, all_finite, prepare_grads
-from ._registry import check_local_hooks_allowed, world_size
+from ._registry import WeakOrderedSet, check_local_hooks_allowed, world_size
 from .errors import AttachError, BackwardStateError, LayeroptError, warn
 
 if TYPE_CHECKING:
     from .optim import InBackwardOptimizer
 
-__all__ = ["Bucket", "Engine", "Pin", "watch_torch_checkpoint"]
+__all__ = ["Bucket", "Engine"]
 
 _IDLE = -2  # no backward in progress
 
@@ -199,13 +199,13 @@ class Engine:
         self._ready_bytes = 0
         self.hook_count = 0  # parameters with this engine's post-accumulate-grad hook
         self.ddp_count = 0  # parameters stepped by a DDP comm hook (layeropt.distributed)
-        self.attachments: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.attachments = WeakOrderedSet()  # in the order they were attached
         self._partial: list[Bucket] = []  # buckets whose first gradient landed incomplete
         self._incomplete = 0  # how many of them are still incomplete
         self._active_task = _IDLE  # autograd graph task of the backward in progress
         self._serial = 0  # counts attached backwards
-        self._steps = 0
-        self.last_backward_steps = 0
+        self._steps = 0  # parameter updates of the latest backward
+        self._counted = False  # the latest backward is counted in _stepped_backwards
         self._distributed = False  # several processes in this backward (checked per backward)
         self.stepped: list[Tensor] = []  # parameters updated in the latest backward
         # Clipping / scaling (set by attach(...) and layeropt.backward).
@@ -228,9 +228,13 @@ class Engine:
         self._sweep = False  # requires_grad changed: step every gradient left at the end
         self._orphaned = False  # the optimizer was deleted: detach when this backward ends
         self._unchecked = False  # rule 6's check waits for this backward's first gradient
+        self._scaled = False  # this backward runs through a GradScaler-scaled loss
         self.closure_depth = 0  # inside optimizer.step(closure)
         self.txn = 0  # the training step (transaction) step calls belong to
-        self._bounded = False  # step() or zero_grad() was called since attach
+        self._open_txn = self._zeroed_txn = 0  # txn of the latest backward / zero_grad()
+        # A loop that never calls step() steps every backward; once it calls step() or
+        # zero_grad(), a second stepping backward before the next call is refused.
+        self._bounded = False
         self._stepped_backwards = 0
         self._held_backwards = 0
         # zero_grad(set_to_none=False): ids of the parameters whose .grad torch would
@@ -470,23 +474,52 @@ class Engine:
             raise BackwardStateError(NO_GRAPH_TASK_ERROR)
         if not defer:
             nesting.segment_depth.value = 0  # a first hook outside any segment: nothing is nested
+        # asked now: a deferred begin runs in the outer backward, _decide maybe in a nested one
+        self._scaled = _watch.scaled_backward()
         self._active_task = task
         self._serial += 1
-        self._steps = 0
-        self._distributed = world_size() > 1
-        self.stepped = []
-        self.skipped = []
+        self._open()
         segments = nesting._TORCH_SEGMENTS
         self._defer = defer or bool(
             segments and any(map(torch._C._will_engine_execute_node, list(segments)))
         )
-        self.txn += 1
         self._route()
         _queue_callback(TaskEnd(self._end, functools.partial(self._dropped, self._serial)))
         if defer:
             self._unchecked = True
         else:
             self._decide()
+
+    def _open(self) -> None:
+        """A backward reaches this engine: its record (what it stepped) starts empty."""
+        self._steps = 0
+        self._counted = False
+        self._distributed = world_size() > 1
+        self.stepped = []
+        self.skipped = []
+        self.txn += 1
+        self._open_txn = self.txn
+
+    def begin_averaged(self) -> bool:
+        """A DDP training step reaches this engine (its comm hook's first bucket).
+
+        The same record and the same rules as a plain backward (rules 6, 7);
+        its averaged gradients then come through :meth:`step_averaged`.
+
+        Returns:
+            Whether this backward's gradients are held for ``step()``
+            (``no_step()``, a GradScaler-scaled loss, ``step(closure)``):
+            the comm hook then leaves them in ``.grad``, as DDP would.
+        """
+        self._open()
+        self._scaled = _watch.scaled_backward()
+        self._decide()
+        hold = self._hold
+        if hold:
+            self._held_backwards += 1
+        self._hold = False
+        self._route()
+        return hold or bool(self._no_step_depth)
 
     def _decide(self) -> None:
         """Rules 6 and 7 for a backward that reaches this engine's parameters."""
@@ -507,7 +540,7 @@ class Engine:
             if self.closure_depth:
                 self._hold = True
                 warn(CLOSURE_HOLD_WARNING)
-            elif _watch.scaled_backward():
+            elif self._scaled:
                 self._hold = True
                 warn(SCALER_HOLD_WARNING)
         self._route()
@@ -528,17 +561,12 @@ class Engine:
                 self._held_backwards += 1
             elif self._no_step_depth:
                 if self._sweep:  # unfrozen since attach: no hook held them (rule 7)
-                    for attachment in list(self.attachments):
-                        for p in attachment.owned:
-                            if p.grad is not None:
-                                self.held.setdefault(p, None)
+                    for p in self._swept():
+                        self.held.setdefault(p, None)
             else:
                 self._step(self._ready + self._leftovers())
                 self.held.clear()
-                if self._steps:
-                    self._stepped_backwards += 1
         finally:
-            self.last_backward_steps = self._steps
             self._reset()
             for attachment in list(self.attachments):
                 if self._orphaned:
@@ -553,10 +581,9 @@ class Engine:
             return []
         groups: dict[int, list[Tensor]] = {}
         if self._sweep:  # parameters unfrozen since attach have no hook yet
-            for attachment in list(self.attachments):
-                for p in attachment.owned:
-                    if p.grad is not None and p not in self.held:
-                        groups.setdefault(id(attachment), []).append(p)
+            for p in self._swept():
+                if p not in self.held:
+                    groups.setdefault(id(self), []).append(p)
         for b in self._partial if self._incomplete else ():
             if b.serial == self._serial and b.arrived != b.full:
                 groups[id(b)] = [p for i, p in enumerate(b.params) if b.arrived >> i & 1]
@@ -574,6 +601,14 @@ class Engine:
                 out.append(g)
         return out
 
+    def _swept(self) -> list[Tensor]:
+        """This optimizer's parameters of the attached models that hold a gradient."""
+        optimizer = self._optimizer()
+        if optimizer is None:
+            return []
+        return [p for attachment in list(self.attachments) for p in attachment.owned
+                if p.grad is not None and optimizer.owns(p)]
+
     def _abort(self) -> None:
         """The backward raised: free the gradients it left unstepped, keep no_step()'s."""
         for group in self._ready + self._leftovers():
@@ -581,7 +616,9 @@ class Engine:
                 if p not in self.held:
                     p.grad = None
         nesting.segment_depth.value = 0
-        self.last_backward_steps = self._steps
+        if self._counted:  # a backward that raised is not a step of its own
+            self._stepped_backwards -= 1
+            self._counted = False
         self._reset()
 
     def _reset(self) -> None:
@@ -646,6 +683,9 @@ class Engine:
                 self.held.pop(p, None)
         self._steps += len(params)
         self.stepped.extend(params)
+        if not self._counted:  # this backward updated parameters (rule 6)
+            self._counted = True
+            self._stepped_backwards += 1
 
     def _dense(self, groups: list[list[Tensor]]) -> list[list[Tensor]]:
         """``groups`` without gradients another hook freed; refuse a sparse one.
@@ -686,15 +726,41 @@ class Engine:
                 m.reduce(p, held.clone())
             p.grad = held
 
+    def step_held(self) -> None:
+        """After ``layeropt.backward``'s step pass, with its transform still set: step
+        the ``no_step()`` gradients of parameters that pass did not reach."""
+        if self.held and not self._no_step_depth:
+            self._step(self._by_bucket([p for p in self.held if p.grad is not None]))
+            self.held.clear()
+
     def discard_held(self) -> None:
         for p in self.held:
             p.grad = None
         self.held.clear()
 
+    @property
+    def last_backward_steps(self) -> int:
+        """Parameter updates made by the latest attached backward."""
+        return self._steps
+
     def step_averaged(self, params: list[Tensor]) -> None:
-        """Step ``params`` now: their gradients are complete and averaged (DDP's second
-        pass of ``layeropt.backward``); unscaling and clipping apply as to any bucket."""
+        """Step ``params`` now: their gradients are complete and averaged (a DDP
+        bucket); unscaling and clipping apply as to any bucket."""
         self._step([params])
+
+    def _by_bucket(self, params: list[Tensor]) -> list[list[Tensor]]:
+        """``params`` grouped by their layer bucket (per-bucket clipping, rule 3)."""
+        if not params or self.bucket_max_norm is None:
+            return [params] if params else []
+        where: dict[int, int] = {}
+        for attachment in list(self.attachments):
+            for i, b in enumerate(getattr(attachment, "buckets", ())):
+                for p in b.params:
+                    where.setdefault(id(p), id(b))
+        groups: dict[int, list[Tensor]] = {}
+        for p in params:
+            groups.setdefault(where.get(id(p), id(p)), []).append(p)
+        return list(groups.values())
 
     def flush_leftovers(self) -> None:
         """Step and free every gradient the hooks did not consume (``step()``)."""
@@ -708,7 +774,9 @@ class Engine:
         ]
         if params and self._stepped_backwards:  # set after backward (layeropt/_between.py)
             _between.refuse_second_update(self.stepped, params)
-        self._step([params] if params else [])
+        steps = self._steps  # (stepped_in_backward counts the backward's updates only)
+        self._step(self._by_bucket(params))
+        self._steps = steps
         self.held.clear()
         self.boundary()
         if params:  # gradients no hook took: layers unfrozen (or hooks lost) since
@@ -717,12 +785,18 @@ class Engine:
 
     # -- zero_grad(set_to_none=False) (layeropt/_between.py) ----------------
     def zero_grad_called(self, set_to_none: bool) -> None:
-        self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, self.stepped,
+        self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, self._this_step(),
                                                         set_to_none)
+        self._zeroed_txn = self.txn
 
     def unused_kept(self, optimizer: Any) -> list[Tensor]:
         """Parameters torch would update on a kept zero gradient at this ``step()``."""
-        return _between.unused_kept(self.kept_grads, self.stepped, optimizer.param_groups)
+        return _between.unused_kept(self.kept_grads, self._this_step(), optimizer.param_groups)
+
+    def _this_step(self) -> list[Tensor]:
+        """What backwards stepped since the last ``zero_grad()`` (if none reached this
+        optimizer, ``stepped`` is an earlier training step's)."""
+        return self.stepped if self._open_txn > self._zeroed_txn else []
 
     def _zero_kept_grads(self, optimizer: Any) -> None:
         for p in self.unused_kept(optimizer):  # torch steps them on a zero gradient

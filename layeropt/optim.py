@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -24,6 +25,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _use_grad_for_differentiable
 
 from ._between import snapshot
+from ._registry import WeakOrderedSet
 from ._subset import SubsetStepper, narrowable
 from .errors import LayeroptError
 from .landing import Engine
@@ -48,7 +50,7 @@ _O = TypeVar("_O", bound=Optimizer)
 _NOT_PER_PARAMETER = {"LBFGS": "it needs a closure and keeps one state for all parameters"}
 
 # Every live layeropt optimizer, so ``attach(model)`` can find the owners.
-_LIVE: "weakref.WeakSet[InBackwardOptimizer]" = weakref.WeakSet()
+_LIVE = WeakOrderedSet()  # in the order they were made
 
 
 def _raw_step(cls: type) -> Callable[..., Any]:
@@ -155,7 +157,7 @@ class InBackwardOptimizer(Optimizer):
     def attached(self) -> bool:
         """Whether backward hooks currently step (some of) these parameters."""
         engine = self._lo_engine
-        return engine.hook_count > 0 or engine.ddp_count > 0
+        return engine.hook_count > 0 or engine.ddp_count > 0 or bool(engine.attachments)
 
     @property
     def stepped_in_backward(self) -> int:
@@ -315,6 +317,8 @@ def in_backward(optimizer_class: type[_O]) -> type[_O]:
             "CPU copies of the gradients. Make the optimizer it wraps in-backward "
             "instead, e.g. layeropt.in_backward(torchao.optim.AdamW8bit)"
         )
+    if reason is None:
+        reason = _step_signature_problem(optimizer_class)
     if reason is not None:
         raise TypeError(
             f"{optimizer_class.__name__} cannot step in backward: {reason}. "
@@ -324,8 +328,10 @@ def in_backward(optimizer_class: type[_O]) -> type[_O]:
         optimizer_class.__name__,
         (InBackwardOptimizer, optimizer_class),
         {
-            "__module__": __name__,
-            "__qualname__": optimizer_class.__name__,
+            # str(cls) is X's: tools that special-case X by name keep doing so
+            # (transformers' Trainer gives bitsandbytes' embeddings 32-bit state)
+            "__module__": optimizer_class.__module__,
+            "__qualname__": optimizer_class.__qualname__,
             "__doc__": (
                 f"In-backward {optimizer_class.__module__}.{optimizer_class.__qualname__}: "
                 "same arguments and math; call ``layeropt.attach(model)`` to update "
@@ -347,6 +353,39 @@ def in_backward(optimizer_class: type[_O]) -> type[_O]:
     cls.__init__ = __init__  # type: ignore[misc]
     _GENERATED[optimizer_class] = cls
     return cls  # type: ignore[return-value]
+
+
+def _step_signature_problem(optimizer_class: type) -> str | None:
+    """Why ``step`` cannot be called as torch's ``step(closure=None)``, if it cannot."""
+    step = _raw_step(optimizer_class)
+    try:
+        params = list(inspect.signature(step).parameters.values())[1:]  # after self
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return None
+    required = [p.name for p in params if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not required:
+        return None
+    return (
+        f"its step() requires {', '.join(map(repr, required))}, but torch's optimizers "
+        "take step(closure=None) and update every parameter that holds a .grad; "
+        "layeropt calls step() that way, once per layer bucket, with only that "
+        "bucket's gradients set. Give step() torch's signature (loop over "
+        "self.param_groups and skip parameters whose .grad is None)"
+    )
+
+
+def in_backward_spelling(optimizer_class: type) -> str:
+    """How a user writes the in-backward version of ``optimizer_class``.
+
+    ``layeropt.SGD`` for the torch classes layeropt names, else
+    ``layeropt.in_backward(module.Class)`` (what error messages suggest).
+    """
+    name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+    builtin = getattr(sys.modules[__name__], optimizer_class.__name__, None)
+    if isinstance(builtin, type) and builtin._lo_base is optimizer_class:
+        return f"layeropt.{optimizer_class.__name__}"
+    return f"layeropt.in_backward({name})"
 
 
 def is_in_backward(optimizer: object) -> bool:

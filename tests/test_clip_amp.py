@@ -209,10 +209,11 @@ _CHECKPOINTS = {
 
 
 @pytest.mark.parametrize("kind", list(_CHECKPOINTS))
-@pytest.mark.parametrize("scaler", [False, True])
+@pytest.mark.parametrize("scaler", [False, True, "overflow"])
 def test_measure_pass_leaves_no_trace_in_buffers(kind, scaler):
     """The extra backward of layeropt.backward recomputes checkpointed segments once
-    more; their buffer updates (BatchNorm's running stats) must not count twice."""
+    more; their buffer updates (BatchNorm's running stats) must not count twice - nor
+    be lost when an inf/NaN skips the step pass ("overflow": at the second step)."""
     torch.manual_seed(0)
     model = _CheckpointedBN(_CHECKPOINTS[kind])
     ref = copy.deepcopy(model)
@@ -223,8 +224,10 @@ def test_measure_pass_leaves_no_trace_in_buffers(kind, scaler):
     ref_scaler = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=scaler)
     lo_scaler = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=scaler)
     gen = torch.Generator().manual_seed(1)
-    for _ in range(3):
+    for step in range(3):
         x = torch.randn(5, 6, generator=gen)
+        overflow = [m.b.weight.register_hook(lambda g: g * float("inf"))
+                    for m in (ref, model) if scaler == "overflow" and step == 1]
         ref_scaler.scale(ref(x).sum()).backward()
         ref_scaler.unscale_(ref_opt)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
@@ -235,5 +238,9 @@ def test_measure_pass_leaves_no_trace_in_buffers(kind, scaler):
         lo_scaler.step(opt)
         lo_scaler.update()
         opt.zero_grad()
+        for handle in overflow:
+            handle.remove()
+    if scaler == "overflow":
+        assert lo_scaler.get_scale() == ref_scaler.get_scale() < 256.0  # a step was skipped
     assert_same(ref.state_dict(), model.state_dict())  # parameters and buffers
     assert int(model.bn.num_batches_tracked) == 6  # forward + one recompute per step

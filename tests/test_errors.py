@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import sys
+
 import pytest
 import torch
 
@@ -17,12 +20,37 @@ def _snapshot(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_attach_twice():
+def test_attach_twice_to_the_same_optimizer_is_the_same_attachment():
+    """What a user does after LayeroptAccelerator.prepare or LayeroptTrainer attached."""
     m = _mlp()
-    opt = layeropt.Adam(m.parameters())
-    layeropt.attach(m, opt)
-    with pytest.raises(AttachError, match=r"already attached.*remove\(\)"):
-        layeropt.attach(m, opt)
+    opt = layeropt.SGD(m.parameters(), lr=0.1)
+    ref = copy.deepcopy(m)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    handle = layeropt.attach(m, opt)
+    assert layeropt.attach(m, opt) is handle
+    x = torch.randn(2, 3)
+    for model, o in ((ref, ref_opt), (m, opt)):
+        model(x).sum().backward()
+        o.step()
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), ref.parameters()))  # once
+
+
+def test_attach_to_a_second_optimizer_names_the_parameter_and_the_first():
+    m = _mlp()
+    first = layeropt.Adam(m.parameters())
+    layeropt.attach(m, first)
+    line = sys._getframe().f_lineno - 1
+    with pytest.raises(AttachError) as raised:
+        layeropt.attach(m, layeropt.SGD(m.parameters(), lr=0.1))
+    message = str(raised.value)
+    assert "parameter '0.weight' is already attached, to Adam" in message
+    assert f"(attached at test_errors.py:{line})" in message and ".remove()" in message
+
+
+def test_attaching_a_model_with_nothing_trainable_warns():
+    m = _mlp().requires_grad_(False)
+    with pytest.warns(UserWarning, match="none of this model's parameters.*requires grad"):
+        layeropt.attach(m, layeropt.Adam(m.parameters()))
 
 
 def test_parameter_owned_by_two_layeropt_optimizers():

@@ -445,8 +445,11 @@ def test_refused_settings(tmp_path, kind, opts, match):
 
 def test_layeropt_trainer_refuses_torch_optimizer(tmp_path):
     trainer, _, _ = _trainer(tmp_path, "layeropt-torch-optimizer")
-    with pytest.raises(TrainerSetupError, match="needs a layeropt optimizer"):
+    with pytest.raises(TrainerSetupError, match="needs a layeropt optimizer") as raised:
         trainer.train()
+    opt = trainer.optimizer  # the fix names the same optimizer, in backward
+    name = type(getattr(opt, "optimizer", opt)).__name__
+    assert f"optimizers=(layeropt.{name}(model.parameters()" in str(raised.value)
 
 
 def test_callback_needs_layeropt_optimizer(tmp_path):

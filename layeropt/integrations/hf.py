@@ -60,7 +60,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..attaching import Attachment, attach
 from ..backward_pass import backward as layeropt_backward
 from ..errors import LayeroptError
-from ..optim import InBackwardOptimizer, in_backward, live_optimizers, unwrap_optimizer
+from ..optim import (
+    InBackwardOptimizer,
+    in_backward,
+    in_backward_spelling,
+    live_optimizers,
+    unwrap_optimizer,
+)
 from . import two_pass_compile
 
 try:
@@ -197,10 +203,13 @@ class LayeroptTrainer(Trainer):
         """The layeropt optimizer this Trainer steps (unwrapped from accelerate)."""
         opt = unwrap_optimizer(self.optimizer)
         if not isinstance(opt, InBackwardOptimizer):
+            spelling = in_backward_spelling(type(opt)) if isinstance(opt, torch.optim.Optimizer) \
+                else "layeropt.AdamW"
             raise TrainerSetupError(
                 f"LayeroptTrainer needs a layeropt optimizer, got {type(opt).__name__}. Pass "
-                "optimizers=(layeropt.AdamW(model.parameters(), ...), scheduler), or none "
-                "to build the layeropt version of args.optim."
+                f"optimizers=({spelling}(model.parameters(), ...same arguments), scheduler): "
+                "the same optimizer, stepped in backward, gives Trainer's numbers. Or pass no "
+                "optimizers to build the layeropt version of args.optim."
             )
         return opt
 
