@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         0
     """
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(plan_cli.join_size_units(sys.argv[1:] if argv is None else argv))
     if args.command == "plan":
         return plan_cli.run(args)
     if args.command != "demo":

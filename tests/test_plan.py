@@ -13,6 +13,11 @@ plan models.
 from __future__ import annotations
 
 import json
+import logging
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,7 +28,9 @@ import layeropt
 from layeropt.__main__ import main
 from layeropt.memory import PeakMemory
 from layeropt.models import UNet
-from layeropt.plan import LiveBytes, Margin, PlanError, Variant, plan
+from layeropt.plan import CATEGORIES, OPTIMIZERS, LiveBytes, Margin, Plan, PlanError, Variant, plan
+from layeropt.plan.execute import Measurement
+from layeropt.plan.render import parse_gpu_memory
 
 transformers = pytest.importorskip("transformers")
 
@@ -345,7 +352,7 @@ def test_cli_built_in_shape(capsys):
     [
         (["plan", "no-such-model-anywhere"], "not a config.json"),
         (["plan", "gpt2", "--gpu-memory", "lots"], "cannot read 'lots' as a memory size"),
-        (["plan", "gpt2", "--seq", "5000"], "longer than gpt2's 1024 positions"),
+        (["plan", "gpt2", "--seq", "5000"], "longer than the 1024 positions of gpt2"),
     ],
 )
 def test_cli_bad_input_exits_2(args, message, capsys):
@@ -364,3 +371,179 @@ def test_cli_config_without_model_type(tmp_path, capsys):
 def test_factory_needs_inputs_and_loss():
     with pytest.raises(PlanError, match="needs inputs="):
         plan(lambda: UNet(1, 8))
+
+
+# -- the command line as a newcomer meets it -----------------------------------
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    """A 2-layer Llama's config.json (128 positions), as a user has it on disk."""
+    path = tmp_path_factory.mktemp("my-model")
+    hf_config("llama").save_pretrained(path)
+    return path / "config.json"
+
+
+def _plan_json(capsys, *args):
+    code = main(["plan", *map(str, args), "--json", "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out)
+
+
+def test_cli_gpu_memory_gb_is_gib_and_units_may_stand_apart(tiny_config, capsys):
+    base = [tiny_config, "--seq", SEQ, "--optimizer", "layeropt.AdamW"]
+    assert main(["plan", *map(str, base), "--gpu-memory", "24", "GB", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "fits in 24.0 GiB" in out
+    assert "24 GB read as 24 GiB, as GPU makers mean it" in out
+    for size in ("24GiB", "24 GiB", "24GB"):
+        assert parse_gpu_memory(size)[0] == 24 * 2**30
+    assert parse_gpu_memory("24GiB")[1] == ""
+    out = _plan_json(capsys, *base, "--gpu-memory", "24 GiB")  # one quoted argument
+    assert out["gpu_memory_bytes"] == 24 * 2**30 and out["notes"] == []
+
+
+def test_cli_is_quiet(tmp_path):
+    """A plan's stderr has none of its libraries' notices (torchao, bitsandbytes, torch,
+    transformers) - and planning leaves their loggers as it found them."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "layeropt", "plan", "gpt2", "--seq", "32", "--gpu-memory", "8GiB"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "torchao.optim.AdamW8bit" in proc.stdout  # the low-bit libraries were loaded
+    noise = ("Failed to load", "kernels-community", "_pytree", "Enum subclass", "loss_type")
+    assert not [line for line in proc.stderr.splitlines() if any(n in line for n in noise)], (
+        proc.stderr
+    )
+    levels = {n: logging.getLogger(n).level for n in ("torchao", "transformers.modeling_utils")}
+    plan(hf_config("llama"), seq=8, optimizers=["layeropt.AdamW"])
+    assert levels == {n: logging.getLogger(n).level for n in levels}
+
+
+def test_cli_unknown_model_says_how_to_get_its_config(monkeypatch, capsys):
+    assert main(["plan", "meta-llama/Llama-3.1-8B-nowhere", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "'llama-3.1-8b'" in err  # the nearest built-in shape
+    assert "path/to/config.json" in err  # offline: a local config
+    import shutil
+
+    installed = next((c for c in ("hf", "huggingface-cli") if shutil.which(c)), None)
+    if installed:
+        assert f"`{installed} download meta-llama/Llama-3.1-8B-nowhere config.json`" in err
+    for only in ("huggingface-cli", None):  # an older huggingface_hub; none installed
+        monkeypatch.setattr(shutil, "which", lambda c, only=only: c if c == only else None)
+        assert main(["plan", "org/some-model", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        if only:
+            assert "`huggingface-cli download org/some-model config.json`" in err
+        else:
+            assert "huggingface.co/org/some-model/resolve/main/config.json" in err
+        assert "hf download" not in err.replace("for the `hf download` command", "")
+
+
+def test_cli_seq_beyond_positions_names_the_override(tiny_config, capsys):
+    args = ["plan", str(tiny_config), "--seq", "256", "--optimizer", "layeropt.AdamW",
+            "--no-progress"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "128 positions" in err and "max_position_embeddings" in err
+    assert "--max-positions 256" in err
+    out = _plan_json(capsys, *args[1:-1], "--max-positions", "256")
+    assert out["seq"] == 256
+    assert out["model"] == f"llama from {tiny_config}"  # not the folder's name alone
+
+
+def _changes_told(why: str) -> set[str]:
+    told = {"fused": "fused AdamW", "layeropt": "layeropt frees",
+            "checkpointing": "checkpointing keeps", "chunked loss": "chunked loss never",
+            "low-bit": "-bit states"}  # fmt: skip
+    return {c for c, text in told.items() if text in why}
+
+
+def _from_json(out, gpu_memory=None, margin=Margin()):
+    rows = [Measurement(Variant(r["optimizer"], r["implementation"], r["checkpointing"],
+                                r["chunked_loss"]), r["peak_bytes"], r["start_bytes"],
+                        r["start_bytes"], r["at_peak"], r["phase"], r["phase_progress"], "")
+            for r in out["variants"]]  # fmt: skip
+    return Plan(out["model"], out["parameters"], rows, gpu_memory=gpu_memory, margin=margin)
+
+
+def test_cli_recommendation_and_why_agree(tiny_config, capsys):
+    """The recommendation follows the stated rule, and its why tells exactly its changes."""
+    out = _plan_json(capsys, tiny_config, "--seq", SEQ)
+    peaks = sorted({r["peak_bytes"] for r in out["variants"]})
+    gpu = peaks[len(peaks) // 2]
+    told = _plan_json(capsys, tiny_config, "--seq", SEQ, "--gpu-memory", f"{gpu}B",
+                      "--margin", "0")["recommendation"]  # fmt: skip
+    assert told["label"] == _from_json(out, gpu, Margin(0, 0)).choice.variant.label
+    for gpu in peaks:
+        p = _from_json(out, gpu, Margin(0, 0))
+        fitting = [r for r in p.rows if r.peak_bytes <= gpu]
+        best = min(fitting, key=lambda r: (  # exact, then 8-bit, then 4-bit states
+            "low-bit" in r.variant.changes(), "4bit" in r.variant.optimizer,
+            len(r.variant.changes()), r.peak_bytes))  # fmt: skip
+        assert p.choice.peak_bytes == best.peak_bytes
+        assert len(p.choice.variant.changes()) == len(best.variant.changes())
+        assert _changes_told(p.why()) == p.choice.variant.changes(), (p.choice.variant, p.why())
+
+
+def test_plan_md_table_states_what_the_code_recommends():
+    """Each bold cell of docs/plan.md's table is Plan.choice for that GPU; yes/no is fits."""
+    labels = {}
+    for opt in OPTIMIZERS:
+        for impl in ("fused", "foreach"):
+            for ckpt in (False, True):
+                for chunk in (False, True):
+                    try:
+                        v = Variant(opt, impl, ckpt, chunk)
+                    except PlanError:
+                        continue
+                    labels[v.label] = v
+    text = (ROOT / "docs" / "plan.md").read_text()
+    header = re.search(r"^\| model \| configuration .*\| (16 GiB.*) \|$", text, re.M)
+    sizes = [int(c.split()[0]) * 2**30 for c in header.group(1).split(" | ")]
+    models: dict[str, list[tuple[Variant, float, list[str]]]] = {}
+    for line in text[header.end() :].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0]:
+            model = cells[0]
+        models.setdefault(model, []).append((labels[cells[1]], float(cells[2]), cells[4:]))
+    assert len(models) == 3
+    for model, table in models.items():
+        rows = [Measurement(v, int(gib * 2**30), 0, 0, {"parameters": int(gib * 2**30)},
+                            "backward", 0.0, "") for v, gib, _ in table]  # fmt: skip
+        for i, size in enumerate(sizes):
+            p = Plan(model, 0, rows, gpu_memory=size)
+            for (v, _, cells), r in zip(table, rows):
+                cell = cells[i]
+                assert cell.strip("*") == ("yes" if p.fits(r) else "no"), (model, v.label, size)
+                assert cell.startswith("**") == (p.choice is r), (model, v.label, size)
+
+
+def test_plot_marks_the_recommendation(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    v = [FOREACH, LAYEROPT_CKPT, Variant("torchao.optim.AdamW4bit")]
+    rows = [Measurement(x, gib * 2**30, 0, 0, dict.fromkeys(CATEGORIES, gib * 2**30 // 5),
+                        "backward", 0.5, "") for x, gib in zip(v, (30, 20, 15))]  # fmt: skip
+    p = Plan("a model with a long name " * 6, 10**9, rows, gpu_memory=24 * 2**30)
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: saved.append(self))
+    p.plot(tmp_path / "plan.png")
+    (fig,) = saved
+    fig.canvas.draw()
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "GPU memory (24.0 GiB)" in labels and "recommended" in labels
+    ax = fig.axes[0]
+    bold = [t.get_text() for t in ax.get_yticklabels() if t.get_fontweight() == "bold"]
+    assert bold == [p.choice.variant.label] == [LAYEROPT_CKPT.label]
+    box = fig._suptitle.get_window_extent()
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.width  # the title is not cut off
+    legend = fig.legends[0].get_window_extent()
+    assert legend.y1 <= ax.get_window_extent().y0  # the legend is below the bars

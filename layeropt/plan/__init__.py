@@ -7,8 +7,9 @@ count of live tensor bytes, once per configuration: ``torch.optim.AdamW``
 activation checkpointing, a chunked LM loss, low-bit optimizer states. Each
 row gives the step's peak, what is alive at the peak (parameters, optimizer
 state, gradients, activations, other), where in the step it falls, and
-whether it fits a GPU's memory with a stated margin. A 7B model plans in
-about a minute and a few hundred MiB of RAM.
+whether it fits a GPU's memory with a stated margin, and which one to use
+(:attr:`Plan.choice`). A 7B model plans in about 30 s of CPU time and about
+400 MiB of RAM.
 
 On CPU the planned peak equals the live tensor bytes of the real run to the
 byte (``tests/test_plan.py``); on a GPU it leaves out what no tensor count
@@ -26,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -35,7 +37,7 @@ from torch import Tensor, nn
 
 from .devices import TARGETS
 from .execute import Measurement, simulate
-from .render import Margin, Plan, parse_size
+from .render import Margin, Plan, parse_gpu_memory, parse_size
 from .tracker import CATEGORIES, LiveBytes
 from .variants import OPTIMIZERS, Variant, default_variants
 from .workloads import BUILTIN_SHAPES, PlanError, Workload, hf_workload
@@ -53,11 +55,18 @@ __all__ = [
     "OPTIMIZERS",
     "BUILTIN_SHAPES",
     "parse_size",
+    "parse_gpu_memory",
 ]
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
            "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
 _NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
+
+#: Loggers that talk while a plan imports and runs their libraries, about
+#: nothing a plan uses: torchao's and bitsandbytes' optional GPU/CPU kernels
+#: that fail to load, torch's deprecation of Enum pytree constants (torchao
+#: registers some), transformers' ``loss_type=None`` in every config.
+_NOISY_LOGGERS = ("torchao", "bitsandbytes", "torch.utils._pytree", "transformers.modeling_utils")
 
 
 def plan(
@@ -69,6 +78,7 @@ def plan(
     chunked_loss: Callable[[nn.Module, Any], Tensor] | None = None,
     seq: int | None = None,
     batch: int = 1,
+    max_positions: int | None = None,
     dtype: str | torch.dtype | None = None,
     gpu_memory: int | str | None = None,
     margin: Margin | str | None = None,
@@ -99,12 +109,15 @@ def plan(
         seq: tokens per sequence (Hugging Face models; default 2048, or the
             model's positions if fewer).
         batch: sequences per batch (Hugging Face models).
+        max_positions: a Hugging Face model's positions, set in its config
+            before it is built, for a ``seq`` longer than the config's.
         dtype: ``"bf16"`` (default for Hugging Face models) or ``"fp32"``:
             the parameters' dtype. For a factory: torch's default dtype while
             ``model`` and ``inputs`` run (build the model in its dtype there:
             ``.to(dtype)`` fails on fake parameters).
         gpu_memory: the GPU's memory (``"24GiB"``, bytes as an int), to say
-            what fits.
+            what fits; ``"24GB"`` is read as 24 GiB, as GPU makers mean it
+            (:func:`parse_gpu_memory`, noted in the header).
         margin: what fitting leaves free (:class:`Margin`, or ``"1GiB+5%"``).
         variants: the configurations (default: :func:`default_variants`);
             ``"all"`` for every combination.
@@ -140,19 +153,23 @@ def plan(
     torch_dtype = _dtype(dtype)
     if device not in TARGETS:
         raise PlanError(f"device must be one of {TARGETS}, got {device!r}")
-    gpu = None if gpu_memory is None else parse_size(gpu_memory)
+    gpu, note = (None, "") if gpu_memory is None else parse_gpu_memory(gpu_memory)
     margin = Margin.parse(margin) if isinstance(margin, str) else (margin or Margin())
-    if isinstance(model, Workload):
-        workload = model
-    elif callable(model) and not isinstance(model, (str, os.PathLike)):
-        workload = _custom(model, inputs, loss, checkpoint, chunked_loss, torch_dtype)
-    else:
-        torch_dtype = torch_dtype or torch.bfloat16
-        workload = hf_workload(model, seq=seq, batch=batch, dtype=torch_dtype)
-    rows = _variants(workload, variants, optimizers)
-    n_params, measured = simulate(
-        workload, rows, device=device, bucket_cap_mb=bucket_cap_mb, progress=progress, jobs=jobs
-    )
+    with _quiet_libraries():
+        if isinstance(model, Workload):
+            workload = model
+        elif callable(model) and not isinstance(model, (str, os.PathLike)):
+            workload = _custom(model, inputs, loss, checkpoint, chunked_loss, torch_dtype)
+        else:
+            torch_dtype = torch_dtype or torch.bfloat16
+            workload = hf_workload(
+                model, seq=seq, batch=batch, dtype=torch_dtype, max_positions=max_positions
+            )
+        rows = _variants(workload, variants, optimizers)
+        n_params, measured = simulate(
+            workload, rows, device=device, bucket_cap_mb=bucket_cap_mb, progress=progress,
+            jobs=jobs,
+        )  # fmt: skip
     return Plan(
         model=workload.name,
         parameters=n_params,
@@ -163,7 +180,22 @@ def plan(
         device=device,
         gpu_memory=gpu,
         margin=margin,
+        notes=[note] if note else [],
     )
+
+
+@contextlib.contextmanager
+def _quiet_libraries() -> Iterator[None]:
+    """:data:`_NOISY_LOGGERS` at ``ERROR`` while planning (their levels restored after)."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    saved = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(max(lg.getEffectiveLevel(), logging.ERROR))
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, saved):
+            lg.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -11,13 +11,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Any
 
 from .variants import OPTIMIZERS, Variant
 from .workloads import BUILTIN_SHAPES, PlanError
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "run", "join_size_units"]
+
+_UNIT = re.compile(r"[KMGT]i?B|[KMGT]|B", re.IGNORECASE)
+
+
+def join_size_units(argv: list[str]) -> list[str]:
+    """``[..., "--gpu-memory", "24", "GiB", ...]`` -> ``[..., "--gpu-memory", "24 GiB", ...]``.
+
+    So that ``--gpu-memory 24 GiB`` works unquoted, as ``--gpu-memory "24 GiB"`` does.
+    """
+    out = list(argv)
+    for i in range(len(out) - 2, 0, -1):
+        if out[i - 1] in ("--gpu-memory", "--margin") and _UNIT.fullmatch(out[i + 1]):
+            out[i : i + 2] = [f"{out[i]} {out[i + 1]}"]
+    return out
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -45,12 +60,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--batch", type=int, default=1, help="sequences per batch (1)")
     p.add_argument(
+        "--max-positions", type=int, metavar="N",
+        help="set the config's positions to N first, to plan a --seq longer than it allows",
+    )  # fmt: skip
+    p.add_argument(
         "--dtype", choices=("bf16", "fp32"), default="bf16",
         help="parameter dtype: pure bf16 (default) or fp32 training",
     )  # fmt: skip
     p.add_argument(
         "--gpu-memory", metavar="SIZE",
-        help="the GPU's memory, e.g. 24GiB, 80GB or 16 (GiB): say what fits",
+        help="the GPU's memory, e.g. 24GiB, 80GB or 16 (GiB; GB means GiB here, as GPU "
+        "makers mean it): say what fits",
     )  # fmt: skip
     p.add_argument(
         "--margin", metavar="SPEC", default="1GiB+5%",
@@ -99,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             args.model,
             seq=args.seq,
             batch=args.batch,
+            max_positions=args.max_positions,
             dtype=args.dtype,
             gpu_memory=args.gpu_memory,
             margin=args.margin,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import textwrap
 from typing import Any
 
 from ..memory import format_bytes
@@ -24,11 +25,12 @@ from .tracker import ACTIVATIONS, CATEGORIES, GRADIENTS, OTHER, STATE
 from .variants import LOW_BIT, Variant
 from .workloads import PlanError
 
-__all__ = ["Margin", "Plan", "parse_size"]
+__all__ = ["Margin", "Plan", "parse_size", "parse_gpu_memory"]
 
 _UNITS = {"": 2**30, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20,
           "mb": 10**6, "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40,
           "tb": 10**12}  # fmt: skip
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
 
 
 def parse_size(text: str | int) -> int:
@@ -51,12 +53,30 @@ def parse_size(text: str | int) -> int:
     """
     if isinstance(text, int):
         return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    m = _SIZE.fullmatch(text)
     if m is None or m.group(2).lower() not in _UNITS:
         raise PlanError(
             f"cannot read {text!r} as a memory size; write it like 24GiB, 80GB or 16 (GiB)"
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_gpu_memory(text: str | int) -> tuple[int, str]:
+    """A GPU's memory -> ``(bytes, note)``: ``GB``, ``MB``, ``TB`` mean GiB, MiB, TiB here.
+
+    GPU makers say "24 GB" for 24 GiB; the note says so when it applies
+    (``""`` otherwise).
+
+    Example:
+        >>> parse_gpu_memory("24GB")
+        (25769803776, '24GB read as 24 GiB, as GPU makers mean it')
+    """
+    m = None if isinstance(text, int) else _SIZE.fullmatch(text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in ("kb", "mb", "gb", "tb"):
+        return parse_size(text), ""
+    binary = f"{m.group(1)} {unit[0].upper()}iB"
+    return parse_size(binary), f"{text.strip()} read as {binary}, as GPU makers mean it"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +121,12 @@ class Margin:
         return cls(fixed, fraction)
 
 
-_CHANGE_TEXT = {
+_CHANGE_TEXT = {  # change -> (what it shrinks, its category, what it does)
     "fused": ("optimizer temporaries", OTHER, "fused AdamW updates in place"),
     "layeropt": ("gradients", GRADIENTS, "layeropt frees each gradient as its layer is updated"),
     "checkpointing": ("activations", ACTIVATIONS, "checkpointing keeps one input per block"),
     "chunked loss": ("activations", ACTIVATIONS, "the chunked loss never holds full logits"),
-    "low-bit": ("optimizer state", STATE, "low-bit states are 4-8x smaller"),
+    "low-bit": ("optimizer state", STATE, "{base} keeps {bits}-bit states, updated in one kernel"),
 }
 
 
@@ -124,6 +144,7 @@ class Plan:
         device: the device whose kernels were modelled.
         gpu_memory: the GPU's memory in bytes, or ``None``.
         margin: what fitting leaves free (:class:`Margin`).
+        notes: lines for the header (how the GPU's memory was read).
     """
 
     model: str
@@ -135,6 +156,7 @@ class Plan:
     device: str = "cuda"
     gpu_memory: int | None = None
     margin: Margin = dataclasses.field(default_factory=Margin)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.rows = sorted(self.rows, key=lambda r: (r.peak_bytes, len(r.variant.changes())))
@@ -161,11 +183,12 @@ class Plan:
 
     @property
     def choice(self) -> Measurement | None:
-        """The least invasive configuration that fits.
+        """The recommended configuration: the least invasive one that fits.
 
-        Exact configurations (the update math unchanged: fused, layeropt,
-        checkpointing, chunked loss) come before low-bit states; then the
-        fewest changes; then the smallest peak.
+        Exact AdamW (the update math unchanged: fused, layeropt,
+        checkpointing, chunked loss) comes before 8-bit optimizer states, and
+        8-bit before 4-bit; then the fewest changes from plain
+        ``torch.optim.AdamW``; then the smallest peak.
         """
         fitting = [r for r in self.rows if self.fits(r)]
         if not fitting:
@@ -173,7 +196,11 @@ class Plan:
         return min(fitting, key=_invasiveness)
 
     def why(self, row: Measurement | None = None) -> str:
-        """One line: where the baseline peaks, and what each change of ``row`` removes.
+        """One line: how ``row`` differs from the baseline, and what each difference saves.
+
+        From :attr:`baseline` (plain ``torch.optim.AdamW``), one change of
+        ``row`` at a time, through the planned rows in between: where the
+        peak is, what it holds that the change removes, and the saving.
 
         Args:
             row: the configuration to explain (default: :attr:`choice`, or
@@ -182,28 +209,33 @@ class Plan:
         row = row or self.choice or self.rows[0]
         current = self.baseline
         steps: list[str] = []
+        quiet: list[str] = []  # changes without effect on their own: told with the next
         remaining = row.variant.changes() - current.variant.changes()
         while remaining:
             options = []
-            for change in remaining:
+            for change in sorted(remaining):
                 wanted = current.variant.changes() | {change}
                 nxt = self.row(_with_changes(row.variant, wanted))
                 if nxt is not None and nxt.variant.changes() == wanted:
                     options.append((nxt.peak_bytes, change, nxt))
-            if not options:
-                break
-            _, change, nxt = min(options, key=lambda o: (o[0], o[1]))
-            remaining.discard(change)
-            what, category, fix = _CHANGE_TEXT[change]
+            if options:
+                _, change, nxt = min(options, key=lambda o: o[0])
+                done = [change]
+            else:  # no planned row in between: the rest at once
+                done, nxt = sorted(remaining), row
+            remaining -= set(done)
             saved = current.peak_bytes - nxt.peak_bytes
             if abs(saved) < 0.005 * current.peak_bytes:
-                current = nxt  # no effect on its own here
-                continue
-            steps.append(
-                f"{'then ' if steps else ''}the peak is {what} "
-                f"({format_bytes(current.at_peak[category])}) {_where(current)}: {fix} "
-                f"({'-' if saved >= 0 else '+'}{format_bytes(abs(saved))})"
-            )
+                quiet += done
+            else:
+                what, category, _ = _CHANGE_TEXT[done[0]]
+                fixes = " and ".join(_fix(c, row.variant) for c in quiet + done)
+                quiet = []
+                steps.append(
+                    f"{'then ' if steps else ''}{current.variant.label} peaks {_where(current)} "
+                    f"with {format_bytes(current.at_peak[category])} of {what}: {fixes} "
+                    f"({'-' if saved >= 0 else '+'}{format_bytes(abs(saved))})"
+                )
             current = nxt
         if not steps:
             top = max(CATEGORIES[2:], key=lambda c: current.at_peak[c])
@@ -212,6 +244,8 @@ class Plan:
                 f"after parameters and optimizer state is {_name(top, current)} "
                 f"({format_bytes(current.at_peak[top])})"
             )
+        if quiet:
+            steps.append(" and ".join(_fix(c, row.variant) for c in quiet) + " (no effect here)")
         return "; ".join(steps)
 
     # -- rendering ----------------------------------------------------------
@@ -230,7 +264,7 @@ class Plan:
                 f"fits in {format_bytes(self.gpu_memory)}: peak + {self.margin.describe()} "
                 f"<= {format_bytes(self.gpu_memory)}, i.e. peak <= {format_bytes(self.budget)}"
             )
-        return "\n".join(lines)
+        return "\n".join(lines + self.notes)
 
     def table(self) -> str:
         """The whole report as text: header, one row per configuration, the answer."""
@@ -272,8 +306,13 @@ class Plan:
                 "model across GPUs (FSDP).",
                 f"why: {self.why(best)}",
             ]
+        rule = "with the fewest changes"
+        if "low-bit" in choice.variant.changes() and _bits(choice.variant) == 8:
+            rule += " once optimizer states are 8-bit (no exact AdamW fits)"
+        elif "low-bit" in choice.variant.changes():
+            rule += " once optimizer states are 4-bit (neither exact AdamW nor 8-bit states fit)"
         return [
-            f"fits in {format_bytes(self.gpu_memory)} with the fewest changes: "
+            f"fits in {format_bytes(self.gpu_memory)} {rule}: "
             f"{choice.variant.label} ({format_bytes(choice.peak_bytes)})",
             f"why: {self.why(choice)}",
         ]
@@ -284,7 +323,7 @@ class Plan:
         Returns:
             ``{"model", "parameters", "dtype", "seq", "batch", "device",
             "gpu_memory_bytes", "budget_bytes", "margin", "variants": [...],
-            "recommendation"}``; each variant has ``optimizer``,
+            "recommendation", "notes"}``; each variant has ``optimizer``,
             ``implementation``, ``checkpointing``, ``chunked_loss``,
             ``in_backward``, ``label``, ``peak_bytes``, ``start_bytes``,
             ``at_peak`` (bytes per category), ``phase``, ``phase_progress``
@@ -322,10 +361,12 @@ class Plan:
                 "label": choice.variant.label, "peak_bytes": choice.peak_bytes,
                 "why": self.why(choice),
             },
+            "notes": self.notes,
         }  # fmt: skip
 
     def plot(self, path: str | os.PathLike[str]) -> str:
-        """Save a PNG: one stacked bar per configuration, the budget as a line.
+        """Save a PNG: one stacked bar per configuration (the recommended one outlined,
+        its name in bold), the GPU's memory and the budget as lines.
 
         Args:
             path: where to write the image.
@@ -348,7 +389,8 @@ class Plan:
             ) from e
         colors = dict(_COLORS, activations=_COLORS["activations/other"], other="#8e8e8e")
         rows = self.rows[::-1]
-        fig = Figure(figsize=(11, 1.2 + 0.32 * len(rows)), layout="constrained")
+        choice = self.choice
+        fig = Figure(figsize=(11, 2.2 + 0.32 * len(rows)), layout="constrained")
         FigureCanvasAgg(fig)
         ax = fig.subplots()
         left = [0.0] * len(rows)
@@ -357,15 +399,23 @@ class Plan:
             ax.barh(range(len(rows)), widths, left=left, color=colors[c], label=c)
             left = [a + b for a, b in zip(left, widths)]
         ax.set_yticks(range(len(rows)), [r.variant.label for r in rows], fontsize="small")
+        if choice is not None:
+            i = rows.index(choice)
+            ax.barh(i, choice.peak_bytes / 2**30, fill=False, edgecolor="black", lw=1.5,
+                    label="recommended")  # fmt: skip
+            ax.get_yticklabels()[i].set_fontweight("bold")
         if self.gpu_memory is not None:
-            ax.axvline(self.gpu_memory / 2**30, color="black", lw=1.2)
+            ax.axvline(self.gpu_memory / 2**30, color="black", lw=1.2,
+                       label=f"GPU memory ({format_bytes(self.gpu_memory)})")  # fmt: skip
             ax.axvline((self.budget or 0) / 2**30, color="black", lw=1, ls="--",
                        label=f"fits (margin: {self.margin.describe()})")  # fmt: skip
         ax.set_xlabel("GiB at the peak of the step")
-        ax.set_title(self.header().splitlines()[0].removeprefix("layeropt plan: "),
-                     fontsize="medium")  # fmt: skip
+        ax.set_ylim(-0.7, len(rows) - 0.3)
+        title = self.header().splitlines()[0].removeprefix("layeropt plan: ")
+        fig.suptitle(textwrap.fill(title, 110), fontsize="medium")
         ax.grid(axis="x", alpha=0.3)
-        ax.legend(loc="lower right", fontsize="small")
+        fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=4,
+                   fontsize="small")  # fmt: skip
         fig.savefig(os.fspath(path), dpi=110)
         return os.fspath(path)
 
@@ -379,9 +429,21 @@ def _name(category: str, row: Measurement) -> str:
     return category
 
 
-def _invasiveness(row: Measurement) -> tuple[bool, int, int]:
+def _bits(variant: Variant) -> int:
+    """Bits per optimizer-state element of a low-bit optimizer (8 or 4)."""
+    return 4 if "4bit" in variant.base else 8
+
+
+def _invasiveness(row: Measurement) -> tuple[int, int, int]:
+    """Exact AdamW, then 8-bit states, then 4-bit; then fewest changes; then the peak."""
     changes = row.variant.changes()
-    return ("low-bit" in changes, len(changes), row.peak_bytes)
+    precision = 0 if "low-bit" not in changes else 1 if _bits(row.variant) == 8 else 2
+    return (precision, len(changes), row.peak_bytes)
+
+
+def _fix(change: str, variant: Variant) -> str:
+    text = _CHANGE_TEXT[change][2]
+    return text.format(base=variant.base, bits=_bits(variant)) if change == "low-bit" else text
 
 
 def _unit(n: int) -> tuple[str, int]:
@@ -412,7 +474,8 @@ def _where(row: Measurement, short: bool = False) -> str:
 
 
 def _with_changes(like: Variant, changes: set[str]) -> Variant:
-    """The variant with exactly ``changes`` (the low-bit library of ``like``)."""
+    """The variant with exactly ``changes`` (the low-bit optimizer of ``like``; low-bit
+    updates are fused)."""
     low_bit = like.base if like.base in LOW_BIT else next(iter(LOW_BIT))
     base = low_bit if "low-bit" in changes else "torch.optim.AdamW"
     optimizer = base

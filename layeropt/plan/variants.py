@@ -103,10 +103,12 @@ class Variant:
     def changes(self) -> set[str]:
         """What differs from plain ``torch.optim.AdamW`` (foreach, torch's GPU default).
 
-        Low-bit optimizers count as ``"fused"`` too: their update is one kernel.
+        ``"fused"``, ``"layeropt"``, ``"low-bit"``, ``"checkpointing"``,
+        ``"chunked loss"``. A low-bit optimizer is one change (``"low-bit"``:
+        its own states and its own one-kernel update), not also ``"fused"``.
         """
         out = set()
-        if self.implementation == "fused":
+        if self.implementation == "fused" and self.base not in LOW_BIT:
             out.add("fused")
         if self.in_backward:
             out.add("layeropt")

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import json
 import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -134,10 +136,12 @@ def load_config(model: str | os.PathLike[str] | Any) -> tuple[str, Any]:
             ``transformers`` config object.
 
     Returns:
-        ``(name, config)``.
+        ``(name, config)``: a config file's model is named by its
+        ``_name_or_path`` (or ``model_type``) and the file's path.
 
     Raises:
-        PlanError: none of these (the message lists what was tried).
+        PlanError: none of these (the message says what was tried, the
+            nearest built-in name and how to get a config.json).
 
     Example:
         >>> name, config = load_config("gpt2")  # doctest: +SKIP
@@ -155,7 +159,8 @@ def load_config(model: str | os.PathLike[str] | Any) -> tuple[str, Any]:
         if not os.path.isfile(path):
             raise PlanError(f"directory {text!r} holds no config.json; pass the config file itself")
     if os.path.isfile(path):
-        return os.path.basename(os.path.dirname(os.path.abspath(path))) or text, _from_json(path)
+        label, config = _from_json(path)
+        return f"{label} from {os.path.normpath(path)}", config
     if text.lower() in BUILTIN_SHAPES:
         fields = dict(BUILTIN_SHAPES[text.lower()])
         return text.lower(), transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
@@ -164,16 +169,38 @@ def load_config(model: str | os.PathLike[str] | Any) -> tuple[str, Any]:
     try:
         config = transformers.AutoConfig.from_pretrained(text, local_files_only=True)
     except Exception as e:  # OSError, ValueError, ...: not in the cache
-        raise PlanError(
-            f"{text!r} is not a config.json, a directory holding one, a built-in shape "
-            f"({', '.join(sorted(BUILTIN_SHAPES))}) or a model whose config is in the local "
-            "Hugging Face cache. Download its config.json (a few KiB) and pass its path, "
-            f"or run huggingface-cli download {text} config.json first. ({type(e).__name__})"
-        ) from None
+        raise _not_found(text, e) from None
     return text, config
 
 
-def _from_json(path: str) -> Any:
+def _not_found(text: str, error: Exception) -> PlanError:
+    """What was tried, the nearest built-in name, and two ways to get a config.json."""
+    close = difflib.get_close_matches(text.lower(), BUILTIN_SHAPES, n=1) or (
+        difflib.get_close_matches(text.lower().rpartition("/")[2], BUILTIN_SHAPES, n=1)
+    )
+    if close:
+        nearest = f"Did you mean the built-in shape {close[0]!r}? "
+    else:
+        nearest = f"Built-in shapes: {', '.join(sorted(BUILTIN_SHAPES))}. "
+    command = next((c for c in ("hf", "huggingface-cli") if shutil.which(c)), None)
+    if command is not None:
+        login = "hf auth login" if command == "hf" else "huggingface-cli login"
+        fetch = (f"run `{command} download {text} config.json` (a few KiB, into the cache; "
+                 f"a gated model needs `{login}` first) and plan it again")  # fmt: skip
+    else:
+        fetch = (f"download https://huggingface.co/{text}/resolve/main/config.json "
+                 "(or pip install huggingface_hub for the `hf download` command)")  # fmt: skip
+    return PlanError(
+        f"{text!r} is not a config.json, a directory holding one, a built-in shape or a "
+        f"model whose config is in the local Hugging Face cache ({type(error).__name__}). "
+        f"{nearest}To plan a Hugging Face model, {fetch}; or pass the path of its "
+        "config.json (or of the folder holding it) instead of the name, e.g. "
+        "`python -m layeropt plan path/to/config.json`."
+    )
+
+
+def _from_json(path: str) -> tuple[str, Any]:
+    """``(label, config)``: the label is the config's ``_name_or_path`` or ``model_type``."""
     transformers = _transformers()
     try:
         with open(path) as f:
@@ -185,8 +212,9 @@ def _from_json(path: str) -> Any:
             f"{path!r} has no \"model_type\": it is not a Hugging Face config.json"
         )
     model_type = fields.pop("model_type")
+    label = fields.get("_name_or_path") or model_type
     try:
-        return transformers.AutoConfig.for_model(model_type, **fields)
+        return label, transformers.AutoConfig.for_model(model_type, **fields)
     except (ValueError, KeyError) as e:
         raise PlanError(
             f"transformers {transformers.__version__} does not know model_type "
@@ -200,6 +228,7 @@ def hf_workload(
     seq: int | None = None,
     batch: int = 1,
     dtype: torch.dtype = torch.bfloat16,
+    max_positions: int | None = None,
 ) -> Workload:
     """A :class:`Workload` for a Hugging Face causal LM: ``model(input_ids=ids, labels=ids).loss``.
 
@@ -210,6 +239,9 @@ def hf_workload(
         batch: sequences per batch.
         dtype: the dtype of the parameters (pure ``bfloat16`` or ``float32``
             training; no autocast).
+        max_positions: the model's positions (``max_position_embeddings``
+            or ``n_positions``), replacing the config's: to plan a ``seq``
+            longer than the config allows (learned position embeddings grow).
 
     Returns:
         The workload: attention through ``sdpa``, ``use_cache=False``,
@@ -219,11 +251,23 @@ def hf_workload(
     transformers = _transformers()
     name, config = load_config(model)
     config.use_cache = False
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    key = next((k for k in ("n_positions", "max_position_embeddings") if getattr(config, k, None)),
+               None)  # fmt: skip
+    if max_positions is not None:
+        if key is None:
+            raise PlanError(f"--max-positions: {name}'s config sets no positions; leave it out")
+        if max_positions < 1:
+            raise PlanError(f"--max-positions must be >= 1, got {max_positions}")
+        setattr(config, key, max_positions)
+    limit = getattr(config, key) if key else None
     if seq is None:
         seq = min(2048, limit or 2048)
     if limit is not None and seq > limit:
-        raise PlanError(f"--seq {seq} is longer than {name}'s {limit} positions")
+        raise PlanError(
+            f"--seq {seq} is longer than the {limit} positions of {name} ({key} in its "
+            f"config): plan --seq {limit} or less, or add --max-positions {seq} to plan it "
+            f"with {seq} positions (max_positions= in Python)"
+        )
     if not (seq >= 1 and batch >= 1):
         raise PlanError(f"seq and batch must be >= 1, got seq={seq}, batch={batch}")
     vocab = config.vocab_size
