@@ -1,10 +1,14 @@
 """Generate ``docs/api.md``, the API reference, from layeropt's docstrings.
 
 The sources are parsed, not imported, so the output is the same whatever is
-installed (torch version, transformers or not). Each module in ``MODULES`` is
+installed (torch version, transformers or not). Each module in ``PUBLIC`` is
 listed with the first paragraph of its docstring, then every name in its
-``__all__``: signature and full docstring (methods and properties of classes
-too). ``tests/test_docs_api.py`` fails when ``docs/api.md`` is out of date.
+``__all__`` (less ``NOT_API``): signature and full docstring (public methods
+and properties of classes too; a constant's docstring is its ``#:`` comment).
+An object re-exported by several public modules is listed once, under the
+first (``layeropt.two_pass_compile``, not ``layeropt.integrations``'s).
+``tests/test_docs_api.py`` fails when ``docs/api.md`` is out of date, when an
+entry has no docstring, or when an internal name shows up.
 
 Usage:
     python docs/gen_api.py            # rewrite docs/api.md
@@ -20,14 +24,17 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "api.md"
-MODULES = [
-    "layeropt.optim", "layeropt.attaching", "layeropt.backward_pass", "layeropt.landing",
-    "layeropt.checkpointing", "layeropt.loop", "layeropt.losses", "layeropt.memory",
+#: The public modules, in the order of the page: each is listed with the names
+#: of its ``__all__``. Modules not here (``layeropt.optim``, ``layeropt.landing``,
+#: ``layeropt.demo``, ...) are implementation: what they offer users is
+#: re-exported by ``layeropt`` itself, and listed there.
+PUBLIC = [
+    "layeropt", "layeropt.losses", "layeropt.memory", "layeropt.report",
     "layeropt.distributed", "layeropt.integrations", "layeropt.integrations.hf",
-    "layeropt.integrations.lightning",
-    "layeropt.integrations.accelerate", "layeropt.report", "layeropt.demo",
-    "layeropt.models", "layeropt.plan", "layeropt.errors",
-]
+    "layeropt.integrations.lightning", "layeropt.integrations.accelerate", "layeropt.plan",
+]  # fmt: skip
+#: Names in a public module's ``__all__`` that are not API, with the reason.
+NOT_API: dict[str, dict[str, str]] = {}  # module -> {name in __all__: why not documented}
 WIDTH = 88
 PROTOCOL = {"forward", "extra_repr"}
 
@@ -104,8 +111,11 @@ def _signature(fn: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -> str:
 def _doc(node: ast.AST) -> list[str]:
     doc = ast.get_docstring(node, clean=True)  # type: ignore[arg-type]
     if not doc:
-        return ["*(no docstring)*", ""]
+        return [MISSING, ""]
     return ["```text", doc, "```", ""]
+
+
+MISSING = "*(no docstring)*"
 
 
 def _decorators(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
@@ -160,22 +170,122 @@ def _find(module: str, name: str, seen: frozenset[str] = frozenset()) -> tuple[s
     return None
 
 
+def _comment(module: str, node: ast.stmt) -> str:
+    """The ``#:`` comment lines right above an assignment (its docstring)."""
+    lines = _path(module).read_text().splitlines()[: node.lineno - 1]
+    found: list[str] = []
+    for line in reversed(lines):
+        if not line.strip().startswith("#:"):
+            break
+        found.insert(0, line.strip()[2:].strip())
+    return " ".join(found)
+
+
+def _wrapped_optimizer(node: ast.stmt) -> str | None:
+    """``X`` when ``node`` is ``Name = in_backward(X)`` (a torch class run in backward)."""
+    value = getattr(node, "value", None)
+    if isinstance(value, ast.Call) and ast.unparse(value.func) == "in_backward" \
+            and len(value.args) == 1:
+        return ast.unparse(value.args[0])
+    return None
+
+
 def _entry(module: str, name: str) -> list[str]:
+    """The lines of one public name, headed by its full name (``module.name``)."""
+    full = f"{module}.{name}"
     found = _find(module, name)
     if found is None:
-        return [f"### `{name}`", "", "*(not found in the source)*", ""]
+        return [f"### `{full}`", "", "*(not found in the source)*", ""]
     where, node = found
-    note = [f"Defined in `{where}`.", ""] if where != module else []
     if isinstance(node, ast.ClassDef):
         lines = _class(node)
-        return lines[:2] + note + lines[2:]
+        return [lines[0].replace(f"`{node.name}`", f"`{full}`", 1), *lines[1:]]
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         lines = _function(node, "", "###")
-        return lines[:2] + note + lines[2:]
+        return [f"### `{full}`", *lines[1:]]
+    wrapped = _wrapped_optimizer(node)  # type: ignore[arg-type]
+    if wrapped is not None:
+        # in_backward's own docstring for the class it makes (layeropt/optim.py)
+        doc = (f"In-backward {wrapped}: same arguments and math; call "
+               "``layeropt.attach(model)`` to update each layer as soon as its gradient "
+               f"is complete. Methods: {wrapped}'s and InBackwardOptimizer's.")
+        return [f"### class `{full}` (InBackwardOptimizer, {wrapped})", "",
+                "```py", f"{name} = in_backward({wrapped})", "```", "",
+                "```text", _fill(doc), "```", ""]  # fmt: skip
     value = ast.unparse(node.value)  # type: ignore[attr-defined]
     if len(value) > WIDTH:
         value = value[: WIDTH - 3] + "..."
-    return [f"### `{name}`", "", *note, "```py", f"{name} = {value}", "```", ""]
+    doc = _comment(where, node)  # type: ignore[arg-type]
+    text = ["```text", _fill(doc), "```", ""] if doc else [MISSING, ""]
+    return [f"### `{full}`", "", "```py", f"{name} = {value}", "```", "", *text]
+
+
+def _fill(text: str) -> str:
+    import textwrap
+
+    return textwrap.fill(text, WIDTH - 8)
+
+
+def _public(module: str) -> list[str]:
+    """The module's ``__all__``, less what :data:`NOT_API` names."""
+    hidden = NOT_API.get(module, {})
+    return [n for n in _all(ast.parse(_path(module).read_text())) if n not in hidden]
+
+
+def _defined(module: str, name: str) -> tuple[str, str]:
+    """Where ``module.name`` is defined: one entry per object, however many re-export it."""
+    found = _find(module, name)
+    return (found[0], name) if found else (module, name)
+
+
+def entries() -> list[tuple[str, list[str]]]:
+    """``(module, lines)`` for every entry of the page, in order (each object once)."""
+    out: list[tuple[str, list[str]]] = []
+    first: dict[tuple[str, str], str] = {}
+    for module in PUBLIC:
+        for name in _public(module):
+            if f"{module}.{name}" in PUBLIC:
+                continue  # a submodule: it has its own section
+            key = _defined(module, name)
+            if key in first:
+                continue  # re-exported: listed where it is first met
+            first[key] = f"{module}.{name}"
+            out.append((module, _entry(module, name)))
+    return out
+
+
+def aliases() -> dict[str, str]:
+    """``module.name`` -> the full name of its entry, for names listed elsewhere."""
+    out: dict[str, str] = {}
+    first: dict[tuple[str, str], str] = {}
+    for module in PUBLIC:
+        for name in _public(module):
+            if f"{module}.{name}" in PUBLIC:
+                continue
+            key = _defined(module, name)
+            if key in first:
+                out[f"{module}.{name}"] = first[key]
+            else:
+                first[key] = f"{module}.{name}"
+    return out
+
+
+def missing_docstrings() -> list[str]:
+    """Entries (and their methods) that have no docstring."""
+    missing: list[str] = []
+    for _, lines in entries():
+        entry = ""
+        for i, line in enumerate(lines):
+            if line.startswith("#"):
+                entry = line.split("`")[1]
+            elif line == MISSING:
+                missing.append(entry)
+    return missing
+
+
+def _anchor(text: str) -> str:
+    """GitHub's anchor of a heading: lower case, only letters, digits, ``-`` and ``_``."""
+    return "".join(c for c in text.lower().replace(" ", "-") if c.isalnum() or c in "-_")
 
 
 def render() -> str:
@@ -184,21 +294,35 @@ def render() -> str:
         "# API reference",
         "",
         "Generated from the docstrings by `python docs/gen_api.py`; do not edit by hand",
-        "(`tests/test_docs_api.py` checks that it is up to date). Top-level names",
-        "(`layeropt.Adam`, `layeropt.attach`, ...) are listed in the module that defines them.",
+        "(`tests/test_docs_api.py` checks that it is up to date). It lists the `__all__` of",
+        "each public module, each object once, under its shortest name: `layeropt.Adam`,",
+        "not the module that happens to define it. Other modules are implementation.",
+        "",
+        "Modules:",
         "",
     ]
-    top = _all(ast.parse(_path("layeropt").read_text()))
-    lines += ["Top level: " + ", ".join(f"`layeropt.{n}`" for n in top), ""]
-    lines += ["Modules:", ""] + [f"- [`{m}`](#{m.replace('.', '')})" for m in MODULES] + [""]
-    for module in MODULES:
+    lines += [f"- [`{m}`](#{_anchor(m)})" for m in PUBLIC] + [""]
+    by_module: dict[str, list[list[str]]] = {}
+    for module, entry in entries():
+        by_module.setdefault(module, []).append(entry)
+    also = aliases()
+    for module in PUBLIC:
         tree = ast.parse(_path(module).read_text())
         doc = ast.get_docstring(tree, clean=True) or ""
         first = doc.split("\n\n")[0].replace("\n", " ")
         source = _path(module).relative_to(ROOT).as_posix()
         lines += [f"## {module}", "", first, "", f"Source: `{source}`.", ""]
-        for name in _all(tree):
-            lines += _entry(module, name)
+        subs = [n for n in _public(module) if f"{module}.{n}" in PUBLIC]
+        if subs:
+            lines += ["Submodules: " + ", ".join(
+                f"[`{module}.{n}`](#{_anchor(f'{module}.{n}')})" for n in subs) + ".", ""]
+        same = [(n, also[f"{module}.{n}"]) for n in _public(module) if f"{module}.{n}" in also]
+        if same:
+            lines += ["Also here: " + ", ".join(
+                f"`{n}` (the same object as [`{target}`](#{_anchor(target)}))"
+                for n, target in same) + ".", ""]
+        for entry in by_module.get(module, []):
+            lines += entry
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -15,7 +15,12 @@ backward, its gradient freed at once). The demo prints, for both:
   pair runs the two back to back, alternating which goes first, with the
   cyclic garbage collector paused, as in ``benchmarks/bench_step.py``;
 * the largest difference between the two models' parameters afterwards
-  (``0.0`` on CPU in fp32: the update math is torch's own).
+  (``0.0`` on CPU in fp32: the update math is torch's own);
+* a few lines beneath the table that read it (:func:`_notes`): where the
+  gradient saving comes from, why ``activations/other`` can be larger at
+  layeropt's peak (each run is read at its own peak, and the two peaks fall
+  at different moments of the step), why a model whose layers are reused in a
+  loop saves nothing at its peak, and how spread out the timed pairs were.
 
 Example:
     >>> result = run_demo("mlp", tiny=True, progress=False)  # doctest: +SKIP
@@ -30,9 +35,11 @@ import copy
 import dataclasses
 import gc
 import importlib.util
+import inspect
 import os
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TextIO
@@ -46,7 +53,9 @@ import layeropt
 
 from .memory import format_bytes
 from .models import MLP, LoopNet, TinyGPT, UNet
-from .report import _COLORS, CATEGORIES, GRADIENTS, PlotDependencyError, StepMemory, report_step
+from .report import (
+    _COLORS, CATEGORIES, GRADIENTS, OTHER, PlotDependencyError, StepMemory, report_step,
+)  # fmt: skip
 
 __all__ = [
     "DEMO_MODELS", "Checkpointed", "DemoResult", "checkpoint_blocks", "plot_demo", "run_demo",
@@ -185,7 +194,8 @@ class DemoResult:
         pairs: how many interleaved pairs of steps were timed.
         max_param_diff: largest absolute difference between the two models'
             parameters after training.
-        table: the printed table.
+        table: the printed table, with the notes that explain it beneath.
+        pair_ratios: layeropt/torch time of each timed pair, in order.
     """
 
     memory: dict[str, StepMemory]
@@ -193,6 +203,7 @@ class DemoResult:
     pairs: int
     max_param_diff: float
     table: str
+    pair_ratios: list[float] = dataclasses.field(default_factory=list)
 
 
 def _progress(done: int, total: int, stream: TextIO) -> None:
@@ -261,6 +272,8 @@ def run_demo(
     ref_opt = torch.optim.Adam(ref.parameters(), lr=lr, fused=True)
     lo_opt = layeropt.Adam(lo.parameters(), lr=lr, fused=True)
     handle = layeropt.attach(lo, lo_opt)
+    # attach's bucket cap (the notes say when the whole model's gradients fit under it)
+    cap_mb = inspect.signature(layeropt.attach).parameters["bucket_cap_mb"].default
     gen = torch.Generator().manual_seed(1)
     batches = [_to(spec.batch(base, gen), dev) for _ in range(steps)]
     runs = {TORCH: (ref, ref_opt), LAYEROPT: (lo, lo_opt)}
@@ -311,12 +324,15 @@ def run_demo(
         + (", per-block activation checkpointing" if use_checkpoint else "")
     )
     ratio = statistics.median(ratios) if ratios else None
-    table = title + "\n\n" + _table(memory, ratio, len(ratios), diff)
+    table = (
+        title + "\n\n" + _table(memory, ratio, len(ratios), diff)
+        + "\n\n" + "\n".join(_notes(memory, ratios, model, cap_mb))
+    )  # fmt: skip
     print(table, file=out)
     if plot is not None:
         plot_demo(memory, plot)
         print(f"\nmemory timeline written to {plot}", file=out)
-    return DemoResult(memory, ratio, len(ratios), diff, table)
+    return DemoResult(memory, ratio, len(ratios), diff, table, ratios)
 
 
 def plot_demo(memory: Mapping[str, StepMemory], path: str | os.PathLike[str]) -> str:
@@ -400,11 +416,130 @@ def _table(memory: dict[str, StepMemory], ratio: float | None, pairs: int, diff:
     if ratio is None:
         rows.append(f"{'step time':<30}{'(needs --steps >= 3)':>{w * 3}}")
     else:
-        label = f"step time (median of {pairs} pairs)"
+        label = "step time (one pair)" if pairs == 1 else f"step time (median of {pairs} pairs)"
         rows.append(f"{label:<30}{'1.00x':>{w}}{f'{ratio:.2f}x':>{w}}{f'{ratio:.2f}x':>{w}}")
     shown = "0.0" if diff == 0 else f"{diff:.3e}"
     rows.append(f"{'max |parameter difference|':<30}{shown:>{w * 2}}")
     return "\n".join(rows)
+
+
+# Why a built-in model's gradients complete late (see _notes).
+_LATE_GRADIENTS = {
+    "loop": "LoopNet's extractor and mix are used in every iteration: their gradients "
+    "are complete only as backward ends",
+}
+
+_NOTE_WIDTH = 84  # the table's width
+
+
+def _note(head: str, text: str) -> str:
+    """One note: ``head: text`` wrapped to the table's width, continuation indented."""
+    return textwrap.fill(
+        f"{head}: {text}", _NOTE_WIDTH, subsequent_indent="  ", break_on_hyphens=False
+    )
+
+
+def _notes(
+    memory: Mapping[str, StepMemory], ratios: list[float], model: str, cap_mb: float = 1.0
+) -> list[str]:
+    """The lines printed beneath the table: what its rows mean for this run.
+
+    Each statement is printed only when this run's numbers show it:
+
+    * gradients: torch.optim holds every one until ``step()``; layeropt frees
+      each layer's once backward has updated it. The saving at the peak is
+      that difference.
+    * activations/other (activations, inputs, autograd's buffers) is read at
+      each run's own peak. torch.optim's peak comes where it holds all its
+      gradients - at the end of backward or in ``step()``, once backward has
+      freed most activations - and layeropt's earlier, while they are alive:
+      so the row can be larger for layeropt although both runs reach the same
+      highest value (measured on the demo's GPT: torch.optim peaks 2 ms before
+      backward ends with 12 MiB of autograd buffers for the tied embedding's
+      gradient, layeropt early in backward with 25 MiB of activations alive;
+      both reach 26.6 MiB at the end of forward).
+    * no saving at the peak, when the model's gradients all fit under
+      attach's ``bucket_cap_mb`` (the ``--tiny`` models under the default
+      1 MiB): complete layers wait to share one step until they hold that
+      much, so they are all stepped together at the end of backward.
+    * no saving at the peak, otherwise: both runs peak in backward before
+      most gradients are complete (LoopNet's shared layers get their last
+      contribution as backward ends; until then autograd holds their partial
+      sums in both runs).
+    * step time: the spread of the pair ratios, so that noise reads as noise.
+    """
+    t, lo = memory[TORCH], memory[LAYEROPT]
+    fmt = format_bytes
+    notes = [
+        _note(
+            "gradients",
+            f"torch.optim keeps every gradient until step() ({fmt(t.max_by_category[GRADIENTS])}"
+            f"); layeropt frees each layer's once backward has updated it (at most "
+            f"{fmt(lo.max_by_category[GRADIENTS])} at once).",
+        )
+    ]
+    t_other, lo_other = t.at_peak[OTHER], lo.at_peak[OTHER]
+    highest = (t.max_by_category[OTHER], lo.max_by_category[OTHER])
+    reach = (
+        f"both runs reach {fmt(highest[0])} at most"
+        if highest[0] == highest[1]
+        else f"at most {fmt(highest[0])} in torch.optim's run, {fmt(highest[1])} in layeropt's"
+    )
+    t_grads, lo_grads = t.at_peak[GRADIENTS], lo.at_peak[GRADIENTS]
+    no_saving = t_grads > 0 and lo_grads >= 0.95 * t_grads  # under 5% of them freed
+    if no_saving and t.max_by_category[GRADIENTS] <= cap_mb * 2**20:
+        notes.append(
+            _note(
+                "no saving at this peak",
+                f"all the model's gradients ({fmt(t.max_by_category[GRADIENTS])}) fit under "
+                f"attach's bucket_cap_mb={cap_mb:g} (MiB): complete layers wait to share one "
+                "step until they hold that much, so layeropt steps them all at the end of "
+                "backward; a bigger model (no --tiny) shows the saving.",
+            )
+        )
+    elif no_saving and t_grads < t.max_by_category[GRADIENTS]:
+        why = _LATE_GRADIENTS.get(model)
+        held = (
+            f"both hold {fmt(t_grads)} of gradients there"
+            if t_grads == lo_grads
+            else f"torch.optim holds {fmt(t_grads)} of gradients there, layeropt {fmt(lo_grads)}"
+        )
+        notes.append(
+            _note(
+                "no saving at this peak",
+                "both runs peak in backward before most gradients are complete, so "
+                + held + (f" ({why})." if why else "."),
+            )
+        )
+    elif lo_other > t_other:
+        when = (
+            "torch.optim peaks holding all its gradients, after backward has freed most "
+            "activations; layeropt peaks earlier, while they are still alive"
+            if t.at_peak[GRADIENTS] == t.max_by_category[GRADIENTS]
+            else "the two peaks fall at different moments of the step"
+        )
+        notes.append(
+            _note(
+                "activations/other",
+                "activations, inputs and autograd's buffers, read at each run's own peak: "
+                f"{when} ({reach}).",
+            )
+        )
+    if len(ratios) == 1:
+        notes.append(
+            _note("step time", "one pair is too few to tell a difference from noise; "
+                  "run --steps 8 or more.")  # fmt: skip
+        )
+    elif ratios:
+        notes.append(
+            _note(
+                "step time",
+                f"median of {len(ratios)} pair ratios, which ranged {min(ratios):.2f}x-"
+                f"{max(ratios):.2f}x; both runs do the same Adam updates, layeropt's inside "
+                "backward. The spread is the noise of a short run: --steps 20 steadies it.",
+            )
+        )
+    return notes
 
 
 def _to(batch: Any, dev: torch.device) -> Any:

@@ -43,12 +43,11 @@ __all__ = [
     "default_chunk_size",
     "has_native_linear_cross_entropy",
     "IMPLS",
-    "memory_table",
-    "format_table",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
+#: The implementations ``linear_cross_entropy(impl=...)`` accepts.
 IMPLS = ("auto", "torch", "chunked")
 _REDUCTIONS = ("mean", "sum", "none")
 

@@ -11,6 +11,10 @@
   run under both that and the library default, which is what users get;
   the documentation blocks run in fresh processes with the library defaults
   (``tests/test_docs.py``).
+* ``-m core``: the modules in :data:`CORE` (exactness, accumulation,
+  clipping and AMP, checkpointing, errors, memory, the training step,
+  loops) carry the ``core`` marker, a quick first run:
+  ``python -m pytest tests -m core``.
 """
 
 import pytest
@@ -20,9 +24,20 @@ import layeropt
 
 torch.set_num_threads(1)
 
-BOTH_SCHEDULES = {"test_exact", "test_memory_core", "test_accumulate", "test_properties",
-                  "test_training_step", "test_checkpoint", "test_clip_amp", "test_loop",
+BOTH_SCHEDULES = {"test_exact", "test_rules", "test_memory_core", "test_accumulate",
+                  "test_properties", "test_training_step", "test_checkpoint", "test_clip_amp", "test_loop",
                   "test_interop", "test_reliability", "test_errors"}
+
+# ``python -m pytest tests -m core``: the quick subset for a first run (README).
+CORE = {"test_exact", "test_accumulate", "test_clip_amp", "test_checkpoint", "test_errors",
+        "test_memory_core", "test_training_step", "test_loop"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__.rsplit(".", 1)[-1] in CORE:
+            item.add_marker(pytest.mark.core)
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import layeropt
 from layeropt import demo
 from layeropt.__main__ import main
 from layeropt.demo import DEMO_MODELS, run_demo
@@ -50,6 +51,8 @@ def test_cli_tiny_prints_exact_and_smaller(args, capsys):
     g = _row(out, "  gradients (at peak)")
     assert _bytes(*g[2:4]) < _bytes(*g[:2])
     assert re.search(r"step time \(median of 2 pairs\)\s+1\.00x\s+\d+\.\d\dx", out)
+    assert "\ngradients: torch.optim keeps every gradient until step()" in out
+    assert "step time: median of 2 pair ratios" in out
 
 
 @pytest.mark.parametrize("model", DEMO_MODELS)
@@ -57,12 +60,81 @@ def test_run_demo_result_matches_table(model):
     result = run_demo(model, tiny=True, steps=3, progress=False, stream=_Null())
     assert result.max_param_diff == 0.0
     assert result.pairs == 1 and result.time_ratio is not None and result.time_ratio > 0
+    assert result.pair_ratios == [result.time_ratio]
+    assert "1 pairs" not in result.table and "step time (one pair)" in result.table
     torch_mem, lo_mem = result.memory["torch.optim.Adam"], result.memory["layeropt.Adam"]
     assert lo_mem.peak <= torch_mem.peak
     assert lo_mem.at_peak["parameters"] == torch_mem.at_peak["parameters"] > 0
     assert lo_mem.end["optimizer state"] == torch_mem.end["optimizer state"] > 0
     assert lo_mem.max_by_category["gradients"] < torch_mem.max_by_category["gradients"]
     assert "max |parameter difference|" in result.table
+
+
+def test_one_pair_is_said_so_never_1_pairs(capsys):
+    assert main(["demo", "--tiny", "--no-progress", "--model", "mlp", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "1 pairs" not in out and "1 pair ratios" not in out
+    assert re.search(r"step time \(one pair\)\s+1\.00x\s+\d+\.\d\dx", out)
+    assert "step time: one pair is too few to tell a difference from noise" in out
+
+
+def test_two_steps_print_no_pair_and_no_time_note():
+    result = run_demo("mlp", tiny=True, steps=2, progress=False, stream=_Null())
+    assert result.pairs == 0 and result.time_ratio is None
+    assert "(needs --steps >= 3)" in result.table
+    assert "pair" not in result.table
+
+
+def _notes(table: str) -> str:
+    """The explanation printed beneath the table (after its last row)."""
+    head, sep, notes = table.partition("max |parameter difference|")
+    assert sep, table
+    return notes.split("\n\n", 1)[1]
+
+
+def _ratio(out: str, label: str) -> float:
+    return float(_row(out, label)[-1].rstrip("x"))
+
+
+def test_table_is_explained_beneath_it():
+    """Each row that can puzzle has its line: gradients, activations/other, step time."""
+    result = run_demo("gpt", tiny=True, steps=4, progress=False, stream=_Null())
+    notes = _notes(result.table)
+    flat = " ".join(notes.split())
+    assert notes.startswith("gradients: torch.optim keeps every gradient until step()")
+    assert "layeropt frees each layer's once backward has updated it" in flat
+    torch_mem, lo_mem = result.memory["torch.optim.Adam"], result.memory["layeropt.Adam"]
+    # activations/other is larger at layeropt's peak (tiny GPT, every-layer schedule):
+    # the note says each run is read at its own peak, and the runs' highest values
+    assert lo_mem.at_peak["activations/other"] > torch_mem.at_peak["activations/other"]
+    assert _ratio(result.table, "  activations/other (at peak)") > 1.0
+    assert "activations/other: activations, inputs and autograd's buffers, read at each " \
+        "run's own peak" in flat
+    assert "layeropt peaks earlier, while they are still alive" in flat
+    assert demo.format_bytes(torch_mem.max_by_category["activations/other"]) in flat
+    # the time note gives the spread of the pairs
+    assert re.search(r"step time: median of 2 pair ratios, which ranged \d+\.\d\dx-\d+\.\d\dx",
+                     flat)
+    assert all(len(line) <= 84 for line in notes.splitlines())
+
+
+def test_loop_model_says_why_it_saves_nothing_at_its_peak():
+    result = run_demo("loop", tiny=True, steps=3, progress=False, stream=_Null())
+    flat = " ".join(_notes(result.table).split())
+    assert "no saving at this peak: both runs peak in backward before most gradients are " \
+        "complete" in flat
+    assert "LoopNet's extractor and mix are used in every iteration" in flat
+
+
+def test_gradients_under_the_bucket_cap_are_named(monkeypatch):
+    """With the library's default cap a tiny model's gradients are stepped together."""
+    defaults = dict(layeropt.attach.__kwdefaults__)
+    defaults["bucket_cap_mb"] = 1.0
+    monkeypatch.setattr(layeropt.attach, "__kwdefaults__", defaults)
+    result = run_demo("mlp", tiny=True, steps=3, progress=False, stream=_Null())
+    flat = " ".join(_notes(result.table).split())
+    assert "no saving at this peak: all the model's gradients" in flat
+    assert "fit under attach's bucket_cap_mb=1 (MiB)" in flat
 
 
 def test_cpu_timing_uses_one_thread_and_restores_the_count(capsys):
