@@ -144,7 +144,12 @@ class InBackwardOptimizer(Optimizer):
         foreach/fused dispatch) is torch's.
         """
         engine = self._lo_engine
-        self._lo_stepper(self, params, engine.txn)
+        place = self.__dict__.get("_lo_state_place")  # optimizer state kept elsewhere
+        if place is None:
+            self._lo_stepper(self, params, engine.txn)
+        else:
+            with place.stepping(self, params):  # their state on the device for this call
+                self._lo_stepper(self, params, engine.txn)
         self._opt_called = True  # an LR scheduler sees that a step happened
         if engine.hyper_txn != engine.txn:  # the training step's first update: what it read
             engine.hyper_txn = engine.txn
@@ -270,6 +275,7 @@ class InBackwardOptimizer(Optimizer):
         state = dict(super().__getstate__())
         state.pop("_lo_engine", None)
         state.pop("_lo_stepper", None)
+        state.pop("_lo_state_place", None)  # (where the state lives is this process's choice)
         state["_lo_group_index"] = None
         state["last_grad_norm"] = self.__dict__.get("last_grad_norm")  # public: keep it
         return state
