@@ -27,7 +27,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -35,9 +35,6 @@ from torch.autograd import Variable
 
 from ._nesting import TaskEnd, _graph_task_id
 from .errors import AttachError
-
-if TYPE_CHECKING:
-    from .distributed import DDPAttachment
 
 
 class _HookState:
@@ -48,7 +45,7 @@ class _HookState:
         self.world = self.group.size()
         self.overlap = overlap
         self.owner: dict[Tensor, weakref.ref] = {}  # param -> its optimizer (weakly)
-        self.attachment: DDPAttachment | None = None  # lives as long as the DDP model
+        self.attachment: Any = None  # its DDPAttachment (distributed.py), alive with the model
         self.active = False
         self.lock = threading.Lock()  # bucket steps may land on comm threads
         self.fresh = True  # DDP ran a forward since the last training step began

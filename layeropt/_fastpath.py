@@ -270,8 +270,6 @@ def supported() -> dict[type, _Kind]:
     Returns:
         ``{torch class: kind}``.
     """
-    from .optim import _raw_step
-
     table: dict[type, _Kind] = {}
     if torch.torch_version.TorchVersion(torch.__version__) < (2, 6):
         return table
@@ -284,7 +282,7 @@ def supported() -> dict[type, _Kind]:
             call = inspect.signature(fn).parameters
         except (AttributeError, TypeError, ValueError):
             continue  # an older torch without this class or function
-        if module == "adamw" and _raw_step(cls) is not _raw_step(torch.optim.Adam):
+        if module == "adamw" and "step" in vars(cls):
             continue  # torch < 2.6: AdamW has its own step and functional
         if tuple(init)[1:] != ("group", "params_with_grad" if cls_name != "SGD" else "params",
                                "grads", *init_args):  # fmt: skip
@@ -309,16 +307,14 @@ def fast_path_for(optimizer: Any) -> FastPath | None:
         optimizer loads a state dict (a load-state-dict post hook), so they
         never keep replaced state tensors alive.
     """
-    from .optim import InBackwardOptimizer
-
     cls = type(optimizer)
     mro = cls.__mro__
     base = getattr(cls, "_lo_base", None)  # the class in_backward() was given
     kind = supported().get(base) if base is not None else None
     if kind is None:
         return None
-    for k in mro[: mro.index(base)]:
-        if k is not InBackwardOptimizer and vars(k).get("_lo_base") is not base:
+    for k in mro[: mro.index(base)]:  # layeropt's generated class and its mixin only
+        if vars(k).get("_lo_base") is not base and "_step_params" not in vars(k):
             return None  # a user class between layeropt's and torch's
     fast = FastPath(kind)
     register = getattr(optimizer, "register_load_state_dict_post_hook", None)

@@ -18,9 +18,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ._registry import hooked_by, mark_hooked, unmark_hooked
-from .errors import AttachError
+from .errors import AttachError, _internal, warn
 from .landing import Bucket
-from .errors import warn
 from .optim import InBackwardOptimizer, in_backward_spelling, live_optimizers, optimizer_list
 
 __all__ = ["attach", "Attachment"]
@@ -276,8 +275,6 @@ class Attachment:
 
 def _caller() -> str:
     """``file:line`` of the first frame outside layeropt (and torch)."""
-    from .errors import _internal
-
     frame = sys._getframe(1)
     while frame is not None and _internal(frame.f_code.co_filename):
         frame = frame.f_back

@@ -71,7 +71,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -82,9 +82,6 @@ from ._nesting import TaskEnd, _graph_task_id, watch_torch_checkpoint
 from ._transforms import Measure, all_finite, prepare_grads
 from ._registry import WeakOrderedSet, check_local_hooks_allowed, world_size
 from .errors import AttachError, BackwardStateError, LayeroptError, warn
-
-if TYPE_CHECKING:
-    from .optim import InBackwardOptimizer
 
 __all__ = ["Bucket", "Engine"]
 
@@ -188,7 +185,7 @@ class Bucket:
 class Engine:
     """Per-optimizer bookkeeping of one backward pass (see the module docstring)."""
 
-    def __init__(self, optimizer: InBackwardOptimizer) -> None:
+    def __init__(self, optimizer: Any) -> None:  # an InBackwardOptimizer (layeropt/optim.py)
         self._optimizer = weakref.ref(optimizer)
         self._detour = False  # a gradient must leave the plain path (see _route)
         self._no_step_depth = 0

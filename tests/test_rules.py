@@ -13,8 +13,6 @@ schedules come from ``conftest.py`` (``bucket_cap_mb=0`` and the default).
 from __future__ import annotations
 
 import contextlib
-import copy
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -252,24 +250,6 @@ def compare(kind: str, rule: str) -> None:  # noqa: C901
 def test_rule(process_group, kind, rule):
     compare(kind, rule)
 
-
-def test_importing_layeropt_patches_nothing_in_torch():
-    """Only making a layeropt optimizer installs its watchers (in a fresh process)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import torch, torch.nn.utils as u, torch.utils.checkpoint as tc\n"
-        "names = ('clip_grad_norm_', 'clip_grad_value_')\n"
-        "before = [getattr(u, n).__closure__[0].cell_contents for n in names]\n"
-        "fwd, scale = tc.CheckpointFunction.forward, torch.amp.GradScaler.scale\n"
-        "import layeropt, layeropt.integrations, layeropt.losses, layeropt.report\n"
-        "after = [getattr(u, n).__closure__[0].cell_contents for n in names]\n"
-        "assert before == after, 'clipping patched'\n"
-        "assert tc.CheckpointFunction.forward is fwd and torch.amp.GradScaler.scale is scale\n"
-    )
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
 # -----------------------------------------------------------------------------

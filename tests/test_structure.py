@@ -1,0 +1,69 @@
+"""The package's shape: no import cycle, nothing of torch patched by importing it."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+
+import layeropt
+
+ROOT = pathlib.Path(layeropt.__file__).parent
+
+
+def _imports() -> dict[str, set[str]]:
+    """``module -> layeropt modules it imports`` (at any depth of the file)."""
+    files = {}
+    for f in ROOT.rglob("*.py"):
+        parts = f.relative_to(ROOT.parent).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for m, f in files.items():
+        package = m if f.name == "__init__.py" else m.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rsplit(".", 1)[0]
+                target = (f"{base}.{node.module}" if node.module else base) if node.level \
+                    else node.module
+                for alias in node.names:
+                    name = next((c for c in (f"{target}.{alias.name}", target) if c in files), None)
+                    if name is not None and name != m:
+                        graph[m].add(name)
+            elif isinstance(node, ast.Import):
+                graph[m].update(a.name for a in node.names if a.name in files and a.name != m)
+    return graph
+
+
+def test_no_import_cycles():
+    """A package imports its submodules; otherwise no module reaches itself again."""
+    graph = _imports()
+    for module in graph:
+        seen, todo = set(), [n for n in graph[module] if not n.startswith(module + ".")]
+        while todo:
+            node = todo.pop()
+            assert node != module, f"{module} imports itself through {sorted(seen)}"
+            if node not in seen and not module.startswith(node + "."):
+                seen.add(node)
+                todo.extend(graph[node])
+
+
+def test_importing_layeropt_patches_nothing_in_torch():
+    """Only making a layeropt optimizer installs its watchers (in a fresh process)."""
+    code = (
+        "import torch, torch.nn.utils as u, torch.utils.checkpoint as tc\n"
+        "names = ('clip_grad_norm_', 'clip_grad_value_')\n"
+        "before = [getattr(u, n).__closure__[0].cell_contents for n in names]\n"
+        "fwd, scale = tc.CheckpointFunction.forward, torch.amp.GradScaler.scale\n"
+        "import layeropt, layeropt.integrations, layeropt.losses, layeropt.report\n"
+        "after = [getattr(u, n).__closure__[0].cell_contents for n in names]\n"
+        "assert before == after, 'clipping patched'\n"
+        "assert tc.CheckpointFunction.forward is fwd and torch.amp.GradScaler.scale is scale\n"
+        "layeropt.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)\n"
+        "assert tc.CheckpointFunction.forward is not fwd, 'watchers installed by an optimizer'\n"
+    )
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
