@@ -228,11 +228,11 @@ class _TorchTrainer(Trainer):
 
 def _trainer(tmp_path: Any, kind: str, *, ga: int = 2, max_grad_norm: float = 0.0,
              steps: int = 3, n: int = 10, optim: str | None = None, save_steps: int = 0,
-             torch_trainer: type = Trainer, user_scheduler: bool = False,
+             torch_trainer: type = Trainer, user_scheduler: bool = False, width: int = 32,
              **targs: Any) -> tuple[Any, Any, _Probe]:
     """Build one of the Trainer set-ups under test (not trained yet)."""
     torch.manual_seed(0)
-    model = _llama()
+    model = _llama(width=width)
     args = TrainingArguments(
         output_dir=str(tmp_path / kind), max_steps=steps, per_device_train_batch_size=2,
         gradient_accumulation_steps=ga, learning_rate=1e-2, max_grad_norm=max_grad_norm,
@@ -303,6 +303,11 @@ TRAINER_CASES = [
     *([("layeropt-built", "torch-built", dict(ga=2, optim="schedule_free_adamw",
                                              max_grad_norm=0.5))]
       if importlib.util.find_spec("schedulefree") else []),
+    # bitsandbytes: the Trainer gives embeddings 32-bit state when "bitsandbytes" is in
+    # str(optimizer class); in_backward's class answers as the class it wraps
+    # (width 128: the embedding is large enough for bitsandbytes' 8-bit state)
+    *([("layeropt-built", "torch-built", dict(ga=2, optim="adamw_bnb_8bit", width=128))]
+      if importlib.util.find_spec("bitsandbytes") else []),
     # Trainer's two param groups (decay / no decay) hold the parameters in another
     # order than model.parameters(), whose order clip_grad_norm_ sums the norms in:
     # LayeroptTrainer measures in that order too (bit for bit).
@@ -441,6 +446,21 @@ def test_refused_settings(tmp_path, kind, opts, match):
         trainer.train()
     for p, q in zip(model.parameters(), before.parameters()):
         assert_same(p.detach(), q.detach())  # nothing was updated
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("bitsandbytes"), reason="needs bitsandbytes")
+def test_bitsandbytes_embeddings_keep_32_bit_state(tmp_path):
+    """The Trainer special-cases bitsandbytes by str(optimizer class): embeddings get
+    32-bit state. The in-backward class answers as bitsandbytes' own."""
+    import bitsandbytes
+
+    bitsandbytes.optim.GlobalOptimManager._instance = None  # no override left by other tests
+    trainer, model, _ = _trainer(tmp_path, "layeropt-built", optim="adamw_bnb_8bit", width=128)
+    trainer.train()
+    opt = unwrap_optimizer(trainer.optimizer)
+    state = opt.state[model.get_input_embeddings().weight]
+    assert state["state1"].dtype == torch.float32  # (8-bit state would be uint8)
+    assert opt.state[model.model.layers[0].mlp.up_proj.weight]["state1"].dtype == torch.uint8
 
 
 def test_layeropt_trainer_refuses_torch_optimizer(tmp_path):
