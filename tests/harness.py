@@ -9,11 +9,13 @@ bit for bit.
 from __future__ import annotations
 
 import copy
+import socket
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import layeropt
 from layeropt.models import make_model
@@ -186,3 +188,20 @@ class OtherReentrant(torch.autograd.Function):
             y = ctx.fn(x)
         torch.autograd.backward(y, g)
         return None, x.grad
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """One gloo process, for DDP and FSDP2 in this process."""
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from harness import TORCH
 
 import layeropt
+import layeropt.offload
 from layeropt.__main__ import main
 from layeropt.memory import PeakMemory
 from layeropt.models import UNet
@@ -47,6 +48,8 @@ REAL_OPTIMIZERS = {
     "torch.optim.AdamW/foreach": lambda ps: torch.optim.AdamW(ps, foreach=True),
     "layeropt.AdamW/fused": lambda ps: layeropt.AdamW(ps, fused=True),
 }
+OFFLOAD = Variant("layeropt.AdamW", "fused", offload=True)
+OFFLOAD_CKPT = Variant("layeropt.AdamW", "fused", checkpointing=True, offload=True)
 SEQ, BATCH, VOCAB = 64, 2, 512
 
 
@@ -76,8 +79,10 @@ def _tensors(obj: object) -> list[torch.Tensor]:
     return []
 
 
-def real_step(build, make_batch, loss_fn, make_opt, checkpoint=None, in_backward=False):
-    """``(start bytes, peak bytes above the start)`` of a real steady-state step."""
+def real_step(build, make_batch, loss_fn, make_opt, checkpoint=None, in_backward=False,
+              offload=False):
+    """``(start bytes, peak bytes above the start)`` of a real steady-state step
+    (with ``offload``: the device's start, without the state kept in host memory)."""
     torch.manual_seed(0)
     with torch.backends.mkldnn.flags(enabled=False):
         model = build()
@@ -86,6 +91,7 @@ def real_step(build, make_batch, loss_fn, make_opt, checkpoint=None, in_backward
             checkpoint(model)
         opt = make_opt([p for p in model.parameters() if p.requires_grad])
         handle = layeropt.attach(model, opt, bucket_cap_mb=0.0) if in_backward else None
+        offloaded = layeropt.offload.offload_state(opt) if offload else None
 
         def step() -> None:
             loss = loss_fn(model, batch)
@@ -98,6 +104,9 @@ def real_step(build, make_batch, loss_fn, make_opt, checkpoint=None, in_backward
             step()
         start = _live_bytes(list(model.parameters()), list(model.buffers()), batch,
                             list(opt.state.values()))  # fmt: skip
+        if offloaded is not None:
+            start -= offloaded.host_bytes
+            offloaded.remove()
         if handle is not None:
             handle.remove()
     return start, mem.peak
@@ -107,7 +116,7 @@ def real_for(variant: Variant, build, make_batch, loss_fn, checkpoint=None):
     key = f"{variant.optimizer}/{variant.implementation}"
     return real_step(
         build, make_batch, loss_fn, REAL_OPTIMIZERS[key],
-        checkpoint if variant.checkpointing else None, variant.in_backward,
+        checkpoint if variant.checkpointing else None, variant.in_backward, variant.offload,
     )  # fmt: skip
 
 
@@ -216,6 +225,23 @@ def test_unet_plan_equals_real_run(dtype):
             assert_matches(p.row(v), real_for(v, build, make_batch, loss, checkpoint))
     finally:
         torch.set_default_dtype(saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_offload_plan_equals_real_run(dtype):
+    """State offload: the device's peak and start to the byte, and the host's state."""
+    cfg = hf_config("llama")
+    rows = [OFFLOAD, OFFLOAD_CKPT, LAYEROPT]
+    p = plan(cfg, seq=SEQ, batch=BATCH, dtype=dtype, device="cpu", variants=rows,
+             bucket_cap_mb=0.0)  # fmt: skip
+    build, make_batch, loss, checkpoint, _ = hf_real(cfg, dtype)
+    for v in rows:
+        assert_matches(p.row(v), real_for(v, build, make_batch, loss, checkpoint))
+    plain, off = p.row(LAYEROPT), p.row(OFFLOAD)
+    assert off.host_bytes == plain.at_peak["optimizer state"] - off.at_peak["optimizer state"]
+    assert off.start_bytes == plain.start_bytes - off.host_bytes
+    largest = max(2 * p.numel() * p.element_size() for p in build().parameters())
+    assert off.at_peak["optimizer state"] <= largest + 2 * 8  # one layer's (+ fused's steps)
 
 
 def test_chunked_loss_and_bucketed_attach_equal_real_run():
@@ -459,14 +485,15 @@ def test_cli_seq_beyond_positions_names_the_override(tiny_config, capsys):
 def _changes_told(why: str) -> set[str]:
     told = {"fused": "fused AdamW", "layeropt": "layeropt frees",
             "checkpointing": "checkpointing keeps", "chunked loss": "chunked loss never",
-            "low-bit": "-bit states"}  # fmt: skip
+            "low-bit": "-bit states", "state offload": "state offload keeps"}  # fmt: skip
     return {c for c, text in told.items() if text in why}
 
 
 def _from_json(out, gpu_memory=None, margin=Margin()):
     rows = [Measurement(Variant(r["optimizer"], r["implementation"], r["checkpointing"],
-                                r["chunked_loss"]), r["peak_bytes"], r["start_bytes"],
-                        r["start_bytes"], r["at_peak"], r["phase"], r["phase_progress"], "")
+                                r["chunked_loss"], r["offload"]), r["peak_bytes"],
+                        r["start_bytes"], r["start_bytes"], r["at_peak"], r["phase"],
+                        r["phase_progress"], "", r["host_bytes"])
             for r in out["variants"]]  # fmt: skip
     return Plan(out["model"], out["parameters"], rows, gpu_memory=gpu_memory, margin=margin)
 
@@ -497,14 +524,16 @@ def test_plan_md_table_states_what_the_code_recommends():
         for impl in ("fused", "foreach"):
             for ckpt in (False, True):
                 for chunk in (False, True):
-                    try:
-                        v = Variant(opt, impl, ckpt, chunk)
-                    except PlanError:
-                        continue
-                    labels[v.label] = v
+                    for offload in (False, True):
+                        try:
+                            v = Variant(opt, impl, ckpt, chunk, offload)
+                        except PlanError:
+                            continue
+                        labels[v.label] = v
     text = (ROOT / "docs" / "plan.md").read_text()
     header = re.search(r"^\| model \| configuration .*\| (16 GiB.*) \|$", text, re.M)
     sizes = [int(c.split()[0]) * 2**30 for c in header.group(1).split(" | ")]
+    first = header.group(0).strip("|").split("|").index(" 16 GiB ")  # the first GPU column
     models: dict[str, list[tuple[Variant, float, list[str]]]] = {}
     for line in text[header.end() :].splitlines()[2:]:
         if not line.startswith("|"):
@@ -512,7 +541,7 @@ def test_plan_md_table_states_what_the_code_recommends():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if cells[0]:
             model = cells[0]
-        models.setdefault(model, []).append((labels[cells[1]], float(cells[2]), cells[4:]))
+        models.setdefault(model, []).append((labels[cells[1]], float(cells[2]), cells[first:]))
     assert len(models) == 3
     for model, table in models.items():
         rows = [Measurement(v, int(gib * 2**30), 0, 0, {"parameters": int(gib * 2**30)},

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 
+import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import layeropt
-from harness import assert_models_equal, assert_same
+from harness import assert_models_equal, assert_same, process_group  # noqa: F401 - a fixture
 
 
 class RandomDAG(nn.Module):
@@ -95,3 +98,124 @@ def test_random_models_match_torch_bitwise(model_spec, opt, split, seed):
         assert all(p.grad is None for p in model.parameters())
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), lo_opt.state_dict())
+
+
+# -----------------------------------------------------------------------------
+# Whole training programs: several optimizers, held gradients, nested backwards
+# -----------------------------------------------------------------------------
+CHECKPOINTS = {
+    "none": None,
+    "layeropt": lambda f, h: layeropt.checkpoint(f, h),
+    "layeropt-reentrant": lambda f, h: layeropt.checkpoint(f, h, use_reentrant=True),
+    "torch-reentrant": lambda f, h: torch.utils.checkpoint.checkpoint(f, h, use_reentrant=True),
+}
+
+
+class CheckpointedDAG(RandomDAG):
+    """RandomDAG whose chosen nodes run under an activation checkpoint."""
+
+    def __init__(self, *args, checkpointed: set[int], mode: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.checkpointed, self.mode = checkpointed, mode
+
+    def forward(self, x):
+        outs = [x * self.scale]
+        for node, (layer_idx, inputs) in enumerate(self.spec):
+            h = sum(outs[j] for j in inputs)
+            layer = self.layers[layer_idx]
+            if node in self.checkpointed and CHECKPOINTS[self.mode] is not None:
+                outs.append(CHECKPOINTS[self.mode](lambda t, f=layer: torch.tanh(f(t)), h))
+            else:
+                outs.append(torch.tanh(layer(h)))
+        return (outs[-1] + outs[len(outs) // 2]) * self.scale
+
+
+@st.composite
+def programs(draw):
+    """A training loop: per step, how many micro-batches, clipping, a scaler, what trains."""
+    steps = []
+    for _ in range(3):
+        steps.append(dict(
+            micro=draw(st.integers(1, 3)),
+            clip=draw(st.sampled_from([None, 0.05, 10.0])),
+            unfrozen=draw(st.booleans()),  # the layer frozen at attach trains this step
+        ))
+    return dict(steps=steps, scaler=draw(st.booleans()), two_optimizers=draw(st.booleans()),
+                checkpoint=draw(st.sampled_from(list(CHECKPOINTS))))
+
+
+def _run_program(model, opts, program, lo, late_layer):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, enabled=program["scaler"])
+    gen = torch.Generator().manual_seed(0)
+    norms = []
+    for step in program["steps"]:
+        late_layer.requires_grad_(step["unfrozen"])
+        k = step["micro"]
+        for i in range(k):
+            loss = scaler.scale(model(torch.randn(3, 4, generator=gen)).pow(2).mean() / k)
+            last = i == k - 1
+            if lo and last and (step["clip"] is not None or program["scaler"]):
+                norms.append(layeropt.backward(loss, max_norm=step["clip"], scaler=scaler,
+                                               parameters=model.parameters()))
+                continue
+            with contextlib.ExitStack() as stack:
+                for o in opts if lo and not last else ():
+                    stack.enter_context(o.no_step())
+                loss.backward()
+        if not lo and step["clip"] is not None:
+            for o in opts:
+                scaler.unscale_(o)
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), step["clip"]))
+        for o in opts:
+            scaler.step(o)
+        scaler.update()
+        for o in opts:
+            o.zero_grad()
+    return norms
+
+
+@pytest.mark.parametrize("kind", ["plain", "ddp"])
+@settings(max_examples=20, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(model_spec=dag_models(), opt=optimizers(), opt2=optimizers(), program=programs(),
+       checkpointed=st.sets(st.integers(0, 4), max_size=3), seed=st.integers(0, 2**16))
+def test_random_training_programs_match_torch_bitwise(process_group, kind, model_spec, opt,
+                                                      opt2, program, checkpointed, seed):
+    """Accumulation, clipping, GradScaler, two optimizers, a layer frozen at attach and
+    (un)frozen per step, activation checkpoints of every kind, against torch.optim; on a
+    plain model and on DDP (one process; DDP fixes what trains when it wraps, and its
+    graph is not re-entered: no unfreezing, no reentrant checkpoint there)."""
+    spec, frozen, n_layers = model_spec
+    if kind == "ddp":
+        assume("reentrant" not in program["checkpoint"])
+        for step in program["steps"]:
+            step["unfrozen"] = False
+    runs = []
+    for lo in (False, True):
+        torch.manual_seed(seed)
+        model = CheckpointedDAG(spec, frozen, n_layers, 4, checkpointed=checkpointed,
+                                mode=program["checkpoint"])
+        late_layer = model.layers[-1]  # (the +1 layer: used nowhere, or frozen at attach)
+        late_layer.requires_grad_(False)
+        if kind == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model,
+                                                              find_unused_parameters=True)
+        params = [p for p in model.parameters()]
+        split = len(params) // 2 if program["two_optimizers"] else len(params)
+        specs = [(opt, params[:split]), (opt2, params[split:])]
+        lib = layeropt if lo else torch.optim
+        opts = [getattr(lib, name)(ps, **kw) for (name, kw), ps in specs if ps]
+        handle = layeropt.attach(model, opts) if lo else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (torch's reentrant checkpoint: held, said)
+            try:
+                norms = _run_program(model, opts, program, lo, late_layer)
+            except AssertionError as e:  # torch's GradScaler: an optimizer without gradients
+                assume(lo or "No inf checks" not in str(e))
+                raise
+        runs.append((list(model.parameters()), [o.state_dict() for o in opts], norms))
+        if handle is not None:
+            handle.remove()
+    assert_same(runs[1][0], runs[0][0], "params")
+    assert_same(runs[1][1], runs[0][1], "optimizer states")
+    assert_same([n for n in runs[1][2] if n is not None], runs[0][2], "clipping norms")

@@ -19,11 +19,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.utils import clip_grad_norm_ as imported_clip_grad_norm_  # as most scripts do
 
 import layeropt
-from harness import FSDP2_ON_CPU, assert_same
+from harness import FSDP2_ON_CPU, assert_same, process_group  # noqa: F401 - a fixture
 
 EXACT = "exact"
 STEPS = 3
@@ -148,25 +147,6 @@ RULES: dict[str, tuple[Callable[..., None], str, type | None, str]] = {
 }
 KINDS = ["plain", "ddp", pytest.param("fsdp2", marks=pytest.mark.skipif(
     not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8"))]
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    """One gloo process, for DDP and FSDP2 in this process."""
-    if dist.is_initialized():
-        yield
-        return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _model() -> torch.nn.Sequential:
