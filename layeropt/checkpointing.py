@@ -124,6 +124,7 @@ class _Segment:
         self.arg_ids = [id(t) for t in tensors]
         self.captured_ids: list[int] = []
         self.n_leaves = 0
+        self.leaves: list[Tensor] = []  # the leaf tensors (parameters) the function reads
         self.rng: tuple[Tensor, list[int], list[Tensor]] | None = None
         self.recompute_ctx: Any = contextlib.nullcontext()
 
@@ -137,7 +138,9 @@ class _Segment:
     def backward(self, saved: tuple[Tensor, ...], grads: tuple[Tensor | None, ...]) -> tuple:
         n = len(self.tensor_at)
         args = [t.detach().requires_grad_(t.requires_grad) for t in saved[:n]]
-        leaves = list(saved[n : n + self.n_leaves])
+        # the leaves themselves: under an outer non-reentrant checkpoint, the saved ones
+        # unpack as recomputed aliases, while the recomputation reads the leaves
+        leaves = self.leaves
         stand_ins = [t.detach().requires_grad_() for t in saved[n + self.n_leaves :]]
         swap = {i: t for i, t in zip(self.arg_ids, args) if t.requires_grad}
         swap.update(zip(self.captured_ids, stand_ins))
@@ -242,6 +245,7 @@ def _reentrant(
     captured = [t for t in found if not t.is_leaf or _resolve(t) is not t]
     leaves = [t for t in found if t.is_leaf and _resolve(t) is t]
     segment.n_leaves = len(leaves)
+    segment.leaves = leaves
     segment.captured_ids = [id(t) for t in captured]
     # Inside another segment's recomputation, the objects it swaps are read as
     # their stand-ins: those are this node's inputs (the ids above stay the

@@ -680,3 +680,48 @@ def test_segment_creating_a_leaf_that_requires_grad(use_reentrant):
         opt.zero_grad()
     assert_models_equal(ref, blocks)
     assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+class _NestedSegments(nn.Module):
+    """A reentrant layeropt segment inside a non-reentrant one (and inside loop_stack),
+    the shared layer read in both."""
+
+    def __init__(self, outer: str) -> None:
+        super().__init__()
+        self.shared = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 2)
+        self.outer = outer
+
+    def inner(self, t: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda u: torch.tanh(self.shared(u)), t, use_reentrant=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.outer == "checkpoint":
+            h = checkpoint(lambda t: self.inner(self.shared(t)), x)
+        elif self.outer == "loop_stack":
+            h = layeropt.loop_stack(self.inner, list(x.unbind(0))).sum(0, keepdim=True) + x
+        else:
+            h = self.inner(self.shared(x))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("outer", ["checkpoint", "loop_stack"])
+def test_reentrant_segment_nested_in_a_non_reentrant_one(outer):
+    """Refused before (a 'tensor the forward did not see'); exact now."""
+    torch.manual_seed(0)
+    model = _NestedSegments(outer)
+    ref = copy.deepcopy(model)
+    ref.outer = outer if outer == "loop_stack" else "none"
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    opt = layeropt.Adam(model.parameters(), lr=0.01)
+    layeropt.attach(model, opt)
+    for step in range(3):
+        x = torch.randn(3, 6, generator=torch.Generator().manual_seed(step))
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
