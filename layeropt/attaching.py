@@ -390,8 +390,10 @@ def attach(
             "model.parameters() (or add them with add_param_group) before attaching."
         )
     handle = _attached_before(model, optimizers)
-    if handle is None:  # (attaching again to the same optimizers: that handle, updated)
+    if handle is None:
         handle = Attachment(model, optimizers)
+    else:  # attaching again to the same optimizers: that handle, following the model now
+        handle.sync()
     if not handle.buckets:
         warn(
             f"attach(): none of this model's parameters that {handle.describe()} owns "

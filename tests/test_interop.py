@@ -305,9 +305,11 @@ def test_deepcopy_and_pickle_keep_every_public_attribute(cls):
         assert torch.equal(twin.last_grad_norm, opt.last_grad_norm)
 
 
+@pytest.mark.parametrize("reattach", [False, True])
 @pytest.mark.parametrize("swap", [False, True])
-def test_module_conversion_after_attach(swap):
-    """model.double() after attach, with and without swapping parameters on conversion."""
+def test_module_conversion_after_attach(swap, reattach):
+    """model.double() after attach, with and without swapping parameters on conversion;
+    attaching again (the same handle) follows the swap before the first backward."""
     previous = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(swap)
     try:
@@ -318,6 +320,8 @@ def test_module_conversion_after_attach(swap):
         layeropt.attach(model, opt)
         model.double()
         ref.double()
+        if reattach:
+            layeropt.attach(model, opt)
         gen = torch.Generator().manual_seed(1)
         for step in range(3):
             x, y = (t.double() for t in batch_fn(gen))
@@ -325,7 +329,7 @@ def test_module_conversion_after_attach(swap):
             ref_opt.step()
             ref_opt.zero_grad()
             loss_fn(model, (x, y)).backward()
-            if step > 0 or not swap:  # swapped: the hooks are back from the first step()
+            if step > 0 or not swap or reattach:  # swapped: hooks back at the first step()
                 assert all(p.grad is None for p in model.parameters())
             opt.step()
             opt.zero_grad()
