@@ -36,6 +36,8 @@ import layeropt
 from harness import FSDP2_ON_CPU, TORCH, OtherReentrant, assert_same, needs_fsdp2
 from layeropt.errors import AttachError
 
+import test_rules
+
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available())
     or "fork" not in mp.get_all_start_methods(),
@@ -65,6 +67,7 @@ if dist.is_available():
 WORLD, STEPS, ACCUM = 2, 3, 3
 BUCKET_MB = 0.0005  # 512 bytes: several DDP buckets even for the tiny model
 TIMEOUT_S = 150
+RULE_CAPS = (0.0, 1.0)  # bucket_cap_mb: each layer at once, and the default
 
 OPTS = {
     "adam": ("Adam", dict(lr=0.01)),
@@ -808,6 +811,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     jobs["activation_checkpoint"] = lambda: _activation_checkpoint(rank)
     jobs["compiled"] = lambda: _compiled(rank)
     jobs["find_unused"] = lambda: _find_unused(rank)
+    for kind in ("ddp", "fsdp2") if FSDP2_ON_CPU else ("ddp",):
+        for rule in test_rules.RULES:
+            for cap in RULE_CAPS:
+                jobs[f"rules/{kind}/{rule}/{cap}"] = (
+                    lambda k=kind, r=rule, c=cap: test_rules.run_rule(k, r, rank, c))
     jobs["errors"] = lambda: _errors(rank)  # last: it aborts backwards mid-way
     results: dict[str, Any] = {}
     for key, job in jobs.items():
@@ -859,6 +867,16 @@ def _get(ranks: list[dict[str, Any]], key: str) -> list[Any]:
 # ----------------------------------------------------------------------------
 # Tests
 # ----------------------------------------------------------------------------
+@pytest.mark.parametrize("cap", RULE_CAPS)
+@pytest.mark.parametrize("rule", list(test_rules.RULES))
+@pytest.mark.parametrize("kind", ["ddp", pytest.param("fsdp2", marks=needs_fsdp2)])
+def test_rules_on_two_processes(ranks, kind, rule, cap):
+    """tests/test_rules.py's table on two processes: exact, or loud in the first step."""
+    outs = [r[f"rules/{kind}/{rule}/{cap}"] for r in ranks]
+    for out in outs:
+        test_rules.check_rule(rule, out)
+    for step, (a, b) in enumerate(zip(outs[0]["steps"], outs[1]["steps"])):
+        assert_same(a["params"][0], b["params"][0], f"replicas after step {step}")
 @pytest.mark.parametrize("name", _cases(TRAIN))
 def test_replicas_identical_and_equal_to_torch_optim(ranks, name):
     lo = _get(ranks, f"{name}/layeropt")

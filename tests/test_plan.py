@@ -344,7 +344,7 @@ def test_cli_json_for_a_config_file(tmp_path, capsys):
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert {"model", "parameters", "variants"} <= set(out)
-    assert len(out["variants"]) == 4  # checkpointing x chunked loss
+    assert len(out["variants"]) == 8  # checkpointing x chunked loss x state offload
     build, make_batch, loss, checkpoint, chunked = hf_real(cfg, torch.float32)
     for row in out["variants"]:
         assert set(row) >= {"optimizer", "implementation", "checkpointing", "chunked_loss",
@@ -354,7 +354,7 @@ def test_cli_json_for_a_config_file(tmp_path, capsys):
                                        "activations", "other"}  # fmt: skip
         assert row["fits"] is True
         v = Variant(row["optimizer"], row["implementation"], row["checkpointing"],
-                    row["chunked_loss"])  # fmt: skip
+                    row["chunked_loss"], row["offload"])  # fmt: skip
         start, peak = real_for(v, build, make_batch, chunked if v.chunked_loss else loss,
                                checkpoint)  # fmt: skip
         assert row["start_bytes"] == start
@@ -509,8 +509,8 @@ def test_cli_recommendation_and_why_agree(tiny_config, capsys):
     for gpu in peaks:
         p = _from_json(out, gpu, Margin(0, 0))
         fitting = [r for r in p.rows if r.peak_bytes <= gpu]
-        best = min(fitting, key=lambda r: (  # exact, then 8-bit, then 4-bit states
-            "low-bit" in r.variant.changes(), "4bit" in r.variant.optimizer,
+        best = min(fitting, key=lambda r: (  # exact, offloaded, then 8-bit, then 4-bit states
+            "low-bit" in r.variant.changes(), "4bit" in r.variant.optimizer, r.variant.offload,
             len(r.variant.changes()), r.peak_bytes))  # fmt: skip
         assert p.choice.peak_bytes == best.peak_bytes
         assert len(p.choice.variant.changes()) == len(best.variant.changes())

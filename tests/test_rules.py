@@ -182,7 +182,8 @@ def _local(x: Any) -> Any:
     return x
 
 
-def _build(kind: str, rule: str, lo: bool) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+def _build(kind: str, rule: str, lo: bool, cap: float | None = None,
+           ) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
     model = _wrap(kind, _model())
     inner = model.module if kind == "ddp" else model
     head = list(inner[4].parameters()) if "head" in rule else []
@@ -194,35 +195,60 @@ def _build(kind: str, rule: str, lo: bool) -> tuple[torch.nn.Module, Any, dict[s
     if "caler" in rule:
         ctx["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     if lo:
-        ctx["handle"] = layeropt.attach(model, opt)
+        caps = {} if cap is None else {"bucket_cap_mb": cap}
+        ctx["handle"] = layeropt.attach(model, opt, **caps)
     return model, opt, ctx
 
 
-def compare(kind: str, rule: str) -> None:  # noqa: C901
-    """Run ``rule`` with torch.optim and with layeropt; assert exact, or loud at once."""
-    loop, expected, error, fix = RULES[rule]
-    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(STEPS)]
+def run_rule(kind: str, rule: str, rank: int = 0, cap: float | None = None) -> dict[str, Any]:
+    """Train ``rule``'s loop with torch.optim and with layeropt (this process's batches).
+
+    Returns, per step, both runs' parameters, optimizer states and clipping norms,
+    and the error the layeropt run raised, if any (``(class name, message, step)``).
+    """
+    loop, expected, _, _ = RULES[rule]
+    gen = [torch.Generator().manual_seed(100 * rank + i) for i in range(STEPS)]
+    batches = [torch.randn(4, 6, generator=g) for g in gen]
     ref, ref_opt, ref_ctx = _build(kind, rule, lo=False)
-    model, opt, ctx = _build(kind, rule, lo=True)
+    model, opt, ctx = _build(kind, rule, lo=True, cap=cap)
+    out: dict[str, Any] = {"steps": [], "error": None}
     for step, x in enumerate(batches):
         loop(ref, ref_opt, x, False, ref_ctx)
-        if expected == EXACT:
+        try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # (the GradScaler recipe warns that it holds)
                 loop(model, opt, x, True, ctx)
-            assert all(p.grad is None for p in model.parameters()) or "head" in rule
-            assert_same(_local(list(model.parameters())), _local(list(ref.parameters())),
-                        f"params after step {step}")
-            assert_same(_local(opt.state_dict()), _local(ref_opt.state_dict()),
-                        f"state after step {step}")
-            assert_same(ctx["norms"], ref_ctx["norms"], "clipping norms")
-        else:
-            assert step == 0
-            with pytest.raises(error) as raised:
-                loop(model, opt, x, True, ctx)
-            assert fix in str(raised.value), str(raised.value)
+        except Exception as e:  # noqa: BLE001 - what was raised is the result
+            out["error"] = (type(e).__name__, str(e), step)
             break
+        out["steps"].append({
+            "grads_none": all(p.grad is None for p in model.parameters()) or "head" in rule,
+            "params": (_local(list(model.parameters())), _local(list(ref.parameters()))),
+            "state": (_local(opt.state_dict()), _local(ref_opt.state_dict())),
+            "norms": (_local(ctx["norms"]), _local(ref_ctx["norms"])),
+        })
     ctx.get("handle") and ctx["handle"].remove()
+    return out
+
+
+def check_rule(rule: str, out: dict[str, Any]) -> None:
+    """Exact after every step, or loud in the first, naming the fix."""
+    _, expected, error, fix = RULES[rule]
+    if expected == EXACT:
+        assert out["error"] is None, out["error"]
+        for step, s in enumerate(out["steps"]):
+            assert s["grads_none"], f"a .grad survived step {step}"
+            for what in ("params", "state", "norms"):
+                assert_same(*s[what], f"{what} after step {step}")
+    else:
+        assert out["error"] is not None, "not refused"
+        name, message, step = out["error"]
+        assert (name, step) == (error.__name__, 0), out["error"]
+        assert fix in message, message
+
+
+def compare(kind: str, rule: str) -> None:
+    check_rule(rule, run_rule(kind, rule))
 
 
 @pytest.mark.parametrize("kind", KINDS)
