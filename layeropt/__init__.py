@@ -33,7 +33,7 @@ from .optim import (
 
 __version__ = "0.1.0"
 
-_LAZY = ("losses", "memory", "report")  # imported on first use (python -m layeropt.losses)
+_LAZY = ("losses", "memory", "report")  # imported on first use
 
 
 def __getattr__(name: str) -> object:

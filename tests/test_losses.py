@@ -521,13 +521,26 @@ def test_attached_sgd_with_lean_loss_matches_plain_torch_training(impl):
 # ------------------------------------------------------------ memory table
 
 
+def _bench_losses():
+    """benchmarks/bench_losses.py, which measures the table in docs/losses.md."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_losses.py"
+    spec = importlib.util.spec_from_file_location("bench_losses", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_memory_table_rows_and_format():
-    rows = losses.memory_table(tiny=True)
+    bench = _bench_losses()
+    rows = bench.memory_table(tiny=True)
     assert len(rows) == 6 + 3 * (2 if NATIVE else 1)
     by_case = {case.split(" vs")[0]: (plain, lean) for case, plain, lean in rows}
     plain, lean = by_case["sum(x*y) broadcast"]
     assert plain - lean >= 64 * 256 * 64 * F32 - 1024
     for case, plain, lean in rows[5:]:
         assert lean < plain, case
-    table = losses.format_table(rows)
+    table = bench.format_table(rows)
     assert table.count("\n") == len(rows) + 1 and f"{rows[0][1]:,} B" in table
