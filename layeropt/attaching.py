@@ -119,6 +119,12 @@ def layer_buckets(
 class Attachment:
     """Handle returned by :func:`attach`; ``remove()`` restores plain behaviour.
 
+    Where gradients come from is the one thing attachment kinds differ in:
+    here, a post-accumulate-grad hook per parameter (:meth:`_hook_all`); a
+    DDP model's buckets come through DDP's communication hook instead
+    (:class:`layeropt.distributed.DDPAttachment`). Both hand them to the same
+    engine.
+
     Also a context manager: hooks are removed when the ``with`` block exits.
     The handle refers to the optimizers weakly: deleting an optimizer removes
     its hooks, so nothing keeps it (or its state) alive.
@@ -135,6 +141,8 @@ class Attachment:
         self._model = weakref.ref(model)
         self._optimizers = [weakref.ref(o) for o in optimizers]
         self._handles: list[Any] = []
+        self._hooked_ids: set[int] = set()
+        self._impls: list[int] = []
         self.buckets: list[Bucket] = []
         self._engines: list[Any] = []  # the engine that steps each bucket
         self._owned: list[Tensor] = []  # the model's parameters the optimizers own

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 
 from ._ddp_hook import _UNUSED, _allreduce_then_step, _Copied, _HookState, _step
 from ._registry import allow_local_updates, check_local_hooks_allowed, hooked_by
-from .attaching import layer_buckets, register_wrapper, resolve_owners
+from .attaching import Attachment, layer_buckets, register_wrapper, resolve_owners
 from .errors import AttachError
 
 __all__ = [
@@ -200,30 +200,28 @@ def two_passes(engines: list[Any]) -> _TwoPasses:
     return _TwoPasses(engines)
 
 
-class DDPAttachment:
+class DDPAttachment(Attachment):
     """Handle returned by :func:`attach_ddp`; ``remove()`` restores plain DDP.
 
+    An :class:`~layeropt.Attachment` whose gradients come from DDP's
+    communication hook (each bucket averaged) instead of per-parameter hooks.
     DDP cannot unregister a communication hook, so after ``remove()`` the
     hook stays and does exactly DDP's own job (average, leave the result in
-    ``.grad``); attaching the same DDP model again re-activates it.
-
-    The handle refers to the optimizers weakly (as :class:`layeropt.Attachment`
-    does); a deleted optimizer's parameters are then only averaged, as by DDP.
+    ``.grad``); attaching the same DDP model again re-activates it. DDP fixes
+    the parameters it synchronises when it wraps, so there is nothing to
+    follow (:meth:`sync`).
 
     Attributes:
         params: the DDP-managed parameters stepped in backward.
     """
 
     def __init__(self, ddp: nn.Module, optimizers: list[Any], state: _HookState) -> None:
-        self._ddp = weakref.ref(ddp)
-        self._optimizers = [weakref.ref(o) for o in optimizers]
         self._state = state
         self.params: list[Tensor] = []
-        self._removed = False
-        self._hook_all()
+        super().__init__(ddp, optimizers)
 
     def _hook_all(self) -> None:
-        ddp = self._ddp()
+        ddp = self.model
         if ddp is None:
             return
         managed = {id(p) for p in ddp.parameters() if not hasattr(p, "_ddp_ignored")}
@@ -248,11 +246,6 @@ class DDPAttachment:
             self._state.active = True
             self._state.fresh = True  # (attached between a forward and its backward)
 
-    @property
-    def optimizers(self) -> list[Any]:
-        """The (still alive) layeropt optimizers whose parameters are stepped."""
-        return [o for o in (r() for r in self._optimizers) if o is not None]
-
     def _release(self) -> None:
         with self._state.lock:
             owner, self._state.owner = self._state.owner, {}
@@ -263,42 +256,14 @@ class DDPAttachment:
                 opt._lo_engine.ddp_count -= 1
         self.params = []
 
-    stale = False  # requires_grad changes are not followed under DDP
-    owned: list[Tensor] = []
-
-    @property
-    def model(self) -> nn.Module | None:
-        """The DDP model (``None`` once it was deleted)."""
-        return self._ddp()
-
     def sync(self, in_backward: bool = False) -> bool:
         """DDP fixes the set of synchronised parameters when wrapping: nothing to follow."""
         return False
-
-    def _rebuild(self) -> None:
-        """Re-read the optimizers' param groups (called on add_param_group)."""
-        if not self._removed:
-            self._release()
-            self._hook_all()
 
     @property
     def stepped_in_backward(self) -> int:
         """Parameter updates made in the last synchronised backward."""
         return sum(self._state.steps.values())
-
-    def remove(self) -> None:
-        """Stop stepping in backward; DDP then averages into ``.grad`` as usual."""
-        if not self._removed:
-            self._release()
-            for opt in self.optimizers:
-                opt._lo_engine.attachments.discard(self)
-            self._removed = True
-
-    def __enter__(self) -> "DDPAttachment":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
 
     def __repr__(self) -> str:
         state = "removed" if self._removed else f"{len(self.params)} params"
