@@ -33,7 +33,7 @@ from .optim import (
 
 __version__ = "0.1.0"
 
-_LAZY = ("losses", "memory", "report")  # imported on first use
+_LAZY = ("losses", "memory", "offload", "report")  # imported on first use
 
 
 def __getattr__(name: str) -> object:
@@ -62,6 +62,7 @@ __all__ = [
     "losses",
     "distributed",
     "memory",
+    "offload",
     "report",
     "LoopAccumulator",
     "LoopStateError",

@@ -63,6 +63,8 @@ class Measurement:
         phase_progress: how far into that phase, from 0 (its first operator)
             to 1 (its last).
         peak_op: the operator at the peak.
+        host_bytes: host memory the step keeps besides: the optimizer state
+            of a ``offload`` variant (not in ``peak_bytes``).
     """
 
     variant: Variant
@@ -73,6 +75,7 @@ class Measurement:
     phase: str
     phase_progress: float
     peak_op: str
+    host_bytes: int = 0
 
 
 def simulate(
@@ -322,18 +325,41 @@ def _measure_in_backward(run: _Run, variant: Variant) -> Measurement:
             opt.step()
             opt.zero_grad(set_to_none=True)
             live.track(list(opt.state.values()), STATE)
+            offload = _offloaded(opt, live) if variant.offload else None
             cap = {} if run.bucket_cap_mb is None else {"bucket_cap_mb": run.bucket_cap_mb}
             handle = layeropt.attach(run.model, opt, **cap)
             with _gc_paused():
                 live.start()
                 _step(run.model, run.batch, loss_fn, opt, live)
             return Measurement(
-                variant, start_bytes=live.start_bytes, end_bytes=live.total, **_snapshot(live)
+                variant, start_bytes=live.start_bytes, end_bytes=live.total, **_snapshot(live),
+                host_bytes=0 if offload is None else offload.host_bytes,
             )
     finally:
         if handle is not None:
             handle.remove()
         del opt
+
+
+def _offloaded(opt: Any, live: LiveBytes) -> Any:
+    """``layeropt.offload.offload_state(opt)``, its host tensors left out of the count.
+
+    The real offload code runs: each bucket's state is copied into working
+    tensors (counted, as optimizer state) for its step and back to the host.
+    """
+    from ..offload import StateOffload, _install
+
+    class Planned(StateOffload):
+        def _new_host(self, p: Any, key: Any, v: torch.Tensor) -> torch.Tensor:
+            with live.paused():  # host memory: not the device's
+                return super()._new_host(p, key, v)
+
+        def _to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+            work = super()._to_device(host, device)
+            live.track(work, STATE)
+            return work
+
+    return _install(opt, Planned(opt, max_buckets=2, overlap=False))
 
 
 def _step(model: nn.Module, batch: Any, loss_fn: Any, opt: Any, live: LiveBytes) -> None:

@@ -127,6 +127,9 @@ _CHANGE_TEXT = {  # change -> (what it shrinks, its category, what it does)
     "checkpointing": ("activations", ACTIVATIONS, "checkpointing keeps one input per block"),
     "chunked loss": ("activations", ACTIVATIONS, "the chunked loss never holds full logits"),
     "low-bit": ("optimizer state", STATE, "{base} keeps {bits}-bit states, updated in one kernel"),
+    "state offload": ("optimizer state", STATE, "state offload keeps the optimizer state in "
+                      "host memory ({host}), one bucket's on the GPU at a time (exact; "
+                      "each step copies the state over PCIe and back)"),
 }
 
 
@@ -186,8 +189,10 @@ class Plan:
         """The recommended configuration: the least invasive one that fits.
 
         Exact AdamW (the update math unchanged: fused, layeropt,
-        checkpointing, chunked loss) comes before 8-bit optimizer states, and
-        8-bit before 4-bit; then the fewest changes from plain
+        checkpointing, chunked loss) comes first, then exact AdamW with its
+        state offloaded to host memory (exact, but every step copies the
+        state over PCIe and back), then 8-bit optimizer states, and 8-bit
+        before 4-bit; then the fewest changes from plain
         ``torch.optim.AdamW``; then the smallest peak.
         """
         fitting = [r for r in self.rows if self.fits(r)]
@@ -229,7 +234,7 @@ class Plan:
                 quiet += done
             else:
                 what, category, _ = _CHANGE_TEXT[done[0]]
-                fixes = " and ".join(_fix(c, row.variant) for c in quiet + done)
+                fixes = " and ".join(_fix(c, row) for c in quiet + done)
                 quiet = []
                 steps.append(
                     f"{'then ' if steps else ''}{current.variant.label} peaks {_where(current)} "
@@ -245,7 +250,7 @@ class Plan:
                 f"({format_bytes(current.at_peak[top])})"
             )
         if quiet:
-            steps.append(" and ".join(_fix(c, row.variant) for c in quiet) + " (no effect here)")
+            steps.append(" and ".join(_fix(c, row) for c in quiet) + " (no effect here)")
         return "; ".join(steps)
 
     # -- rendering ----------------------------------------------------------
@@ -271,18 +276,24 @@ class Plan:
         names = {"parameters": "params", "optimizer state": "opt state",
                  "gradients": "grads", "activations": "activations", "other": "other"}  # fmt: skip
         head = f"{'peak':>10}  " + "".join(f"{names[c]:>12}" for c in CATEGORIES)
+        host = any(r.host_bytes for r in self.rows)
         head += f"  {'peak falls in':<22}" + ("fits  " if self.gpu_memory else "")
+        head += f"{'host':>10}  " if host else ""
         head += "configuration"
         lines = [self.header(), "", head]
         unit, scale = _unit(max(r.peak_bytes for r in self.rows))
         for r in self.rows:
             cells = "".join(f"{r.at_peak[c] / scale:>12.2f}" for c in CATEGORIES)
             fit = {True: "yes   ", False: "no    ", None: ""}[self.fits(r)]
+            kept = (f"{format_bytes(r.host_bytes) if r.host_bytes else '':>10}  " if host
+                    else "")
             lines.append(
                 f"{format_bytes(r.peak_bytes):>10}  {cells}  {_where(r, short=True):<22}{fit}"
-                f"{r.variant.label}"
+                f"{kept}{r.variant.label}"
             )
-        lines.append(f"(categories in {unit}, at the peak)")
+        lines.append(f"(categories in {unit}, at the peak"
+                     + ("; host: host memory the offloaded optimizer state takes)" if host
+                        else ")"))
         lines += ["", *self.answer()]
         return "\n".join(lines)
 
@@ -307,7 +318,10 @@ class Plan:
                 f"why: {self.why(best)}",
             ]
         rule = "with the fewest changes"
-        if "low-bit" in choice.variant.changes() and _bits(choice.variant) == 8:
+        if "state offload" in choice.variant.changes():
+            rule += (" once the optimizer state is in host memory (exact AdamW; no row with "
+                     "the state on the GPU fits)")
+        elif "low-bit" in choice.variant.changes() and _bits(choice.variant) == 8:
             rule += " once optimizer states are 8-bit (no exact AdamW fits)"
         elif "low-bit" in choice.variant.changes():
             rule += " once optimizer states are 4-bit (neither exact AdamW nor 8-bit states fit)"
@@ -325,9 +339,10 @@ class Plan:
             "gpu_memory_bytes", "budget_bytes", "margin", "variants": [...],
             "recommendation", "notes"}``; each variant has ``optimizer``,
             ``implementation``, ``checkpointing``, ``chunked_loss``,
-            ``in_backward``, ``label``, ``peak_bytes``, ``start_bytes``,
-            ``at_peak`` (bytes per category), ``phase``, ``phase_progress``
-            and ``fits`` (``None`` without ``gpu_memory``).
+            ``offload``, ``in_backward``, ``label``, ``peak_bytes``,
+            ``start_bytes``, ``at_peak`` (bytes per category), ``phase``,
+            ``phase_progress``, ``fits`` (``None`` without ``gpu_memory``) and
+            ``host_bytes`` (host memory of offloaded state).
         """
         choice = self.choice
         return {
@@ -346,6 +361,7 @@ class Plan:
                     "implementation": r.variant.implementation,
                     "checkpointing": r.variant.checkpointing,
                     "chunked_loss": r.variant.chunked_loss,
+                    "offload": r.variant.offload,
                     "in_backward": r.variant.in_backward,
                     "label": r.variant.label,
                     "peak_bytes": r.peak_bytes,
@@ -354,6 +370,7 @@ class Plan:
                     "phase": r.phase,
                     "phase_progress": round(r.phase_progress, 4),
                     "fits": self.fits(r),
+                    "host_bytes": r.host_bytes,
                 }
                 for r in self.rows
             ],
@@ -434,16 +451,18 @@ def _bits(variant: Variant) -> int:
     return 4 if "4bit" in variant.base else 8
 
 
-def _invasiveness(row: Measurement) -> tuple[int, int, int]:
-    """Exact AdamW, then 8-bit states, then 4-bit; then fewest changes; then the peak."""
+def _invasiveness(row: Measurement) -> tuple[int, int, int, int]:
+    """Exact AdamW, then with its state offloaded, then 8-bit states, then 4-bit; then
+    fewest changes; then the peak."""
     changes = row.variant.changes()
     precision = 0 if "low-bit" not in changes else 1 if _bits(row.variant) == 8 else 2
-    return (precision, len(changes), row.peak_bytes)
+    return (precision, "state offload" in changes, len(changes), row.peak_bytes)
 
 
-def _fix(change: str, variant: Variant) -> str:
+def _fix(change: str, row: Measurement) -> str:
+    variant = row.variant
     text = _CHANGE_TEXT[change][2]
-    return text.format(base=variant.base, bits=_bits(variant)) if change == "low-bit" else text
+    return text.format(base=variant.base, bits=_bits(variant), host=format_bytes(row.host_bytes))
 
 
 def _unit(n: int) -> tuple[str, int]:
@@ -487,4 +506,5 @@ def _with_changes(like: Variant, changes: set[str]) -> Variant:
         "fused" if fused else "foreach",
         "checkpointing" in changes,
         "chunked loss" in changes,
+        "state offload" in changes and optimizer == "layeropt.AdamW" and fused,
     )

@@ -55,12 +55,16 @@ class Variant:
         checkpointing: activation checkpointing on (``use_reentrant=False``).
         chunked_loss: the LM loss through
             :func:`layeropt.losses.linear_cross_entropy` (no full logits).
+        offload: the optimizer state in host memory, one bucket's at a time
+            on the device (:func:`layeropt.offload.offload_state`;
+            ``layeropt.AdamW`` only).
     """
 
     optimizer: str = "torch.optim.AdamW"
     implementation: str = "fused"
     checkpointing: bool = False
     chunked_loss: bool = False
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -73,6 +77,10 @@ class Variant:
             )
         if self.base in LOW_BIT and self.implementation != "fused":
             raise PlanError(f"{self.base} has one implementation: use implementation='fused'")
+        if self.offload and self.optimizer != "layeropt.AdamW":
+            raise PlanError(
+                f"offload=True plans layeropt.AdamW's state in host memory, not {self.optimizer}'s"
+            )
 
     @property
     def in_backward(self) -> bool:
@@ -98,13 +106,16 @@ class Variant:
             text += " + checkpointing"
         if self.chunked_loss:
             text += " + chunked loss"
+        if self.offload:
+            text += " + state offload"
         return text
 
     def changes(self) -> set[str]:
         """What differs from plain ``torch.optim.AdamW`` (foreach, torch's GPU default).
 
         ``"fused"``, ``"layeropt"``, ``"low-bit"``, ``"checkpointing"``,
-        ``"chunked loss"``. A low-bit optimizer is one change (``"low-bit"``:
+        ``"chunked loss"``, ``"state offload"``. A low-bit optimizer is one
+        change (``"low-bit"``:
         its own states and its own one-kernel update), not also ``"fused"``.
         """
         out = set()
@@ -118,6 +129,8 @@ class Variant:
             out.add("checkpointing")
         if self.chunked_loss:
             out.add("chunked loss")
+        if self.offload:
+            out.add("state offload")
         return out
 
     def make_optimizer(self, params: list[Tensor]) -> torch.optim.Optimizer:
@@ -168,7 +181,8 @@ def default_variants(
 
     ``torch.optim.AdamW`` (foreach and fused) and ``layeropt.AdamW`` (fused),
     each with checkpointing off and on, and with the full and the chunked LM
-    loss where they apply; every installed low-bit AdamW with checkpointing
+    loss where they apply; ``layeropt.AdamW`` with its state offloaded to host
+    memory, the same ways; every installed low-bit AdamW with checkpointing
     off and on, and in-backward with checkpointing (``every``: all of these
     with the chunked loss too).
 
@@ -186,6 +200,7 @@ def default_variants(
     for opt, impl in (("torch.optim.AdamW", "foreach"), ("torch.optim.AdamW", "fused"),
                       ("layeropt.AdamW", "fused")):
         rows += [Variant(opt, impl, c, k) for c in ckpts for k in chunks]
+    rows += [Variant("layeropt.AdamW", "fused", c, k, offload=True) for c in ckpts for k in chunks]
     low_chunks = chunks if every else (False,)
     for name in LOW_BIT:
         rows += [Variant(name, "fused", c, k) for c in ckpts for k in low_chunks]

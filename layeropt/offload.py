@@ -1,0 +1,330 @@
+"""Optimizer state in host memory, brought to the device one bucket at a time.
+
+``offload_state(opt)`` keeps a layeropt optimizer's state tensors in host
+memory (pinned when the parameters are on CUDA). Each bucket step inside
+backward (``InBackwardOptimizer._step_params``, the one place every update
+goes through) runs in :meth:`StateOffload.stepping`:
+
+1. each of the bucket's host state tensors is copied into a working tensor on
+   the parameter's device, and ``optimizer.state[p][k]`` is that working
+   tensor for the call;
+2. torch's own ``step`` runs on it (state it creates lazily is created on the
+   device, as torch does);
+3. every working tensor - and any state tensor the step created or replaced -
+   is copied back into host memory, and ``optimizer.state[p][k]`` is the host
+   tensor again.
+
+Copies are exact, so parameters and state equal the same loop without
+offload bit for bit. Between steps ``optimizer.state`` holds the host
+tensors, so ``state_dict()`` is torch's format and a state loaded onto the
+device is moved to the host right after ``load_state_dict`` (and by the next
+step, whatever put it there).
+
+What stays where torch puts it: 0-dim tensors (Adam's ``step``: on the CPU,
+or on the device for ``fused``/``capturable``), tensors on another device than
+their parameter, and tensor subclasses. On a CPU "device" the host tensors are
+still separate storage from the working ones, so the same copies run (and are
+tested).
+
+``overlap=True`` (CUDA only): the copy back of a bucket runs on a side stream
+while the next bucket steps; at most ``max_buckets`` buckets' working state
+is alive at once. Reading ``optimizer.state`` tensors directly then needs
+``handle.synchronize()`` first (``state_dict()`` does it itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ._subset import _MISSING
+from .errors import LayeroptError
+from .optim import InBackwardOptimizer
+
+__all__ = ["offload_state", "StateOffload"]
+
+
+def _offloadable(p: Tensor, v: Any) -> bool:
+    """A state tensor that lives on its parameter's device and is worth moving."""
+    return (isinstance(v, Tensor) and not is_traceable_wrapper_subclass(v)  # DTensor, torchao
+            and v.dim() > 0 and v.device == p.device)
+
+
+def _empty_like(t: Tensor, device: torch.device | str, pin: bool = False) -> Tensor:
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device,
+                               pin_memory=pin)
+
+
+class _Flight:
+    """One bucket's copy back in progress on the side stream (``overlap=True``)."""
+
+    def __init__(self, event: Any, tensors: list[Tensor], nbytes: int) -> None:
+        self.event, self.tensors, self.nbytes = event, tensors, nbytes
+
+
+def _hook(method: str, ref: weakref.ref, *args: Any) -> None:
+    handle = ref()
+    if handle is not None:
+        getattr(handle, method)(*args)
+
+
+class StateOffload:
+    """Where an optimizer's state lives while offloaded (see the module docstring).
+
+    Attributes:
+        device_bytes: bytes of state on the device now (working tensors).
+        peak_device_bytes: the most there have been at once.
+        copied_bytes: bytes copied host->device and back so far.
+    """
+
+    def __init__(self, optimizer: InBackwardOptimizer, max_buckets: int, overlap: bool) -> None:
+        self.optimizer = optimizer
+        self.max_buckets = max_buckets
+        self.overlap = overlap
+        self.device_bytes = 0
+        self.peak_device_bytes = 0
+        self.copied_bytes = 0
+        self._hosts: dict[int, dict[Any, weakref.ref]] = {}  # id(param) -> key -> host tensor
+        self._flights: deque[_Flight] = deque()
+        self._streams: dict[torch.device, Any] = {}
+        ref = weakref.ref(self)
+        self._hooks = [
+            optimizer.register_state_dict_pre_hook(
+                functools.partial(_hook, "_before_read", ref)),
+            optimizer.register_load_state_dict_pre_hook(
+                functools.partial(_hook, "_before_read", ref)),
+            optimizer.register_load_state_dict_post_hook(
+                functools.partial(_hook, "_after_load", ref)),
+            optimizer.register_step_pre_hook(functools.partial(_hook, "_before_step", ref)),
+        ]
+
+    # -- host tensors -------------------------------------------------------
+    def _host(self, p: Tensor, key: Any, v: Any) -> bool:
+        """Whether ``v`` is the host tensor this handle keeps for ``state[p][key]``."""
+        ref = self._hosts.get(id(p), {}).get(key)
+        return ref is not None and ref() is v
+
+    def _new_host(self, p: Tensor, key: Any, v: Tensor) -> Tensor:
+        host = _empty_like(v, "cpu", pin=v.device.type == "cuda")
+        self._hosts.setdefault(id(p), {})[key] = weakref.ref(host)
+        return host
+
+    def _params(self) -> list[Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _to_host_all(self) -> None:
+        """Move every device state tensor of the optimizer to the host (now)."""
+        state = self.optimizer.state
+        for p in self._params():
+            s = state.get(p)
+            for k, v in list(s.items()) if s else ():
+                if not self._host(p, k, v) and _offloadable(p, v):
+                    s[k] = self._new_host(p, k, v)
+                    s[k].copy_(v)
+
+    # -- the bucket step ------------------------------------------------------
+    @contextlib.contextmanager
+    def stepping(self, optimizer: Any, params: list[Tensor]) -> Iterator[None]:
+        """``params``' state on their device for the call, back on the host after it."""
+        self._retire(block_until=self.max_buckets - 1)
+        state = optimizer.state
+        working: dict[tuple[int, Any], tuple[Tensor, Tensor]] = {}  # -> (host, work)
+        if self._flights:  # the copies back this bucket's host tensors may wait for
+            streams = {p.device: torch.cuda.current_stream(p.device) for p in params}
+            for s in streams.values():
+                for f in self._flights:
+                    s.wait_event(f.event)
+        try:
+            for p in params:
+                s = state.get(p)
+                for k, v in list(s.items()) if s else ():
+                    if self._host(p, k, v):
+                        s[k] = work = self._to_device(v, p.device)
+                        working[(id(p), k)] = (v, work)
+                        self._count(v.nbytes, copied=True)
+            yield
+        finally:
+            self._write_back(state, params, working)
+
+    def _to_device(self, host: Tensor, device: torch.device) -> Tensor:
+        work = _empty_like(host, device)
+        work.copy_(host, non_blocking=device.type == "cuda")  # (pinned host: asynchronous)
+        return work
+
+    def _write_back(self, state: Any, params: list[Tensor],
+                    working: dict[tuple[int, Any], tuple[Tensor, Tensor]]) -> None:
+        moves = []  # (state dict, key, device tensor, host tensor)
+        for p in params:
+            s = state.get(p)
+            for k, v in list(s.items()) if s else ():
+                entry = working.get((id(p), k))
+                if entry is not None and entry[1] is v:
+                    moves.append((s, k, v, entry[0]))
+                elif not self._host(p, k, v) and _offloadable(p, v):  # created or replaced
+                    moves.append((s, k, v, self._new_host(p, k, v)))
+                    self._count(v.nbytes)
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+        nbytes = self._bucket_bytes(working, moves)
+        if self.overlap:
+            self._copy_back_async(moves, nbytes)
+        else:
+            for s, k, v, host in moves:
+                host.copy_(v)
+                s[k] = host
+            self.device_bytes -= nbytes
+        self.copied_bytes += sum(v.nbytes for _, _, v, _ in moves)
+
+    @staticmethod
+    def _bucket_bytes(working: dict[Any, tuple[Tensor, Tensor]], moves: list[Any]) -> int:
+        """Bytes counted on the device for this bucket: its working and new tensors."""
+        seen = {id(w): w.nbytes for _, w in working.values()}
+        seen.update((id(v), v.nbytes) for _, _, v, _ in moves)
+        return sum(seen.values())
+
+    def _count(self, nbytes: int, copied: bool = False) -> None:
+        self.device_bytes += nbytes
+        if copied:
+            self.copied_bytes += nbytes
+
+    # -- overlap (CUDA) ------------------------------------------------------
+    def _copy_back_async(self, moves: list[Any], nbytes: int) -> None:
+        if not moves:
+            self.device_bytes -= nbytes
+            return
+        device = moves[0][2].device
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for s, k, v, host in moves:
+                host.copy_(v, non_blocking=True)
+                v.record_stream(side)
+                s[k] = host  # (its values arrive with the event: see synchronize())
+        event = torch.cuda.Event()
+        event.record(side)
+        self._flights.append(_Flight(event, [v for _, _, v, _ in moves], nbytes))
+
+    def _retire(self, block_until: int) -> None:
+        """Forget finished copies back; wait for the oldest until at most ``block_until``."""
+        while self._flights and (len(self._flights) > block_until
+                                 or self._flights[0].event.query()):
+            f = self._flights.popleft()
+            f.event.synchronize()
+            self.device_bytes -= f.nbytes
+
+    def synchronize(self) -> None:
+        """Wait until every copy back has landed in host memory (``overlap=True``)."""
+        self._retire(block_until=0)
+
+    # -- optimizer hooks -------------------------------------------------------
+    def _before_read(self, *args: Any) -> None:
+        self.synchronize()
+
+    def _after_load(self, *args: Any) -> None:
+        self._to_host_all()
+
+    def _before_step(self, optimizer: Any, *args: Any) -> None:
+        if not optimizer.attached:
+            raise LayeroptError(
+                "optimizer.step() of an optimizer that is not attached steps every "
+                "parameter at once, but its state is offloaded to host memory "
+                "(layeropt.offload.offload_state) and is brought to the device one bucket "
+                "at a time inside backward. Attach it first (layeropt.attach(model, opt)), "
+                "or call handle.remove() to bring the state back to the device."
+            )
+
+    # -- the handle ------------------------------------------------------------
+    def remove(self) -> None:
+        """Bring the state back to the parameters' devices and stop offloading."""
+        self.synchronize()
+        opt = self.optimizer
+        state = opt.state
+        for p in self._params():
+            s = state.get(p)
+            for k, v in list(s.items()) if s else ():
+                if self._host(p, k, v):
+                    s[k] = v.to(p.device)
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._hosts.clear()
+        if opt.__dict__.get("_lo_state_place") is self:
+            del opt._lo_state_place
+            opt._lo_stepper.fast = _MISSING  # learned again from the device state
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of state kept in host memory now."""
+        state = self.optimizer.state
+        return sum(v.nbytes for p in self._params() for k, v in (state.get(p) or {}).items()
+                   if self._host(p, k, v))
+
+
+def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False) -> StateOffload:
+    """Keep ``optimizer``'s state in host memory; each bucket's comes to the device to step.
+
+    Exact: parameters and optimizer state equal the same loop without offload
+    bit for bit (copies only; torch's own ``step`` does the update).
+
+    Args:
+        optimizer: a layeropt optimizer (``layeropt.AdamW``, ``layeropt.in_backward(X)``).
+        max_buckets: with ``overlap``, the most buckets whose state is on the device
+            at once (>= 1); without it, one bucket's is.
+        overlap: copy each bucket's state back on a side stream while the next one
+            steps (CUDA only).
+
+    Returns:
+        A :class:`StateOffload`; ``handle.remove()`` brings the state back.
+
+    Example:
+        >>> opt = layeropt.AdamW(model.parameters(), lr=1e-4)  # doctest: +SKIP
+        >>> layeropt.attach(model, opt)  # doctest: +SKIP
+        >>> handle = layeropt.offload.offload_state(opt)  # doctest: +SKIP
+    """
+    if not isinstance(optimizer, InBackwardOptimizer):
+        raise TypeError(
+            f"offload_state() needs a layeropt optimizer (layeropt.AdamW, "
+            f"layeropt.in_backward(X)), got {type(optimizer).__qualname__}: only updates "
+            "made inside backward, one bucket at a time, can bring the state in piece by piece."
+        )
+    if isinstance(max_buckets, bool) or not isinstance(max_buckets, int) or max_buckets < 1:
+        raise ValueError(f"offload_state(max_buckets=...) must be an int >= 1, got {max_buckets!r}")
+    if optimizer.__dict__.get("_lo_state_place") is not None:
+        raise LayeroptError(
+            "this optimizer's state is already offloaded; call remove() on the handle "
+            "offload_state() returned before offloading it again."
+        )
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    odd = sorted({type(p).__name__ for p in params if type(p) not in (Tensor, torch.nn.Parameter)})
+    if odd:
+        raise LayeroptError(
+            f"offload_state() moves plain tensors; these parameters are {', '.join(odd)} "
+            "(FSDP2's DTensor shards, or another tensor subclass). Use it on a model that "
+            "is not sharded, or without offload."
+        )
+    if overlap:
+        where = sorted({str(p.device) for p in params if p.device.type != "cuda"})
+        if where or not torch.cuda.is_available():
+            raise LayeroptError(
+                "offload_state(overlap=True) copies on a CUDA side stream, but parameters "
+                f"are on {', '.join(where) or 'no CUDA device'}. Use overlap=False (the "
+                "default): the same results, the copies in line with the steps."
+            )
+    return _install(optimizer, StateOffload(optimizer, max_buckets, overlap))
+
+
+def _install(optimizer: Any, handle: StateOffload) -> StateOffload:
+    """Make ``handle`` where ``optimizer``'s state lives (its state moved to the host now)."""
+    handle._to_host_all()
+    optimizer._lo_stepper.fast = None  # it caches state tensors per bucket
+    optimizer._lo_state_place = handle
+    return handle
