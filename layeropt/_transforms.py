@@ -35,12 +35,13 @@ class Measure:
         self.inv_scale = inv_scale
         self.found_inf = found_inf
         self.stash: dict[Tensor, Tensor] = {}  # gradients held by no_step()
+        self.summed: set[int] = set()  # of those, the ones left in .grad to accumulate onto
         self.seen: set[int] = set()
 
     def take(self, param: Tensor) -> None:
         grad = param.grad
         param.grad = None
-        held = self.stash.get(param)
+        held = None if id(param) in self.summed else self.stash.get(param)
         # AccumulateGrad would compute held + grad; addition commutes bitwise.
         self.reduce(param, grad if held is None else held + grad)
         self.seen.add(id(param))

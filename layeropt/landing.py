@@ -708,11 +708,18 @@ class Engine:
         inv_scale: Tensor | None,
         found_inf: Tensor | None,
     ) -> None:
-        self.measure = Measure(measured, norm_type, inv_scale, found_inf)
-        for p in self.held:  # set accumulated gradients aside; restored afterwards
+        self.measure = m = Measure(measured, norm_type, inv_scale, found_inf)
+        # torch's reentrant segments deliver a gradient in several pieces, which torch
+        # adds to the accumulated one in turn ((held + a) + b): measured in place then,
+        # and restored from a copy; else set aside and added once (held + grad)
+        in_place = bool(nesting._TORCH_SEGMENTS)
+        for p in self.held:  # accumulated gradients, restored afterwards
             if p.grad is not None:
-                self.measure.stash[p] = p.grad
-                p.grad = None
+                m.stash[p] = p.grad.clone() if in_place else p.grad
+                if in_place:
+                    m.summed.add(id(p))
+                else:
+                    p.grad = None
 
     def finish_measure(self) -> None:
         m = self.measure
