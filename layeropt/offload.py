@@ -16,9 +16,9 @@ goes through) runs in :meth:`StateOffload.stepping`:
 
 Copies are exact, so parameters and state equal the same loop without
 offload bit for bit. Between steps ``optimizer.state`` holds the host
-tensors, so ``state_dict()`` is torch's format and a state loaded onto the
-device is moved to the host right after ``load_state_dict`` (and by the next
-step, whatever put it there).
+tensors, so ``state_dict()`` is torch's format; ``load_state_dict`` loads
+straight into host memory (torch's casting rule applied to host stand-ins of
+the parameters), and state found on the device at a step is moved too.
 
 What stays where torch puts it: 0-dim tensors (Adam's ``step``: on the CPU,
 or on the device for ``fused``/``capturable``), tensors on another device than
@@ -50,6 +50,10 @@ from .errors import LayeroptError
 from .optim import InBackwardOptimizer
 
 __all__ = ["offload_state", "StateOffload"]
+
+
+# torch's rule for where a loaded state value goes (Optimizer.load_state_dict uses it)
+_POLICY = getattr(torch.optim.Optimizer, "_process_value_according_to_param_policy", None)
 
 
 def _offloadable(p: Tensor, v: Any) -> bool:
@@ -94,13 +98,14 @@ class StateOffload:
         self.copied_bytes = 0
         self._hosts: dict[int, dict[Any, weakref.ref]] = {}  # id(param) -> key -> host tensor
         self._flights: deque[_Flight] = deque()
+        self._loading: dict[int, Tensor] = {}  # id(stand-in) -> parameter, during a load
         self._streams: dict[torch.device, Any] = {}
         ref = weakref.ref(self)
         self._hooks = [
             optimizer.register_state_dict_pre_hook(
                 functools.partial(_hook, "_before_read", ref)),
             optimizer.register_load_state_dict_pre_hook(
-                functools.partial(_hook, "_before_read", ref)),
+                functools.partial(_hook, "_before_load", ref)),
             optimizer.register_load_state_dict_post_hook(
                 functools.partial(_hook, "_after_load", ref)),
             optimizer.register_step_pre_hook(functools.partial(_hook, "_before_step", ref)),
@@ -229,7 +234,44 @@ class StateOffload:
     def _before_read(self, *args: Any) -> None:
         self.synchronize()
 
-    def _after_load(self, *args: Any) -> None:
+    def _before_load(self, optimizer: Any, *args: Any) -> None:
+        """Load into host memory: torch casts each loaded state tensor to its
+        parameter's device, so for the load the param groups hold host stand-ins
+        of the parameters (same dtype and shape, on the CPU, no storage)."""
+        self.synchronize()
+        self._loading = {}
+        if _POLICY is None:  # a torch without the policy to re-apply: load as torch does
+            return
+        for g in optimizer.param_groups:
+            stand_ins = []
+            for p in g["params"]:
+                stand_in = torch.zeros((), dtype=p.dtype).expand(p.shape)
+                self._loading[id(stand_in)] = p
+                stand_ins.append(stand_in)
+            g["params"] = stand_ins
+
+    def _after_load(self, optimizer: Any, *args: Any) -> None:
+        """The real parameters back, the loaded state keyed by them: its tensors become
+        the host copies; 0-dim ones go where torch's policy puts them for the parameter."""
+        real, self._loading = self._loading, {}
+        for g in optimizer.param_groups:
+            g["params"] = [real.get(id(q), q) for q in g["params"]]
+        state = optimizer.state
+        for stand_in in [k for k in state if id(k) in real]:
+            p, values = real[id(stand_in)], state.pop(stand_in)
+            group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+            policy = [{"params": [0], "fused": group.get("fused", False),
+                       "capturable": group.get("capturable", False)}]
+            for k, v in values.items():
+                if not isinstance(v, Tensor) or is_traceable_wrapper_subclass(v):
+                    continue
+                if v.dim() == 0:  # (Adam's step: on the CPU, or the device when fused)
+                    values[k] = _POLICY(p, v, 0, policy, k)
+                else:
+                    values[k] = self._new_host(p, k, v)
+                    values[k].copy_(v)
+            state[p] = values
+        optimizer._lo_group_index = None
         self._to_host_all()
 
     def _before_step(self, optimizer: Any, *args: Any) -> None:

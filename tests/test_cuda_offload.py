@@ -87,9 +87,15 @@ def test_overlap_state_dict_round_trip_resumes_exactly():
     (_, _, _), (_, plain, _), (m, off, handle) = runs
     saved = copy.deepcopy(off.state_dict())
     assert_same(plain.state_dict(), saved)
-    off.load_state_dict(saved)  # onto the device, then back to the host at once
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    off.load_state_dict(saved)  # straight into host memory
+    state_bytes = sum(v.nbytes for s in off.state.values() for v in s.values() if v.dim() > 0)
+    assert torch.cuda.max_memory_allocated() - before < state_bytes // 4  # never on the GPU
     for s in off.state.values():
-        assert s["exp_avg"].device.type == "cpu"
+        assert s["exp_avg"].device.type == "cpu" and s["exp_avg"].is_pinned()
+        assert s["step"].is_cuda  # fused: where torch keeps it
     _train(runs, batch_fn, loss_fn, steps=2)
     assert_same(plain.state_dict(), off.state_dict())
     handle.remove()

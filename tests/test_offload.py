@@ -225,8 +225,23 @@ def test_state_dict_through_plain_torch_and_back(opt_name, kw, cap):
     torch_opt.load_state_dict(saved)
     _train([ref, plain, (torch_model, torch_opt)], batch_fn, loss_fn, steps=1, seed=5)
     off[0].load_state_dict(torch_model.state_dict())
-    off[1].load_state_dict(copy.deepcopy(torch_opt.state_dict()))
-    _assert_on_host(handle)  # loaded onto the "device", moved to the host at once
+    placed = []  # where torch's casting rule was told each loaded value's parameter lives
+    policy = torch.optim.Optimizer._process_value_according_to_param_policy
+
+    def spy(param, value, *args):
+        placed.append((param, value.dim()))
+        return policy(param, value, *args)
+
+    torch.optim.Optimizer._process_value_according_to_param_policy = staticmethod(spy)
+    try:
+        off[1].load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    finally:
+        torch.optim.Optimizer._process_value_according_to_param_policy = staticmethod(policy)
+    params = {id(p) for p in off[0].parameters()}
+    loaded = [param for param, dim in placed if dim > 0]
+    assert loaded and not any(id(q) in params for q in loaded)  # host stand-ins, not params
+    assert all(q.device.type == "cpu" and q.untyped_storage().nbytes() <= 8 for q in loaded)
+    _assert_on_host(handle)  # loaded straight into host memory
     _train([ref, plain, off], batch_fn, loss_fn, steps=2, seed=6)
     _assert_all_same(ref, plain, off)
     _assert_on_host(handle)
