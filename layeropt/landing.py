@@ -54,7 +54,13 @@ through :meth:`Engine.on_grad`. From there:
    it ends (holds them, under ``no_step()``) and the hooks are rebuilt (also
    at a ``step()`` that found gradients no hook took); frozen ones leave their
    buckets. ``layeropt.backward``'s two passes rebuild the hooks before the
-   first, which must measure every gradient the step uses.
+   first, which must measure every gradient the step uses;
+8. a DDP model's gradients come from its communication hook
+   (``layeropt/_ddp_hook.py``), averaged, a DDP bucket at a time: the first
+   bucket of a training step opens this engine's record with the same rules
+   (:meth:`Engine.begin_averaged`: refused accumulation, held gradients), and
+   each averaged bucket is stepped by the same :meth:`Engine._step`
+   (:meth:`Engine.step_averaged`). FSDP2 calls the hooks themselves.
 
 If a backward raises, autograd drops it; its end callback is then released
 without running, and the partial gradients it left (arrived but not
@@ -758,7 +764,7 @@ class Engine:
             return [params] if params else []
         where: dict[int, int] = {}
         for attachment in list(self.attachments):
-            for i, b in enumerate(getattr(attachment, "buckets", ())):
+            for b in attachment.buckets:
                 for p in b.params:
                     where.setdefault(id(p), id(b))
         groups: dict[int, list[Tensor]] = {}
