@@ -85,15 +85,20 @@ def _scaler_recipe(m, opt, x, lo, ctx):
     opt.zero_grad()
 
 
-def _layeropt_clip(m, opt, x, lo, ctx):
-    loss = m(x).pow(2).mean()
+def _clipped_step(m, opts, loss, lo, ctx):
+    """layeropt.backward(max_norm=) vs backward + clip_grad_norm_(model), then every step."""
     if lo:
         ctx["norms"].append(layeropt.backward(loss, max_norm=0.05))
     else:
         loss.backward()
         ctx["norms"].append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05))
-    opt.step()
-    opt.zero_grad()
+    for o in opts:
+        o.step()
+        o.zero_grad()
+
+
+def _layeropt_clip(m, opt, x, lo, ctx):
+    _clipped_step(m, [opt], m(x).pow(2).mean(), lo, ctx)
 
 
 def _layeropt_scaler(m, opt, x, lo, ctx):
@@ -291,48 +296,25 @@ def _sgd_frozen_at_attach(m, opts, x, step, lo, ctx):
     """None of SGD's parameters trains at attach; unfrozen at step 1; clipped globally."""
     for p in _layers(m, 0):
         p.requires_grad_(step >= 1)
-    loss = m(x).pow(2).mean()
-    if lo:
-        ctx["norms"].append(layeropt.backward(loss, max_norm=0.05))
-    else:
-        loss.backward()
-        ctx["norms"].append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05))
-    for o in opts:
-        o.step()
-        o.zero_grad()
+    _clipped_step(m, opts, m(x).pow(2).mean(), lo, ctx)
 
 
 def _clip_default_order(m, opts, x, step, lo, ctx):
     """Groups in reverse depth order, two optimizers: the norm in model order by default."""
-    loss = m(x).pow(2).mean()
-    if lo:
-        ctx["norms"].append(layeropt.backward(loss, max_norm=0.05))
-    else:
-        loss.backward()
-        ctx["norms"].append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05))
-    for o in opts:
-        o.step()
-        o.zero_grad()
+    _clipped_step(m, opts, m(x).pow(2).mean(), lo, ctx)
 
 
 def _no_step_last_misses_sgd(m, opts, x, step, lo, ctx):
     """Accumulation whose last micro-batch reaches none of SGD's parameters, clipped."""
     inner = m.module if hasattr(m, "module") else m
-    a, b = x.chunk(2)
+    a, _ = x.chunk(2)
     with contextlib.ExitStack() as stack:
         if lo:
             for o in opts:
                 stack.enter_context(o.no_step())
         (m(a).pow(2).mean() / 2).backward()
-    loss = inner[1:](torch.randn(2, 16, generator=torch.Generator().manual_seed(step))).pow(2).mean() / 2
-    if lo:
-        ctx["norms"].append(layeropt.backward(loss, max_norm=0.05))
-    else:
-        loss.backward()
-        ctx["norms"].append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05))
-    for o in opts:
-        o.step()
-        o.zero_grad()
+    h = torch.randn(2, 16, generator=torch.Generator().manual_seed(step))
+    _clipped_step(m, opts, inner[1:](h).pow(2).mean() / 2, lo, ctx)
 
 
 def _scaler_overflow_in_one(m, opts, x, step, lo, ctx):
