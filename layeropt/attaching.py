@@ -146,6 +146,7 @@ class Attachment:
         self.buckets: list[Bucket] = []
         self._engines: list[Any] = []  # the engine that steps each bucket
         self._owned: list[Tensor] = []  # the model's parameters the optimizers own
+        self.named: list[tuple[str, Tensor]] = []
         self._trainable: tuple[bool, ...] = ()  # their requires_grad when hooked
         self.stale = False  # requires_grad changed during a backward: rebuild at its end
         self._removed = False
@@ -167,7 +168,8 @@ class Attachment:
         if model is None:
             return
         optimizers = self.optimizers
-        self._owned = [p for p in model.parameters() if any(o.owns(p) for o in optimizers)]
+        self.named = list(model.named_parameters())  # the objects hooked, by name
+        self._owned = [p for _, p in self.named if any(o.owns(p) for o in optimizers)]
         self._trainable = tuple(p.requires_grad for p in self._owned)
         self.stale = False
         pairs = layer_buckets(model, optimizers)

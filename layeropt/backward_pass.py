@@ -57,6 +57,21 @@ def _parameters(optimizers: list[InBackwardOptimizer]) -> list[Tensor]:
     return list(out.values())
 
 
+def _as_attached(optimizers: list[InBackwardOptimizer], params: list[Tensor]) -> list[Tensor]:
+    """``params`` as the objects the attachments hooked: between forward and backward,
+    FSDP2 keeps a root group's parameters swapped for unsharded ones (matched by name)."""
+    hooked: dict[int, Tensor] = {}
+    for opt in optimizers:
+        for attachment in list(opt._lo_engine.attachments):
+            model = attachment.model
+            now = dict(model.named_parameters()) if model is not None else {}
+            for name, p in attachment.named:
+                q = now.get(name)
+                if q is not None and q is not p:
+                    hooked[id(q)] = p
+    return [hooked.get(id(p), p) for p in params] if hooked else params
+
+
 def _grad_order(measured: dict[Tensor, Tensor], parameters: list[Tensor]) -> list[Tensor]:
     """Norms in the order ``clip_grad_norm_(parameters)`` stacks them.
 
@@ -144,7 +159,8 @@ def backward(
         for attachment in list(e.attachments):
             attachment.sync()
 
-    parameters = _parameters(optimizers) if parameters is None else list(parameters)
+    parameters = _as_attached(optimizers, _parameters(optimizers) if parameters is None
+                              else list(parameters))
     # Trainable parameters no attached optimizer steps (trained by another optimizer, or
     # not at all): torch's clip_grad_norm_ measures and clips them too. Each pass
     # accumulates into their .grad, so pass 1's is measured and set aside.

@@ -25,6 +25,10 @@ TORCH = torch.torch_version.TorchVersion(torch.__version__)
 # FSDP2 runs on CPU (gloo) from torch 2.8 (tested; 2.4-2.6 need CUDA streams).
 FSDP2_ON_CPU = TORCH >= (2, 8)
 needs_fsdp2 = pytest.mark.skipif(not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8")
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch < 2.6
+    from torch.distributed._composable.fsdp import fully_shard
 
 # (name, torch class, kwargs): every option torch offers for each optimizer.
 OPTIMIZER_CONFIGS: list[tuple[str, dict[str, Any]]] = [

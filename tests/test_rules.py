@@ -22,7 +22,7 @@ import torch
 from torch.nn.utils import clip_grad_norm_ as imported_clip_grad_norm_  # as most scripts do
 
 import layeropt
-from harness import FSDP2_ON_CPU, assert_same, process_group  # noqa: F401 - a fixture
+from harness import FSDP2_ON_CPU, assert_same, fully_shard, process_group  # noqa: F401
 
 EXACT = "exact"
 STEPS = 3
@@ -163,12 +163,8 @@ def _model() -> torch.nn.Sequential:
 def _wrap(kind: str, m: torch.nn.Module) -> torch.nn.Module:
     if kind == "ddp":
         return torch.nn.parallel.DistributedDataParallel(m)
-    if kind == "fsdp2":
-        try:
-            from torch.distributed.fsdp import fully_shard
-        except ImportError:  # torch < 2.6
-            from torch.distributed._composable.fsdp import fully_shard
-        for layer in m:
+    if kind == "fsdp2":  # the last layer stays in the root's group (swapped in backward)
+        for layer in list(m)[:-1]:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
         fully_shard(m)
