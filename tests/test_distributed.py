@@ -19,6 +19,7 @@ import gc
 import importlib
 import importlib.util
 import inspect
+import random
 import socket
 import time
 import traceback
@@ -36,6 +37,7 @@ import layeropt
 from harness import FSDP2_ON_CPU, TORCH, OtherReentrant, assert_same, needs_fsdp2
 from layeropt.errors import AttachError
 
+import test_properties
 import test_rules
 
 pytestmark = pytest.mark.skipif(
@@ -771,6 +773,22 @@ def _find_unused(rank: int) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------
+# Random training programs (tests/test_properties.py) on two processes
+# ----------------------------------------------------------------------------
+PROGRAMS = 8  # per kind; seeded, the same on every rank
+
+
+def _program(kind: str, i: int, rank: int) -> Any:
+    args = test_properties.random_program(random.Random(i))
+    if kind == "fsdp2" and "fused" in str(args[1:3]):
+        return "no reference"  # (fused kernels have no DTensor sharding rule in torch)
+    try:
+        return test_properties.run_program_pair(kind, *args, rank=rank)
+    except test_properties._NoReference:
+        return "no reference"
+
+
+# ----------------------------------------------------------------------------
 # The two-rank job
 # ----------------------------------------------------------------------------
 def _wire_check() -> None:
@@ -816,6 +834,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             for cap in RULE_CAPS:
                 jobs[f"rules/{kind}/{rule}/{cap}"] = (
                     lambda k=kind, r=rule, c=cap: test_rules.run_rule(k, r, rank, c))
+    for kind in ("ddp", "fsdp2") if FSDP2_ON_CPU else ("ddp",):
+        for i in range(PROGRAMS):
+            jobs[f"programs/{kind}/{i}"] = lambda k=kind, i=i: _program(k, i, rank)
     jobs["errors"] = lambda: _errors(rank)  # last: it aborts backwards mid-way
     results: dict[str, Any] = {}
     for key, job in jobs.items():
@@ -867,6 +888,19 @@ def _get(ranks: list[dict[str, Any]], key: str) -> list[Any]:
 # ----------------------------------------------------------------------------
 # Tests
 # ----------------------------------------------------------------------------
+@pytest.mark.parametrize("i", range(PROGRAMS))
+@pytest.mark.parametrize("kind", ["ddp", pytest.param("fsdp2", marks=needs_fsdp2)])
+def test_random_programs_on_two_processes(ranks, kind, i):
+    """Random training programs, each process its own batches: bit for bit as torch.optim,
+    replicas identical."""
+    outs = [r[f"programs/{kind}/{i}"] for r in ranks]
+    if outs[0] == "no reference":
+        pytest.skip("torch itself cannot run this program")
+    for runs in outs:
+        test_properties.check_program_runs(runs)
+    assert_same(outs[0][1][0], outs[1][1][0], "replicas")
+
+
 @pytest.mark.parametrize("cap", RULE_CAPS)
 @pytest.mark.parametrize("rule", list(test_rules.RULES))
 @pytest.mark.parametrize("kind", ["ddp", pytest.param("fsdp2", marks=needs_fsdp2)])

@@ -153,11 +153,11 @@ def programs(draw):
     )
 
 
-def _run_program(model, opts, program, lo, late_layer):
+def _run_program(model, opts, program, lo, late_layer, rank=0):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, enabled=program["scaler"])
     schedulers = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.7) for o in opts
                   if program["scheduler"]]
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(rank)  # (each process its own batches)
     norms = []
     for step in program["steps"]:
         late_layer.requires_grad_(step["unfrozen"])
@@ -214,20 +214,35 @@ def test_random_training_programs_match_torch_bitwise(process_group, kind, model
                                                       opt2, program, checkpointed, seed):
     """Accumulation, clipping, GradScaler, two optimizers, a layer frozen at attach and
     (un)frozen per step, activation checkpoints of every kind, optimizer state in host
-    memory, against torch.optim; on a
-    plain model and on DDP (one process; DDP fixes what trains when it wraps, and its
-    graph is not re-entered: no unfreezing, no reentrant checkpoint there)."""
-    spec, frozen, n_layers = model_spec
+    memory, against torch.optim; on a plain model, on DDP and on FSDP2 (one process;
+    two processes: tests/test_distributed.py)."""
     # torch's fused SGD with momentum, its first step skipped by a GradScaler inf, keeps
     # uninitialised momentum buffers (torch.empty_like in _fused_sgd): no reference
     assume(not (program["scaler"] and any(s["overflow"] for s in program["steps"])
                 and any(kw.get("fused") for _, kw in (opt, opt2))))
+    assume(kind == "plain" or "reentrant" not in program["checkpoint"])
+    try:
+        runs = run_program_pair(kind, model_spec, opt, opt2, program, checkpointed, seed)
+    except _NoReference:
+        assume(False)
+    check_program_runs(runs)
+
+
+class _NoReference(Exception):
+    """torch itself cannot run the program (so there is nothing to compare with)."""
+
+
+def run_program_pair(kind, model_spec, opt, opt2, program, checkpointed, seed, rank=0):
+    """The program with torch.optim, then with layeropt: (params, states, norms) of each.
+
+    DDP and FSDP2 fix what trains when they wrap (no unfreezing there), and their graph
+    is not re-entered (no reentrant checkpoint); offload refuses FSDP2's DTensors.
+    """
+    spec, frozen, n_layers = model_spec
     if kind != "plain":
-        assume("reentrant" not in program["checkpoint"])
-        for step in program["steps"]:
-            step["unfrozen"] = False
+        program = {**program, "steps": [{**s, "unfrozen": False} for s in program["steps"]]}
     if kind == "fsdp2":
-        program["offload"] = False  # (offload refuses DTensor parameters, with a message)
+        program = {**program, "offload": False}
     runs = []
     for lo in (False, True):
         torch.manual_seed(seed)
@@ -253,27 +268,59 @@ def test_random_training_programs_match_torch_bitwise(process_group, kind, model
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (torch's reentrant checkpoint: held, said)
             try:
-                norms = _run_program(model, opts, program, lo, late_layer)
+                norms = _run_program(model, opts, program, lo, late_layer, rank)
             except (AssertionError, NotImplementedError) as e:  # torch itself cannot run it:
                 # GradScaler with an optimizer without gradients; a fused kernel on DTensors
-                assume(lo or not ("No inf checks" in str(e) or isinstance(e, NotImplementedError)))
+                if not lo and ("No inf checks" in str(e) or isinstance(e, NotImplementedError)):
+                    raise _NoReference(str(e)) from e
                 raise
-        runs.append((list(model.parameters()), [o.state_dict() for o in opts], norms))
+        runs.append((_plain(list(model.parameters())), [_plain(o.state_dict()) for o in opts],
+                     _plain([n for n in norms if n is not None])))
         if offloaded is not None:
             offloaded.remove()
         if handle is not None:
             handle.remove()
-    def nan_safe(x):  # (an overflow clipped to a zero coefficient gives NaN, in torch too)
-        if isinstance(x, torch.Tensor):
-            x = x.full_tensor() if hasattr(x, "full_tensor") else x  # (FSDP2's DTensors)
-            return torch.nan_to_num(x.detach(), nan=-7.0)
-        if isinstance(x, dict):
-            return {k: nan_safe(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(nan_safe(v) for v in x)
-        return x
+    return runs
 
-    assert_same(nan_safe(runs[1][0]), nan_safe(runs[0][0]), "params")
-    assert_same(nan_safe(runs[1][1]), nan_safe(runs[0][1]), "optimizer states")
-    assert_same(nan_safe([n for n in runs[1][2] if n is not None]), nan_safe(runs[0][2]),
-                "clipping norms")
+
+def _plain(x):
+    """Plain tensors, NaN made comparable (an overflow clipped to a zero coefficient gives
+    NaN, in torch too); FSDP2's DTensors as full tensors."""
+    if isinstance(x, torch.Tensor):
+        x = x.full_tensor() if hasattr(x, "full_tensor") else x
+        return torch.nan_to_num(x.detach().clone(), nan=-7.0)
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_plain(v) for v in x)
+    return x
+
+
+def check_program_runs(runs):
+    assert_same(runs[1][0], runs[0][0], "params")
+    assert_same(runs[1][1], runs[0][1], "optimizer states")
+    assert_same(runs[1][2], runs[0][2], "clipping norms")
+
+
+def random_program(rng):
+    """A program as the hypothesis strategies draw one, from ``random.Random`` (for the
+    processes of tests/test_distributed.py, which run without hypothesis)."""
+    n_layers = rng.randint(1, 4)
+    nodes = rng.randint(1, 5)
+    spec = [(rng.randrange(n_layers), sorted(rng.sample(range(node + 1),
+                                                        rng.randint(1, min(3, node + 1)))))
+            for node in range(nodes)]
+    opts = [("SGD", dict(lr=0.1, momentum=0.9)), ("Adam", dict(lr=0.01)),
+            ("AdamW", dict(lr=0.01, weight_decay=0.1, foreach=True)), ("Adagrad", dict(lr=0.1)),
+            ("RMSprop", dict(lr=0.01, centered=True))]
+    scaler = rng.random() < 0.5
+    program = dict(
+        steps=[dict(micro=rng.randint(1, 3), clip=rng.choice([None, 0.05, 10.0]),
+                    unfrozen=False, overflow=scaler and rng.random() < 0.25)
+               for _ in range(rng.randint(2, 4))],
+        scaler=scaler, two_optimizers=rng.random() < 0.5,
+        checkpoint=rng.choice(["none", "layeropt"]), offload=rng.random() < 0.5,
+        torch_recipe=scaler and rng.random() < 0.5, set_to_none=rng.random() < 0.5,
+        scheduler=rng.random() < 0.5)
+    return ((spec, set(), n_layers), rng.choice(opts), rng.choice(opts), program,
+            set(rng.sample(range(5), rng.randint(0, 2))), rng.randrange(2**16))
