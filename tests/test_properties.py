@@ -150,6 +150,7 @@ def programs(draw):
         # with a scaler, the layeropt loop may use torch's own recipe (held gradients)
         torch_recipe=scaler and draw(st.booleans()),
         set_to_none=draw(st.booleans()), scheduler=draw(st.booleans()),
+        clip_value=draw(st.sampled_from([None, None, 0.01])),  # attach(clip_value=)
     )
 
 
@@ -184,6 +185,11 @@ def _run_program(model, opts, program, lo, late_layer, rank=0):
             for o in opts:
                 scaler.unscale_(o)
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), step["clip"]))
+        if not lo and program.get("clip_value") is not None:  # (layeropt: attach's option)
+            for o in opts:
+                if step["clip"] is None:
+                    scaler.unscale_(o)
+            torch.nn.utils.clip_grad_value_(model.parameters(), program["clip_value"])
         for o in opts:
             scaler.step(o)
         scaler.update()
@@ -263,7 +269,8 @@ def run_program_pair(kind, model_spec, opt, opt2, program, checkpointed, seed, r
         specs = [(opt, params[:split]), (opt2, params[split:])]
         lib = layeropt if lo else torch.optim
         opts = [getattr(lib, name)(ps, **kw) for (name, kw), ps in specs if ps]
-        handle = layeropt.attach(model, opts) if lo else None
+        handle = layeropt.attach(model, opts, clip_value=program.get("clip_value")) if lo \
+            else None
         offloaded = layeropt.offload.offload_state(opts[0]) if lo and program["offload"] else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (torch's reentrant checkpoint: held, said)
@@ -321,6 +328,6 @@ def random_program(rng):
         scaler=scaler, two_optimizers=rng.random() < 0.5,
         checkpoint=rng.choice(["none", "layeropt"]), offload=rng.random() < 0.5,
         torch_recipe=scaler and rng.random() < 0.5, set_to_none=rng.random() < 0.5,
-        scheduler=rng.random() < 0.5)
+        scheduler=rng.random() < 0.5, clip_value=rng.choice([None, None, 0.01]))
     return ((spec, set(), n_layers), rng.choice(opts), rng.choice(opts), program,
             set(rng.sample(range(5), rng.randint(0, 2))), rng.randrange(2**16))
