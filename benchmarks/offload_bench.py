@@ -8,6 +8,7 @@ the bytes copied per step and the PCIe rate they imply, and checks that the
 offloaded runs equal layeropt without offload bit for bit.
 
     python benchmarks/offload_bench.py --layers 4 --steps 5 [--trace trace.json]
+    python benchmarks/offload_bench.py --device cpu --tiny   # smoke run (tests), seconds
 """
 
 from __future__ import annotations
@@ -37,9 +38,16 @@ class Block(nn.Module):
         return x + self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | None) -> dict:
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    cuda = x.device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     model = copy.deepcopy(base)
     in_backward = name != "torch fused"
     opt = (layeropt.AdamW if in_backward else torch.optim.AdamW)(model.parameters(), lr=1e-5,
@@ -50,13 +58,13 @@ def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | No
     if name.startswith("offload"):
         handle = offload_state(opt, overlap=name.endswith("overlap"))
     times = []
-    for i in range(steps):
-        torch.cuda.synchronize()
+    for _ in range(steps):
+        _sync(x.device)
         t = time.perf_counter()
         model(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
-        torch.cuda.synchronize()
+        _sync(x.device)
         times.append(time.perf_counter() - t)
     if trace and name == "offload overlap":
         from torch.profiler import ProfilerActivity, profile
@@ -69,7 +77,7 @@ def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | No
     if handle:
         handle.synchronize()
     return dict(name=name, ms=statistics.median(times[1:] or times) * 1e3,
-                peak=torch.cuda.max_memory_allocated(), copied=copied,
+                peak=torch.cuda.max_memory_allocated() if cuda else 0, copied=copied,
                 params=[p.detach().clone().cpu() for p in model.parameters()])
 
 
@@ -79,15 +87,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--trace", default=None, help="chrome trace of one overlapped backward")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="small blocks: a smoke run")
     args = ap.parse_args()
     torch.manual_seed(0)
-    base = nn.Sequential(*(Block(4096, 11008) for _ in range(args.layers))).cuda().bfloat16()
-    x = torch.randn(1, args.seq, 4096, device="cuda", dtype=torch.bfloat16)
+    d, ffn, seq = (64, 172, 16) if args.tiny else (4096, 11008, args.seq)
+    device = torch.device(args.device)
+    base = nn.Sequential(*(Block(d, ffn) for _ in range(args.layers))).to(device).bfloat16()
+    x = torch.randn(1, seq, d, device=device, dtype=torch.bfloat16)
     n = sum(p.numel() for p in base.parameters())
-    print(f"{args.layers} Llama-2-7B-shaped blocks: {n / 1e9:.2f}B parameters, bf16, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    where = torch.cuda.get_device_name() if device.type == "cuda" else str(device)
+    print(f"{args.layers} {'tiny' if args.tiny else 'Llama-2-7B-shaped'} blocks: {n / 1e9:.2f}B "
+          f"parameters, bf16, {where}, torch {torch.__version__}")
     results = []
-    for name in ("torch fused", "layeropt fused", "offload sync", "offload overlap"):
+    names = ["torch fused", "layeropt fused", "offload sync"]
+    if device.type == "cuda":
+        names.append("offload overlap")  # (a CUDA side stream)
+    for name in names:
         try:
             results.append(run(name, base, x, args.steps, args.trace))
         except torch.OutOfMemoryError:

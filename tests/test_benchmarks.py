@@ -28,6 +28,8 @@ SMOKE = {
     "bench_ddp.py --tiny --fsdp": "layeropt bit-identical to FSDP2 + torch.optim on every "
                                   "rank; replicas agree bit for bit",
     "gpu_profile.py --device cpu --tiny": "ops by self CPU time",
+    "offload_bench.py --device cpu --tiny --layers 2 --steps 2":
+        "equal to layeropt: True",
 }
 
 
@@ -43,3 +45,4 @@ def test_benchmark_runs(command):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert SMOKE[command] in done.stdout, done.stdout[-3000:]
+    assert "equal to layeropt: False" not in done.stdout, done.stdout[-3000:]
