@@ -582,11 +582,11 @@ class Engine:
         """Gradients that landed but were not stepped, grouped by bucket."""
         if not (self._incomplete or self._gated or self._deferred or self.held or self._sweep):
             return []
-        groups: dict[int, list[Tensor]] = {}
+        groups: dict[Any, list[Tensor]] = {}
         if self._sweep:  # parameters unfrozen since attach have no hook yet
-            for p in self._swept():
-                if p not in self.held:
-                    groups.setdefault(id(self), []).append(p)
+            swept = [p for p in self._swept() if p not in self.held]
+            for i, g in enumerate(self._by_bucket(swept)):
+                groups[("swept", i)] = g
         for b in self._partial if self._incomplete else ():
             if b.serial == self._serial and b.arrived != b.full:
                 groups[id(b)] = [p for i, p in enumerate(b.params) if b.arrived >> i & 1]
@@ -759,17 +759,15 @@ class Engine:
         self._step([params])
 
     def _by_bucket(self, params: list[Tensor]) -> list[list[Tensor]]:
-        """``params`` grouped by their layer bucket (per-bucket clipping, rule 3)."""
+        """``params`` grouped as their layer buckets are - one module's own parameters -
+        for per-bucket clipping (rule 3); also those not hooked yet (unfrozen late)."""
         if not params or self.bucket_max_norm is None:
             return [params] if params else []
-        where: dict[int, int] = {}
-        for attachment in list(self.attachments):
-            for b in attachment.buckets:
-                for p in b.params:
-                    where.setdefault(id(p), id(b))
-        groups: dict[int, list[Tensor]] = {}
+        module = {id(p): name.rpartition(".")[0]
+                  for attachment in list(self.attachments) for name, p in attachment.named}
+        groups: dict[Any, list[Tensor]] = {}
         for p in params:
-            groups.setdefault(where.get(id(p), id(p)), []).append(p)
+            groups.setdefault(module.get(id(p), id(p)), []).append(p)
         return list(groups.values())
 
     def flush_leftovers(self) -> None:

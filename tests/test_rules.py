@@ -487,12 +487,15 @@ def test_grad_scaler_recipe_over_torch_reentrant_checkpoint():
     assert_same(runs[1][1], runs[0][1], "state")
 
 
-@pytest.mark.parametrize("how", ["no_step then step()", "step(closure)"])
+@pytest.mark.parametrize("how", ["no_step then step()", "step(closure)", "unfrozen late"])
 def test_bucket_max_norm_clips_each_layer_also_in_step(how):
-    """attach(bucket_max_norm=) is per layer bucket wherever the update runs."""
+    """attach(bucket_max_norm=) is per layer bucket wherever the update runs (also the end
+    of the backward that picks up layers unfrozen since attach)."""
     runs = []
     for lo in (False, True):
         model = _model()
+        model[2].requires_grad_(how != "unfrozen late")
+        model[4].requires_grad_(how != "unfrozen late")
         opt = (layeropt.SGD if lo else torch.optim.SGD)(model.parameters(), lr=0.1)
         handle = layeropt.attach(model, opt, bucket_max_norm=0.01) if lo else None
         for step in range(STEPS):
@@ -503,7 +506,13 @@ def test_bucket_max_norm_clips_each_layer_also_in_step(how):
                 loss.backward()
                 return loss
 
-            if lo and how == "step(closure)":
+            if how == "unfrozen late" and step == 1:
+                model[2].requires_grad_(True)
+                model[4].requires_grad_(True)
+            if lo and how == "unfrozen late":
+                closure()
+                opt.step()
+            elif lo and how == "step(closure)":
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # (held for the closure's caller)
                     opt.step(closure)
