@@ -132,6 +132,13 @@ CLOSURE_HOLD_WARNING = (
     "call loss.backward() and then optimizer.step() without a closure."
 )
 
+SCALED_CLIP_ERROR = (
+    "attach(clip_value=/bucket_max_norm=) clips each bucket's gradients before its "
+    "update, but GradScaler.step hands this fused optimizer its gradients still scaled "
+    "(the kernel unscales them), so they would be clipped at the wrong scale. Call "
+    "scaler.unscale_(opt) before scaler.step(opt), or use layeropt.backward("
+    "scaler.scale(loss), scaler=scaler). Nothing of this step was applied."
+)
 NO_GRAPH_TASK_ERROR = (
     "a gradient landed outside any autograd graph task, so layeropt cannot tell "
     "when this backward ends (torch's compiled autograd does this in some versions, "
@@ -782,6 +789,9 @@ class Engine:
         ]
         if params and self._stepped_backwards:  # set after backward (layeropt/_between.py)
             _between.refuse_second_update(self.stepped, params)
+        if params and getattr(optimizer, "grad_scale", None) is not None and (
+                self.clip_value is not None or self.bucket_max_norm is not None):
+            raise BackwardStateError(SCALED_CLIP_ERROR)
         steps = self._steps  # (stepped_in_backward counts the backward's updates only)
         self._step(self._by_bucket(params))
         self._steps = steps

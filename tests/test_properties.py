@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -202,7 +202,8 @@ def _run_program(model, opts, program, lo, late_layer, rank=0):
 
 @pytest.mark.parametrize("kind", ["plain", "ddp", pytest.param("fsdp2", marks=needs_fsdp2)])
 @settings(max_examples=20, deadline=None, suppress_health_check=[
-    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    phases=[p for p in Phase if p is not Phase.explain])  # (its explain step can crash)
 @given(model_spec=dag_models(), opt=optimizers(), opt2=optimizers(), program=programs(),
        checkpointed=st.sets(st.integers(0, 4), max_size=3), seed=st.integers(0, 2**16))
 @example(  # found here: torch's reentrant segments deliver the shared layer's gradient in
@@ -227,6 +228,10 @@ def test_random_training_programs_match_torch_bitwise(process_group, kind, model
     assume(not (program["scaler"] and any(s["overflow"] for s in program["steps"])
                 and any(kw.get("fused") for _, kw in (opt, opt2))))
     assume(kind == "plain" or "reentrant" not in program["checkpoint"])
+    # attach(clip_value=) with torch's GradScaler recipe and a fused optimizer (scaled
+    # gradients at step()) is refused: tests/test_rules.py
+    assume(not (program["torch_recipe"] and program.get("clip_value") is not None
+                and any(kw.get("fused") for _, kw in (opt, opt2))))
     try:
         runs = run_program_pair(kind, model_spec, opt, opt2, program, checkpointed, seed)
     except _NoReference:

@@ -529,3 +529,36 @@ def test_bucket_max_norm_clips_each_layer_also_in_step(how):
         runs.append(list(model.parameters()))
         handle and handle.remove()
     assert_same(runs[1], runs[0], "params")
+
+
+@pytest.mark.parametrize("unscaled", [False, True])
+def test_clip_value_with_a_scaled_fused_step_is_refused_or_exact(unscaled):
+    """GradScaler.step gives a fused optimizer its gradients still scaled: attach's
+    clip_value would clip them at the wrong scale. Refused, nothing applied; exact once
+    the loop unscales first (torch: unscale_, clip_grad_value_, step)."""
+    runs = []
+    for lo in (False, True):
+        model = _model()
+        opt = (layeropt.AdamW if lo else torch.optim.AdamW)(model.parameters(), lr=0.01,
+                                                            fused=True)
+        handle = layeropt.attach(model, opt, clip_value=0.01) if lo else None
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (held for the scaler: said)
+            scaler.scale(model(torch.ones(2, 6)).pow(2).mean()).backward()
+        if unscaled or not lo:
+            scaler.unscale_(opt)
+        if not lo:
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+        if lo and not unscaled:
+            before = [p.detach().clone() for p in model.parameters()]
+            with pytest.raises(layeropt.BackwardStateError, match=r"scaler.unscale_\(opt\)"):
+                scaler.step(opt)
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+            handle.remove()
+            return
+        scaler.step(opt)
+        scaler.update()
+        runs.append(list(model.parameters()))
+        handle and handle.remove()
+    assert_same(runs[1], runs[0], "params")
