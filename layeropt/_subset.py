@@ -125,11 +125,12 @@ _MACHINERY = {"param_groups", "state", "defaults", "_opt_called", "last_grad_nor
 _SCALARS = (bool, int, float, complex, str, type(None), Tensor)
 
 
-def _own(optimizer: Any) -> dict[str, Any]:
+def _own(optimizer: Any, copy: bool = True) -> dict[str, Any]:
     """Values the optimizer keeps on itself (``self.t += 1`` in ``step``): scalars and
-    tensors, copied. One training step moves them once, as its param-group values."""
+    tensors (copied, or as they are to compare). One training step moves them once, as
+    its param-group values."""
     return {
-        k: (v.detach().clone() if isinstance(v, Tensor) else v)
+        k: (v.detach().clone() if copy and isinstance(v, Tensor) else v)
         for k, v in vars(optimizer).items()
         if k not in _MACHINERY and not k.startswith("_lo_") and isinstance(v, _SCALARS)
     }
@@ -143,13 +144,15 @@ def _snapshot(optimizer: Any) -> list[dict[str, Any]]:
 def _diff(snapshot: list[dict[str, Any]], optimizer: Any) -> list[str]:
     """The keys whose values differ now from ``snapshot`` (``self.x`` for own values)."""
     keys = {k for b, g in zip(snapshot, optimizer.param_groups) for k in _changed(b, g)}
-    keys.update(f"self.{k}" for k in _changed(snapshot[-1], _own(optimizer)))
+    keys.update(f"self.{k}" for k in _changed(snapshot[-1], _own(optimizer, copy=False)))
     return sorted(keys)
 
 
 def _restore(optimizer: Any, snapshot: list[dict[str, Any]]) -> None:
     for g, values in zip(optimizer.param_groups, snapshot):
         _restore_values(g, values)
+    for k in _own(optimizer, copy=False).keys() - snapshot[-1].keys():
+        delattr(optimizer, k)  # made by a step call since (``self.t = getattr(...) + 1``)
     for k, v in snapshot[-1].items():
         old = vars(optimizer).get(k)
         if isinstance(v, Tensor) and isinstance(old, Tensor) and old.shape == v.shape:

@@ -9,7 +9,6 @@ post-accumulate-grad hook per parameter. What the hook does is in
 from __future__ import annotations
 
 import os
-import sys
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,7 +17,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ._registry import hooked_by, mark_hooked, unmark_hooked
-from .errors import AttachError, _internal, warn
+from .errors import AttachError, user_frame, warn
 from .landing import Bucket
 from .optim import InBackwardOptimizer, in_backward_spelling, live_optimizers, optimizer_list
 
@@ -173,7 +172,7 @@ class Attachment:
         self._trainable = tuple(p.requires_grad for p in self._owned)
         self.stale = False
         pairs = layer_buckets(model, optimizers)
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in self.named}
         for _, b in reversed(pairs):  # (model order: the first parameter is named)
             for p in b.params:
                 other = hooked_by(p)
@@ -285,9 +284,7 @@ class Attachment:
 
 def _caller() -> str:
     """``file:line`` of the first frame outside layeropt (and torch)."""
-    frame = sys._getframe(1)
-    while frame is not None and _internal(frame.f_code.co_filename):
-        frame = frame.f_back
+    frame, _ = user_frame()
     if frame is None:
         return "an unknown place"
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"

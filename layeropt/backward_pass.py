@@ -192,6 +192,11 @@ def backward(
     measured: dict[Tensor, Tensor] = {}
     buffers = _BufferSnapshot(engines)
     unowned.set_aside()
+
+    def undo_pass_1() -> None:
+        buffers.restore()
+        unowned.restore()
+
     ddp = two_passes(engines)  # DDP models: average before measuring, and again in pass 2
     norm = norm_type if max_norm is not None else None
     for e in engines:
@@ -203,8 +208,7 @@ def backward(
             e.finish_measure()
         unowned.measure(measured, norm)
     except BaseException:
-        buffers.restore()
-        unowned.restore()
+        undo_pass_1()
         raise
     finally:
         for e in engines:
@@ -217,8 +221,7 @@ def backward(
                 measured.setdefault(p, torch.zeros((), dtype=p.dtype, device=p.device))
         total = _total_norm(_grad_order(measured, parameters), norm_type)
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
-            buffers.restore()
-            unowned.restore()
+            undo_pass_1()
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients is non-finite, so it "
                 "cannot be clipped; no parameter was updated. To clip anyway, set "
@@ -229,8 +232,7 @@ def backward(
     if scaler is not None:
         _record_for_scaler(scaler, optimizers, found)
     if len(skipped) < len(engines):  # Pass 2: the ordinary attached backward
-        buffers.restore()
-        unowned.restore()
+        undo_pass_1()
         coef = None if total is None else torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with ddp.step() as finish, no_step_all(o for o in optimizers if o._lo_engine in skipped):
             _attached_backward(loss, engines, retain_graph, (inv_scale, coef), finish)

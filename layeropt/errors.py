@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from typing import Any
 
-__all__ = ["LayeroptError", "AttachError", "BackwardStateError", "warn"]
+__all__ = ["LayeroptError", "AttachError", "BackwardStateError", "warn", "user_frame"]
 
 
 class LayeroptError(RuntimeError):
@@ -63,7 +64,14 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
         >>> str(w[0].message)
         'careful'
     """
-    level, frame = 1, sys._getframe(1)
+    frame, level = user_frame()
+    warnings.warn(message, category, stacklevel=level + 1 if frame is not None else 2)
+
+
+def user_frame() -> tuple[Any, int]:
+    """The caller's first frame outside layeropt, torch and the stdlib, and how many
+    frames up from the function that asks it is (``None`` if there is none)."""
+    level, frame = 1, sys._getframe(2)
     while frame is not None and _internal(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level + 1 if frame is not None else 2)
+    return frame, level

@@ -104,10 +104,6 @@ class StateOffload:
         self._hooks = [
             optimizer.register_state_dict_pre_hook(
                 functools.partial(_hook, "_before_read", ref)),
-            optimizer.register_load_state_dict_pre_hook(
-                functools.partial(_hook, "_before_load", ref)),
-            optimizer.register_load_state_dict_post_hook(
-                functools.partial(_hook, "_after_load", ref)),
             optimizer.register_step_pre_hook(functools.partial(_hook, "_before_step", ref)),
         ]
 
@@ -234,7 +230,17 @@ class StateOffload:
     def _before_read(self, *args: Any) -> None:
         self.synchronize()
 
-    def _before_load(self, optimizer: Any, *args: Any) -> None:
+    @contextlib.contextmanager
+    def loading(self, optimizer: Any) -> Iterator[None]:
+        """Around ``optimizer.load_state_dict`` (``InBackwardOptimizer``): the state
+        loads into host memory; the real parameters are back however the load ends."""
+        self._before_load(optimizer)
+        try:
+            yield
+        finally:
+            self._after_load(optimizer)
+
+    def _before_load(self, optimizer: Any) -> None:
         """Load into host memory: torch casts each loaded state tensor to its
         parameter's device, so for the load the param groups hold host stand-ins
         of the parameters (same dtype and shape, on the CPU, no storage)."""
@@ -250,7 +256,7 @@ class StateOffload:
                 stand_ins.append(stand_in)
             g["params"] = stand_ins
 
-    def _after_load(self, optimizer: Any, *args: Any) -> None:
+    def _after_load(self, optimizer: Any) -> None:
         """The real parameters back, the loaded state keyed by them: its tensors become
         the host copies; 0-dim ones go where torch's policy puts them for the parameter."""
         real, self._loading = self._loading, {}

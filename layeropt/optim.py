@@ -255,7 +255,9 @@ class InBackwardOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Torch's ``load_state_dict`` (same format both ways)."""
-        super().load_state_dict(state_dict)
+        place = self.__dict__.get("_lo_state_place")  # optimizer state kept elsewhere
+        with place.loading(self) if place is not None else contextlib.nullcontext():
+            super().load_state_dict(state_dict)
         self._lo_group_index = None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -389,7 +391,7 @@ def in_backward_spelling(optimizer_class: type) -> str:
     """
     name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
     builtin = getattr(sys.modules[__name__], optimizer_class.__name__, None)
-    if isinstance(builtin, type) and builtin._lo_base is optimizer_class:
+    if getattr(builtin, "_lo_base", None) is optimizer_class:
         return f"layeropt.{optimizer_class.__name__}"
     return f"layeropt.in_backward({name})"
 

@@ -396,3 +396,17 @@ def test_property_random_mlps(widths, cfg, cap, steps):
             m(x).square().sum().backward()
     _assert_all_same(*runs)
     _assert_on_host(handle)
+
+
+@CAPS
+def test_a_failed_load_loses_nothing(cap):
+    """torch refuses a state dict of another shape: the offloaded optimizer keeps its
+    parameters and state, and training goes on exactly."""
+    ref, plain, off, handle, batch_fn, loss_fn = _three("mlp", "AdamW", dict(lr=0.01), cap)
+    _train([ref, plain, off], batch_fn, loss_fn, steps=1)
+    wrong = torch.optim.AdamW(torch.nn.Linear(3, 3).parameters()).state_dict()
+    with pytest.raises(ValueError, match="doesn't match the size"):
+        off[1].load_state_dict(wrong)
+    _assert_on_host(handle)
+    _train([ref, plain, off], batch_fn, loss_fn, steps=2, seed=2)
+    _assert_all_same(ref, plain, off)

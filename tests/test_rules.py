@@ -408,10 +408,23 @@ class CountingAdam(torch.optim.Optimizer):
                 p.sub_(g["lr"] * state["m"] / (1 - 0.9**self.t))
 
 
+class LazyCountingAdam(CountingAdam):
+    """The same, its count made by the first step (``getattr(self, "t", 0)``)."""
+
+    def __init__(self, params: Any, lr: float = 0.01) -> None:
+        super().__init__(params, lr)
+        del self.t
+
+    def step(self, closure: Any = None) -> None:
+        self.t = getattr(self, "t", 0)
+        super().step(closure)
+
+
+@pytest.mark.parametrize("base", [CountingAdam, LazyCountingAdam], ids=["t", "lazy t"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_state_kept_on_the_optimizer_moves_once_per_step(process_group, kind):
+def test_state_kept_on_the_optimizer_moves_once_per_step(process_group, kind, base):
     runs = []
-    for cls in (CountingAdam, layeropt.in_backward(CountingAdam)):
+    for cls in (base, layeropt.in_backward(base)):
         model = _wrap(kind, _model())
         opt = cls(model.parameters())
         handle = layeropt.attach(model, opt) if layeropt.is_in_backward(opt) else None
