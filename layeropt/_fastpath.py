@@ -11,7 +11,7 @@ What: :class:`FastPath` keeps, per bucket (the exact list of parameters a
 step call is given), the lists torch's ``_init_group`` built for it, and on
 later calls hands them - with the gradients read afresh - to the same
 functional torch's ``step`` calls (``torch.optim.adam.adam``,
-``torch.optim.sgd.sgd``, ...), with every hyperparameter read from the param
+``torch.optim.sgd.sgd``), with every hyperparameter read from the param
 group at each call, exactly as ``step`` passes them (so an LR scheduler, a
 tensor ``lr``, ``GradScaler``'s ``grad_scale`` / ``found_inf`` attributes
 work as in torch). Nothing of the update is re-derived here: the functional
@@ -78,9 +78,7 @@ def _module(name: str) -> Any:
 
 
 # The functionals are looked up in their modules at each call, as torch's step does.
-_ADAM, _SGD, _ADAGRAD, _RMSPROP, _ADAFACTOR = map(
-    _module, ("adam", "sgd", "adagrad", "rmsprop", "_adafactor")
-)
+_ADAM, _SGD = map(_module, ("adam", "sgd"))
 # What torch's step calls first (named _cuda_graph_capture_health_check before torch 2.6).
 _health_check = getattr(
     Optimizer, "_accelerator_graph_capture_health_check", None
@@ -156,44 +154,6 @@ def _sgd(opt: Any, g: dict[str, Any], params: list[Tensor], grads: list[Tensor],
     )  # fmt: skip
 
 
-def _adagrad(opt: Any, g: dict[str, Any], params: list[Tensor], grads: list[Tensor],
-             lists: list[list[Any]], flags: Any) -> None:  # fmt: skip
-    state_sums, state_steps = lists
-    has_sparse_grad, has_complex = flags
-    _ADAGRAD.adagrad(
-        params, grads, state_sums, state_steps, lr=g["lr"], weight_decay=g["weight_decay"],
-        lr_decay=g["lr_decay"], eps=g["eps"], has_sparse_grad=has_sparse_grad,
-        foreach=g["foreach"], maximize=g["maximize"], differentiable=g["differentiable"],
-        has_complex=has_complex, fused=g["fused"], grad_scale=getattr(opt, "grad_scale", None),
-        found_inf=getattr(opt, "found_inf", None),
-    )  # fmt: skip
-
-
-def _rmsprop(opt: Any, g: dict[str, Any], params: list[Tensor], grads: list[Tensor],
-             lists: list[list[Any]], flags: Any) -> None:  # fmt: skip
-    square_avgs, momentum_buffer_list, grad_avgs, state_steps = lists  # _init_group's order
-    _RMSPROP.rmsprop(
-        params, grads, square_avgs, grad_avgs, momentum_buffer_list, state_steps,
-        lr=g["lr"], alpha=g["alpha"], eps=g["eps"], weight_decay=g["weight_decay"],
-        momentum=g["momentum"], centered=g["centered"], foreach=g["foreach"],
-        maximize=g["maximize"], differentiable=g["differentiable"], capturable=g["capturable"],
-        has_complex=flags,
-    )  # fmt: skip
-
-
-def _adafactor(opt: Any, g: dict[str, Any], params: list[Tensor], grads: list[Tensor],
-               lists: list[list[Any]], flags: Any) -> None:  # fmt: skip
-    row_vars, col_vars, variances, state_steps = lists
-    eps1, eps2 = g["eps"]
-    _ADAFACTOR.adafactor(
-        params, grads, row_vars, col_vars, variances, state_steps, d=g["d"], lr=g["lr"],
-        beta2_decay=g["beta2_decay"], weight_decay=g["weight_decay"], eps1=eps1, eps2=eps2,
-        foreach=g["foreach"], maximize=g["maximize"],
-        grad_scale=getattr(opt, "grad_scale", None), found_inf=getattr(opt, "found_inf", None),
-        has_complex=flags,
-    )  # fmt: skip
-
-
 class _Kind:
     """How one torch optimizer class's ``step`` feeds its functional.
 
@@ -233,13 +193,6 @@ _CANDIDATES: list[tuple[str, str, str, tuple[str, ...], _Kind]] = [
            fused=_adam_fused)),
     ("sgd", "SGD", "sgd", ("momentum_buffer_list",),
      _Kind("SGD", 1, ("momentum", "fused"), _sgd, False, writeback=(0, "momentum_buffer"))),
-    ("adagrad", "Adagrad", "adagrad", ("state_sums", "state_steps"),
-     _Kind("Adagrad", 2, ("fused", "differentiable"), _adagrad, False)),
-    ("rmsprop", "RMSprop", "rmsprop",
-     ("square_avgs", "momentum_buffer_list", "grad_avgs", "state_steps"),
-     _Kind("RMSprop", 4, ("momentum", "centered", "capturable", "differentiable"), _rmsprop, True)),
-    ("_adafactor", "Adafactor", "adafactor", ("row_vars", "col_vars", "variances", "state_steps"),
-     _Kind("Adafactor", 4, (), _adafactor, True)),
 ]  # fmt: skip
 
 # The functional keyword arguments each call passes (checked against torch's).
@@ -249,12 +202,6 @@ _CALL_KEYWORDS = {
              "decoupled_weight_decay"},
     "sgd": {"weight_decay", "momentum", "lr", "dampening", "nesterov", "maximize",
             "has_sparse_grad", "foreach", "fused", "grad_scale", "found_inf"},
-    "adagrad": {"lr", "weight_decay", "lr_decay", "eps", "has_sparse_grad", "foreach", "maximize",
-                "differentiable", "has_complex", "fused", "grad_scale", "found_inf"},
-    "rmsprop": {"lr", "alpha", "eps", "weight_decay", "momentum", "centered", "foreach",
-                "maximize", "differentiable", "capturable", "has_complex"},
-    "adafactor": {"d", "lr", "beta2_decay", "weight_decay", "eps1", "eps2", "foreach", "maximize",
-                  "grad_scale", "found_inf", "has_complex"},
 }  # fmt: skip
 
 

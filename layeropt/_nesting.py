@@ -172,7 +172,7 @@ NESTED_ERROR = (
     "a gradient landed in a backward nested inside the backward of an autograd "
     "Function (a reentrant activation checkpoint other than torch's, e.g. DeepSpeed's "
     "or a custom one), so parameters would be stepped on partial gradients. Use "
-    "layeropt.checkpoint(fn, *args) (either mode) or torch.utils.checkpoint.checkpoint("
+    "layeropt.checkpoint(fn, *args) or torch.utils.checkpoint.checkpoint("
     "fn, *args, use_reentrant=False) instead."
 )
 DEFER_WARNING = (

@@ -202,17 +202,16 @@ def backward(
     for e in engines:
         e.start_measure(measured, norm, inv_scale, found.get(e))
     try:
-        with ddp.measure():
-            loss.backward(retain_graph=True)
-        for e in engines:
-            e.finish_measure()
+        try:
+            with ddp.measure():
+                loss.backward(retain_graph=True)
+        finally:
+            for e in engines:
+                e.finish_measure()
         unowned.measure(measured, norm)
     except BaseException:
         undo_pass_1()
         raise
-    finally:
-        for e in engines:
-            e.measure = None
 
     total = None
     if max_norm is not None:
@@ -316,6 +315,7 @@ def _attached_backward(
     for e in engines:
         e.transform = transform
         e.entered = True
+        e.route()
     try:
         loss.backward(retain_graph=retain_graph)
         if finish is not None:
@@ -327,6 +327,7 @@ def _attached_backward(
         for e in engines:
             e.transform = None
             e.entered = False
+            e.route()
 
 
 def _resolve(optimizer: Any) -> list[InBackwardOptimizer]:

@@ -24,9 +24,6 @@ through :meth:`Engine.on_grad`. From there:
    stepped together, and freed;
 5. activation checkpointing (``layeropt/checkpointing.py``) keeps this exact:
 
-   * ``layeropt.checkpoint(..., use_reentrant=True)`` makes every parameter a
-     segment reads an input of the segment's autograd node, so autograd itself
-     fires each hook once, after the recomputation: nothing changes here;
    * a parameter that a non-reentrant ``layeropt.checkpoint`` segment read in
      forward is *pinned* until this backward has recomputed the segment: a
      gradient that lands while pinned waits, and enters rule 3 when the pin
@@ -201,7 +198,7 @@ class Engine:
     def __init__(self, optimizer: Any) -> None:  # an InBackwardOptimizer (layeropt/optim.py)
         self._optimizer = weakref.ref(optimizer)
         self._detour = False  # a gradient must leave the plain path (see _route)
-        self._no_step_depth = 0
+        self.no_step_depth = 0  # open optimizer.no_step() contexts (> 0: hold gradients)
         # gradients accumulated under no_step(), with their bucket
         self.held: dict[Tensor, Bucket | None] = {}
         self.cap_bytes = 0  # complete buckets are stepped together up to this size
@@ -225,8 +222,8 @@ class Engine:
         self.bucket_max_norm: float | None = None
         self.skip_nonfinite = False
         self.skipped: list[Tensor] = []  # parameters skipped (non-finite) in the latest backward
-        self._entered = False  # inside layeropt.backward
-        self._measure: Measure | None = None  # the measure pass of layeropt.backward
+        self.entered = False  # inside layeropt.backward
+        self.measure: Measure | None = None  # the measure pass of layeropt.backward
         self.transform: tuple[Tensor | None, Tensor | None] | None = None  # (inv_scale, coef)
         # Checkpointing (rule 5): gradients waiting for a pin, or deferred to the end.
         self._gated: dict[Tensor, tuple[Bucket, int]] = {}
@@ -272,49 +269,20 @@ class Engine:
         self.clip_value = clip_value
         self.bucket_max_norm = bucket_max_norm
         self.skip_nonfinite = skip_nonfinite
-        self._route()
+        self.route()
 
     # -- modes that take a gradient off the plain path ---------------------
-    def _route(self) -> None:
-        """Recompute ``_detour``: one flag the hook checks instead of six."""
+    def route(self) -> None:
+        """Recompute ``_detour``: one flag the hook checks instead of six (call it after
+        setting ``no_step_depth``, ``measure`` or ``entered``)."""
         self._detour = bool(
             self._distributed
-            or self._measure is not None
-            or (self.max_grad_norm is not None and not self._entered)
-            or self._no_step_depth
+            or self.measure is not None
+            or (self.max_grad_norm is not None and not self.entered)
+            or self.no_step_depth
             or self._defer
             or self._hold
         )
-
-    @property
-    def no_step_depth(self) -> int:
-        """How many ``optimizer.no_step()`` contexts are open (> 0: hold gradients)."""
-        return self._no_step_depth
-
-    @no_step_depth.setter
-    def no_step_depth(self, value: int) -> None:
-        self._no_step_depth = value
-        self._route()
-
-    @property
-    def measure(self) -> Measure | None:
-        """The measure pass of ``layeropt.backward`` in progress, if any."""
-        return self._measure
-
-    @measure.setter
-    def measure(self, value: Measure | None) -> None:
-        self._measure = value
-        self._route()
-
-    @property
-    def entered(self) -> bool:
-        """Whether the backward in progress runs inside ``layeropt.backward``."""
-        return self._entered
-
-    @entered.setter
-    def entered(self, value: bool) -> None:
-        self._entered = value
-        self._route()
 
     # -- the hook -------------------------------------------------------
     def hook(self, bucket: Bucket, index: int) -> Callable[[Tensor], None]:
@@ -382,19 +350,19 @@ class Engine:
             return
         if grad.is_sparse:
             raise AttachError(SPARSE_ERROR)
-        if self._measure is not None:
+        if self.measure is not None:
             if self._defer:
                 self._deferred[param] = bucket
             else:
-                self._measure.take(param)
+                self.measure.take(param)
             return
-        if self.max_grad_norm is not None and not self._entered:
+        if self.max_grad_norm is not None and not self.entered:
             raise LayeroptError(
                 "this optimizer was attached with max_grad_norm, which needs the global "
                 "gradient norm before the first update: call layeropt.backward(loss) "
                 "instead of loss.backward(). Nothing was updated."
             )
-        if self._no_step_depth or self._hold:
+        if self.no_step_depth or self._hold:
             self.held[param] = bucket
             return
         if self._defer:
@@ -468,7 +436,7 @@ class Engine:
             self._begin(task, defer=True)
         elif self._active_task != _IDLE and not self._defer:
             self._defer = True  # a segment recorded during this backward
-            self._route()
+            self.route()
             if not self._unchecked:  # (else _decide warns, if a gradient of ours lands)
                 warn(nesting.DEFER_WARNING)
 
@@ -493,7 +461,7 @@ class Engine:
         self._defer = defer or bool(
             segments and any(map(torch._C._will_engine_execute_node, list(segments)))
         )
-        self._route()
+        self.route()
         _queue_callback(TaskEnd(self._end, functools.partial(self._dropped, self._serial)))
         if defer:
             self._unchecked = True
@@ -528,13 +496,13 @@ class Engine:
         if hold:
             self._held_backwards += 1
         self._hold = False
-        self._route()
-        return hold or bool(self._no_step_depth)
+        self.route()
+        return hold or bool(self.no_step_depth)
 
     def _decide(self) -> None:
         """Rules 6 and 7 for a backward that reaches this engine's parameters."""
         self._unchecked = False
-        plain = self._measure is None and not self._no_step_depth
+        plain = self.measure is None and not self.no_step_depth
         if plain and self._bounded and self._stepped_backwards:
             raise BackwardStateError(ACCUMULATION_ERROR.format(
                 what="a second backward after an attached backward that updated the parameters",
@@ -546,14 +514,14 @@ class Engine:
         if self._optimizer() is None:  # deleted while its parameters still train
             self._hold = self._orphaned = True
             warn(ORPHAN_WARNING, RuntimeWarning)
-        elif plain and not self._entered:
+        elif plain and not self.entered:
             if self.closure_depth:
                 self._hold = True
                 warn(CLOSURE_HOLD_WARNING)
             elif self._scaled:
                 self._hold = True
                 warn(SCALER_HOLD_WARNING)
-        self._route()
+        self.route()
         if self._defer:
             warn(nesting.DEFER_WARNING)
 
@@ -569,7 +537,7 @@ class Engine:
                         self.measure.take(p)
             elif self._hold:
                 self._held_backwards += 1
-            elif self._no_step_depth:
+            elif self.no_step_depth:
                 if self._sweep:  # unfrozen since attach: no hook held them (rule 7)
                     for p in self._swept():
                         self.held.setdefault(p, None)
@@ -643,7 +611,7 @@ class Engine:
         self._sweep = False
         self._unchecked = False
         self._active_task = _IDLE
-        self._route()
+        self.route()
 
     def _ungate(self) -> None:
         """Pins were released: gradients no longer pinned enter rule 3."""
@@ -722,6 +690,7 @@ class Engine:
         found_inf: Tensor | None,
     ) -> None:
         self.measure = m = Measure(measured, norm_type, inv_scale, found_inf)
+        self.route()
         # torch's reentrant segments deliver a gradient in several pieces, which torch
         # adds to the accumulated one in turn ((held + a) + b): measured in place then,
         # and restored from a copy; else set aside and added once (held + grad)
@@ -735,10 +704,10 @@ class Engine:
                     p.grad = None
 
     def finish_measure(self) -> None:
-        m = self.measure
-        if m is None:
-            return
-        for p, held in m.stash.items():
+        """The measure pass ended (or raised): the held gradients back in ``.grad``."""
+        m, self.measure = self.measure, None
+        self.route()
+        for p, held in m.stash.items() if m is not None else ():
             if id(p) not in m.seen:  # no gradient this pass: measure the held one
                 m.reduce(p, held.clone())
             p.grad = held
@@ -746,7 +715,7 @@ class Engine:
     def step_held(self) -> None:
         """After ``layeropt.backward``'s step pass, with its transform still set: step
         the ``no_step()`` gradients of parameters that pass did not reach."""
-        if self.held and not self._no_step_depth:
+        if self.held and not self.no_step_depth:
             self._step(self._by_bucket([p for p in self.held if p.grad is not None]))
             self.held.clear()
 

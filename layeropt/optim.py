@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.optim.optimizer import _use_grad_for_differentiable
 
 from ._between import snapshot
 from ._registry import WeakOrderedSet
@@ -68,22 +67,6 @@ def _raw_step(cls: type) -> Callable[..., Any]:
     raise LayeroptError(f"{cls.__name__} has no step() method")
 
 
-_USE_GRAD_CODE = _use_grad_for_differentiable(lambda self: None).__code__
-
-
-def _no_grad_step(step: Callable[..., Any]) -> Callable[..., Any]:
-    """``step`` without torch's ``_use_grad_for_differentiable`` wrapper, if it has it.
-
-    Hooks run under ``no_grad`` and attached optimizers are never
-    ``differentiable``, so the wrapper (which only sets the grad mode and marks
-    dynamo graph breaks) has nothing to do there; skipping it saves a few
-    microseconds per bucket. Any other decorator is kept.
-    """
-    if getattr(step, "__code__", None) is _USE_GRAD_CODE:
-        return step.__wrapped__  # type: ignore[attr-defined]
-    return step
-
-
 class InBackwardOptimizer(Optimizer):
     """Mixin that gives a ``torch.optim.Optimizer`` subclass in-backward updates.
 
@@ -100,7 +83,6 @@ class InBackwardOptimizer(Optimizer):
     """
 
     _torch_step: Callable[..., Any]  # set on each concrete class
-    _torch_step_no_grad: Callable[..., Any]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._lo_engine = Engine(self)
@@ -204,11 +186,14 @@ class InBackwardOptimizer(Optimizer):
             ...     with ctx:
             ...         (model(batch).sum() / len(micro_batches)).backward()
         """
-        self._lo_engine.no_step_depth += 1
+        engine = self._lo_engine
+        engine.no_step_depth += 1
+        engine.route()
         try:
             yield
         finally:
-            self._lo_engine.no_step_depth -= 1
+            engine.no_step_depth -= 1
+            engine.route()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Torch's ``step``; once attached, only for gradients the hooks left.
@@ -348,7 +333,6 @@ def in_backward(optimizer_class: type[_O]) -> type[_O]:
             ),
             "_lo_base": optimizer_class,
             "_torch_step": staticmethod(_raw_step(optimizer_class)),
-            "_torch_step_no_grad": staticmethod(_no_grad_step(_raw_step(optimizer_class))),
         },
     )
     init = cls.__init__
@@ -418,12 +402,8 @@ def _new_in_backward(base: type) -> Any:
 
 
 def _call_torch_step(optimizer: InBackwardOptimizer) -> None:
-    """The torch class's own ``step`` (without torch's grad-mode wrapper inside hooks)."""
-    cls = type(optimizer)
-    if torch.is_grad_enabled():
-        cls._torch_step(optimizer)
-    else:  # inside a backward hook
-        cls._torch_step_no_grad(optimizer)
+    """The torch class's own ``step``, without torch's profiling/hook wrapper."""
+    type(optimizer)._torch_step(optimizer)
 
 
 @contextlib.contextmanager
