@@ -72,6 +72,38 @@ def test_global_clipping_with_accumulation():
     assert_models_equal(ref, model)
 
 
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom in backward")
+
+
+def test_measure_pass_that_raises_keeps_the_accumulated_gradients():
+    """no_step() gradients are set aside for layeropt.backward's measure pass; a pass that
+    raises puts them back (they were lost), as a plain backward that raises keeps them."""
+    model, ref, opt, ref_opt, _, batch_fn, loss_fn = _pair("mlp", "SGD", dict(lr=0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(0)
+    a, b = batch_fn(gen), batch_fn(gen)
+    (loss_fn(ref, a) / 2).backward()
+    (loss_fn(ref, b) / 2).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    ref_opt.step()
+    with opt.no_step():
+        (loss_fn(model, a) / 2).backward()
+    held = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match="boom"):
+        layeropt.backward(_FailsInBackward.apply(loss_fn(model, b)), max_norm=0.1)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, held[n]), n
+    norm = layeropt.backward(loss_fn(model, b) / 2, max_norm=0.1)
+    assert torch.equal(norm, ref_norm)
+    assert_models_equal(ref, model)
+
+
 @pytest.mark.parametrize("mode", ["clip_value", "bucket_max_norm"])
 def test_per_bucket_clipping_equals_torch_per_bucket(mode):
     model, ref, opt, ref_opt, handle, batch_fn, loss_fn = _pair("unet", "Adam", dict(lr=0.01), **{mode: 0.01})
