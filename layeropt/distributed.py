@@ -236,10 +236,8 @@ class DDPAttachment(Attachment):
                 "from ddp_model.parameters() before attaching."
             )
         self.params = list(owner)
-        for opt in owner.values():
-            opt._lo_engine.ddp_count += 1  # opt.attached is True
         for opt in self.optimizers:
-            opt._lo_engine.attachments.add(self)  # add_param_group -> _rebuild
+            opt._lo_engine.attachments.add(self)  # opt.attached; add_param_group -> _rebuild
         with self._state.lock:
             self._state.owner = {p: weakref.ref(o) for p, o in owner.items()}
             self._state.attachment = self
@@ -248,12 +246,8 @@ class DDPAttachment(Attachment):
 
     def _release(self) -> None:
         with self._state.lock:
-            owner, self._state.owner = self._state.owner, {}
+            self._state.owner = {}
             self._state.active = False
-        for ref in owner.values():
-            opt = ref()
-            if opt is not None:
-                opt._lo_engine.ddp_count -= 1
         self.params = []
 
     def sync(self, in_backward: bool = False) -> bool:

@@ -205,8 +205,8 @@ class Engine:
         self._ready: list[list[Tensor]] = []  # complete buckets not yet stepped
         self._ready_bytes = 0
         self.hook_count = 0  # parameters with this engine's post-accumulate-grad hook
-        self.ddp_count = 0  # parameters stepped by a DDP comm hook (layeropt.distributed)
-        self.attachments = WeakOrderedSet()  # in the order they were attached
+        self.attachments = WeakOrderedSet()  # in the order they were attached (the handles
+        # live as long as their hooked parameters, or their DDP model)
         self._partial: list[Bucket] = []  # buckets whose first gradient landed incomplete
         self._incomplete = 0  # how many of them are still incomplete
         self._active_task = _IDLE  # autograd graph task of the backward in progress

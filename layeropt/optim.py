@@ -143,8 +143,7 @@ class InBackwardOptimizer(Optimizer):
     @property
     def attached(self) -> bool:
         """Whether backward hooks currently step (some of) these parameters."""
-        engine = self._lo_engine
-        return engine.hook_count > 0 or engine.ddp_count > 0 or bool(engine.attachments)
+        return bool(self._lo_engine.attachments)
 
     @property
     def stepped_in_backward(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -61,6 +61,24 @@ if hasattr(torch.optim, "Adafactor"):
     ]
 if "decoupled_weight_decay" in torch.optim.Adam.__init__.__code__.co_varnames:
     OPTIMIZER_CONFIGS.append(("Adam", dict(lr=0.01, weight_decay=0.1, decoupled_weight_decay=True)))
+
+# (name, kwargs): a few representative optimizers, for the tests of a feature
+# (clipping, AMP, checkpointing, compile, lean losses, Hugging Face models) that
+# need not run every option above. The union of what those tests had each
+# picked: SGD with momentum, Adam, AdamW with torch's default and a larger
+# weight decay, and the fused kernels (which unscale GradScaler's gradients
+# inside their step). A file may take a part of it where a case is slow
+# (tests/test_hf.py: the first two) or pairs each model with one optimizer
+# (tests/test_compile.py: three, looked up by config_id).
+REPRESENTATIVE: list[tuple[str, dict[str, Any]]] = [
+    ("SGD", dict(lr=0.1, momentum=0.9)),
+    ("AdamW", dict(lr=0.01)),
+    ("Adam", dict(lr=0.01)),
+    ("AdamW", dict(lr=0.01, weight_decay=0.1)),
+    ("Adam", dict(lr=0.01, fused=True)),
+    ("AdamW", dict(lr=0.01, fused=True)),
+    ("AdamW", dict(lr=0.01, weight_decay=0.1, fused=True)),
+]
 
 MODEL_NAMES = ("mlp", "unet", "gpt", "loop", "frozen")
 
@@ -116,6 +134,48 @@ def assert_models_equal(m1: torch.nn.Module, m2: torch.nn.Module) -> None:
         assert_same(p.detach(), q.detach(), n)
 
 
+class Pair(NamedTuple):
+    """A model with a layeropt optimizer and its plain-torch reference (see :func:`make_pair`)."""
+
+    model: torch.nn.Module  # the layeropt side
+    ref: torch.nn.Module  # a deepcopy of ``model``, for torch.optim
+    opt: torch.optim.Optimizer  # the layeropt optimizer, over ``model``
+    ref_opt: torch.optim.Optimizer  # the torch.optim optimizer, over ``ref``
+    batch_fn: Callable[..., Any]
+    loss_fn: Callable[..., Any]
+    handle: Any  # layeropt.attach's handle; None when not attached
+
+
+def make_pair(
+    model_name: str,
+    opt_name: str,
+    kw: dict[str, Any],
+    *,
+    attach: dict[str, Any] | None = None,
+    split_groups: bool = False,
+    model: torch.nn.Module | None = None,
+    batch_fn: Callable[..., Any] | None = None,
+    loss_fn: Callable[..., Any] | None = None,
+) -> Pair:
+    """``make_model(model_name)`` and a deepcopy of it (``ref``); ``torch.optim.<opt_name>``
+    over the copy and ``layeropt.<opt_name>`` over the model, both with ``kw`` (tensors
+    cloned for each).
+
+    ``attach``: None leaves the layeropt optimizer unattached (the test attaches it,
+    say after changing the model); a dict attaches it at once with those options
+    (``{}``: attach's defaults). ``split_groups``: two param groups with different lr
+    (:func:`param_groups`). ``model``, ``batch_fn``, ``loss_fn``: the caller's model
+    instead of ``make_model``'s.
+    """
+    if model is None:
+        model, batch_fn, loss_fn = make_model(model_name)
+    ref = copy.deepcopy(model)
+    ref_opt = torch_class(opt_name)(param_groups(ref, kw, split_groups), **clone_kwargs(kw))
+    opt = layeropt_class(opt_name)(param_groups(model, kw, split_groups), **clone_kwargs(kw))
+    handle = None if attach is None else layeropt.attach(model, opt, **attach)
+    return Pair(model, ref, opt, ref_opt, batch_fn, loss_fn, handle)
+
+
 def train_pair(
     model_name: str,
     opt_name: str,
@@ -128,12 +188,10 @@ def train_pair(
     loss_fn: Callable[..., Any] | None = None,
 ) -> tuple[Any, Any, Any, Any]:
     """Train torch reference and attached layeropt copies; return both."""
-    if model is None:
-        model, batch_fn, loss_fn = make_model(model_name)
-    ref = copy.deepcopy(model)
-    ref_opt = torch_class(opt_name)(param_groups(ref, kw, split_groups), **clone_kwargs(kw))
-    lo_opt = layeropt_class(opt_name)(param_groups(model, kw, split_groups), **clone_kwargs(kw))
-    handle = layeropt.attach(model, lo_opt)
+    model, ref, lo_opt, ref_opt, batch_fn, loss_fn, handle = make_pair(
+        model_name, opt_name, kw, attach={}, split_groups=split_groups,
+        model=model, batch_fn=batch_fn, loss_fn=loss_fn,
+    )
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         data = batch_fn(gen)

@@ -22,7 +22,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as tc
-from harness import Boom, OtherReentrant, assert_models_equal, assert_same
+from harness import (
+    REPRESENTATIVE,
+    Boom,
+    OtherReentrant,
+    assert_models_equal,
+    assert_same,
+    config_id,
+)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -40,11 +47,6 @@ from layeropt.memory import PeakMemory
 from layeropt.models import make_model
 
 MODES = ("non-reentrant", "reentrant")
-OPTIMIZERS = [
-    ("SGD", dict(lr=0.1, momentum=0.9)),
-    ("Adam", dict(lr=0.01)),
-    ("AdamW", dict(lr=0.01)),
-]
 
 
 def _plain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -227,11 +229,11 @@ def _train(scenario: Scenario, mode: str, opt_name: str, kw: dict[str, Any], ste
     return ref, ref_opt, model, opt
 
 
-@pytest.mark.parametrize("opt_name,kw", OPTIMIZERS, ids=[o for o, _ in OPTIMIZERS])
+@pytest.mark.parametrize("cfg", REPRESENTATIVE, ids=config_id)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_matches_plain_torch_without_checkpointing(scenario, mode, opt_name, kw):
-    ref, ref_opt, model, opt = _train(scenario, mode, opt_name, kw)
+def test_matches_plain_torch_without_checkpointing(scenario, mode, cfg):
+    ref, ref_opt, model, opt = _train(scenario, mode, *cfg)
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), opt.state_dict())
 
@@ -294,12 +296,12 @@ TORCH_SCENARIOS = [s for s in SCENARIOS if s.name not in TORCH_REENTRANT_CANNOT]
 ]
 
 
-@pytest.mark.parametrize("opt_name,kw", OPTIMIZERS, ids=[o for o, _ in OPTIMIZERS])
+@pytest.mark.parametrize("cfg", REPRESENTATIVE, ids=config_id)
 @pytest.mark.parametrize("scenario", TORCH_SCENARIOS, ids=lambda s: s.name)
-def test_torch_reentrant_checkpoint_is_exact_and_warns(scenario, opt_name, kw):
+def test_torch_reentrant_checkpoint_is_exact_and_warns(scenario, cfg):
     """Its nested backwards defer every step to the end of the outer backward."""
     with pytest.warns(UserWarning, match="use_reentrant=True.*layeropt.checkpoint"):
-        ref, ref_opt, model, opt = _train(scenario, "torch-reentrant", opt_name, kw)
+        ref, ref_opt, model, opt = _train(scenario, "torch-reentrant", *cfg)
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), opt.state_dict())
     assert opt.stepped_in_backward == sum(1 for _ in model.parameters())

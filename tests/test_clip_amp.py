@@ -8,27 +8,22 @@ import pytest
 import torch
 
 import layeropt
-from harness import InfGrad, assert_models_equal, assert_same
+from harness import (
+    REPRESENTATIVE,
+    InfGrad,
+    assert_models_equal,
+    assert_same,
+    config_id,
+    make_pair,
+)
 from layeropt.errors import LayeroptError
-from layeropt.models import make_model
-
-OPTS = [("SGD", dict(lr=0.1, momentum=0.9)), ("Adam", dict(lr=0.01)), ("AdamW", dict(lr=0.01, weight_decay=0.1)),
-        ("Adam", dict(lr=0.01, fused=True))]
-
-
-def _pair(model_name, opt_name, kw, **attach_kw):
-    model, batch_fn, loss_fn = make_model(model_name)
-    ref = copy.deepcopy(model)
-    ref_opt = getattr(torch.optim, opt_name)(ref.parameters(), **kw)
-    opt = getattr(layeropt, opt_name)(model.parameters(), **kw)
-    handle = layeropt.attach(model, opt, **attach_kw)
-    return model, ref, opt, ref_opt, handle, batch_fn, loss_fn
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["active", "inactive"])
-@pytest.mark.parametrize("opt_name,kw", OPTS, ids=[f"{n}{kw}" for n, kw in OPTS])
-def test_global_clipping_equals_clip_grad_norm(opt_name, kw, max_norm):
-    model, ref, opt, ref_opt, _, batch_fn, loss_fn = _pair("gpt", opt_name, kw)
+@pytest.mark.parametrize("cfg", REPRESENTATIVE, ids=config_id)
+def test_global_clipping_equals_clip_grad_norm(cfg, max_norm):
+    opt_name, kw = cfg
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair("gpt", opt_name, kw, attach={})
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         data = batch_fn(gen)
@@ -44,7 +39,9 @@ def test_global_clipping_equals_clip_grad_norm(opt_name, kw, max_norm):
 
 
 def test_clipping_configured_at_attach_refuses_plain_backward_before_any_update():
-    model, ref, opt, _, _, batch_fn, loss_fn = _pair("mlp", "Adam", dict(lr=0.01), max_grad_norm=1.0)
+    model, ref, opt, _, batch_fn, loss_fn, _ = make_pair(
+        "mlp", "Adam", dict(lr=0.01), attach=dict(max_grad_norm=1.0)
+    )
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(LayeroptError, match=r"layeropt\.backward"):
         loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
@@ -56,7 +53,9 @@ def test_clipping_configured_at_attach_refuses_plain_backward_before_any_update(
 
 
 def test_global_clipping_with_accumulation():
-    model, ref, opt, ref_opt, _, batch_fn, loss_fn = _pair("mlp", "SGD", dict(lr=0.1, momentum=0.9))
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair(
+        "mlp", "SGD", dict(lr=0.1, momentum=0.9), attach={}
+    )
     gen = torch.Generator().manual_seed(0)
     for _ in range(2):
         a, b = batch_fn(gen), batch_fn(gen)
@@ -85,7 +84,9 @@ class _FailsInBackward(torch.autograd.Function):
 def test_measure_pass_that_raises_keeps_the_accumulated_gradients():
     """no_step() gradients are set aside for layeropt.backward's measure pass; a pass that
     raises puts them back (they were lost), as a plain backward that raises keeps them."""
-    model, ref, opt, ref_opt, _, batch_fn, loss_fn = _pair("mlp", "SGD", dict(lr=0.1, momentum=0.9))
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair(
+        "mlp", "SGD", dict(lr=0.1, momentum=0.9), attach={}
+    )
     gen = torch.Generator().manual_seed(0)
     a, b = batch_fn(gen), batch_fn(gen)
     (loss_fn(ref, a) / 2).backward()
@@ -106,7 +107,9 @@ def test_measure_pass_that_raises_keeps_the_accumulated_gradients():
 
 @pytest.mark.parametrize("mode", ["clip_value", "bucket_max_norm"])
 def test_per_bucket_clipping_equals_torch_per_bucket(mode):
-    model, ref, opt, ref_opt, handle, batch_fn, loss_fn = _pair("unet", "Adam", dict(lr=0.01), **{mode: 0.01})
+    model, ref, opt, ref_opt, batch_fn, loss_fn, handle = make_pair(
+        "unet", "Adam", dict(lr=0.01), attach={mode: 0.01}
+    )
     names = {id(p): n for n, p in model.named_parameters()}
     ref_params = dict(ref.named_parameters())
     groups = [[ref_params[names[id(p)]] for p in b.params] for b in handle.buckets]
@@ -131,9 +134,10 @@ def _scaler(**kw):
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])
-@pytest.mark.parametrize("opt_name,kw", OPTS, ids=[f"{n}{kw}" for n, kw in OPTS])
-def test_grad_scaler_finite_run_equals_torch(opt_name, kw, clip):
-    model, ref, opt, ref_opt, _, batch_fn, loss_fn = _pair("mlp", opt_name, kw)
+@pytest.mark.parametrize("cfg", REPRESENTATIVE, ids=config_id)
+def test_grad_scaler_finite_run_equals_torch(cfg, clip):
+    opt_name, kw = cfg
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair("mlp", opt_name, kw, attach={})
     ref_scaler, scaler = _scaler(), _scaler()
     gen = torch.Generator().manual_seed(0)
     for _ in range(5):
@@ -154,8 +158,9 @@ def test_grad_scaler_finite_run_equals_torch(opt_name, kw, clip):
     assert_same(ref_opt.state_dict(), opt.state_dict())
 
 
-@pytest.mark.parametrize("opt_name,kw", OPTS, ids=[f"{n}{kw}" for n, kw in OPTS])
-def test_inf_in_one_layer_skips_every_update_and_halves_scale(opt_name, kw):
+@pytest.mark.parametrize("cfg", REPRESENTATIVE, ids=config_id)
+def test_inf_in_one_layer_skips_every_update_and_halves_scale(cfg):
+    opt_name, kw = cfg
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
     opt = getattr(layeropt, opt_name)(layers.parameters(), **kw)
@@ -184,7 +189,9 @@ def test_inf_in_one_layer_skips_every_update_and_halves_scale(opt_name, kw):
 
 
 def test_bf16_autocast_matches_torch():
-    model, ref, opt, ref_opt, _, batch_fn, loss_fn = _pair("gpt", "AdamW", dict(lr=0.01))
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair(
+        "gpt", "AdamW", dict(lr=0.01), attach={}
+    )
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         data = batch_fn(gen)
@@ -202,7 +209,7 @@ def test_bf16_autocast_matches_torch():
 
 def test_bf16_parameters_match_torch():
     """bf16 params: torch keeps optimizer state in the param dtype, and so does layeropt."""
-    model, ref, opt, ref_opt, _, batch_fn, _ = _pair("mlp", "AdamW", dict(lr=0.01))
+    model, ref, opt, ref_opt, batch_fn, _, _ = make_pair("mlp", "AdamW", dict(lr=0.01), attach={})
     model.to(torch.bfloat16)
     ref.to(torch.bfloat16)
     gen = torch.Generator().manual_seed(0)

@@ -21,33 +21,32 @@ from typing import Any
 
 import pytest
 import torch
-from harness import TORCH, assert_same
+from harness import REPRESENTATIVE, TORCH, assert_same, config_id, make_pair
 
 import layeropt
-from layeropt.models import make_model
 
 dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-OPTIMIZERS = [
-    ("Adam", dict(lr=1e-2)),
-    ("SGD", dict(lr=0.1, momentum=0.9)),
-    ("AdamW", dict(lr=1e-2, fused=True)),
-]
+# Three of the shared table's optimizers, by their ids (a KeyError if the table changes).
+_SHARED = {config_id(cfg): cfg for cfg in REPRESENTATIVE}
+ADAM = _SHARED["Adam(lr=0.01)"]
+SGD_MOMENTUM = _SHARED["SGD(lr=0.1,momentum=0.9)"]
+ADAMW_FUSED = _SHARED["AdamW(lr=0.01,fused=True)"]
 
 _NO_CXX = not any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
-# (backend, model, optimizer index, tolerance against eager torch.optim)
+# (backend, model, (optimizer, kwargs), tolerance against eager torch.optim)
 CASES = [
-    ("aot_eager", "mlp", 0, 0.0),
+    ("aot_eager", "mlp", ADAM, 0.0),
     # skip connections; before torch 2.13, aot_eager moves it from eager (2.4-2.6: 1.5e-8)
-    ("aot_eager", "unet", 1, 0.0 if TORCH >= (2, 13) else 1e-7),
-    ("aot_eager", "gpt", 2, 0.0),  # tied embedding / head
+    ("aot_eager", "unet", SGD_MOMENTUM, 0.0 if TORCH >= (2, 13) else 1e-7),
+    ("aot_eager", "gpt", ADAMW_FUSED, 0.0),  # tied embedding / head
     # Inductor generates fused C++ kernels whose float reassociation moves
     # results by a few ulps per step (measured: 2.3e-6 after 3 Adam steps, lr 1e-2).
     # About 11 s on 2 CPU cores with a cold compile cache.
-    pytest.param("inductor", "mlp", 0, 1e-5, id="inductor-mlp",
+    pytest.param("inductor", "mlp", ADAM, 1e-5, id="inductor-mlp",
                  marks=pytest.mark.skipif(_NO_CXX, reason="inductor needs a C++ compiler")),
 ]
 
@@ -69,24 +68,16 @@ def _train(model: torch.nn.Module, step_model: Any, opt: torch.optim.Optimizer,
         opt.zero_grad()
 
 
-def _pair(name: str, opt_index: int):
-    model, batch_fn, loss_fn = make_model(name)
-    opt_name, kw = OPTIMIZERS[opt_index]
-    ref = copy.deepcopy(model)
-    eager = copy.deepcopy(model)
-    return model, ref, eager, batch_fn, loss_fn, opt_name, kw
-
-
-@pytest.mark.parametrize("backend,name,opt_index,tol", CASES,
+@pytest.mark.parametrize("backend,name,cfg,tol", CASES,
                          ids=[f"{c[0]}-{c[1]}" if isinstance(c, tuple) else None for c in CASES])
-def test_compiled_model_matches_torch_optim(backend, name, opt_index, tol):
-    model, ref, eager, batch_fn, loss_fn, opt_name, kw = _pair(name, opt_index)
+def test_compiled_model_matches_torch_optim(backend, name, cfg, tol):
+    opt_name, kw = cfg
+    model, ref, lo_opt, ref_opt, batch_fn, loss_fn, _ = make_pair(name, opt_name, kw)
+    eager = copy.deepcopy(ref)  # untrained still
     counter = CompileCounterWithBackend(backend)
 
-    ref_opt = getattr(torch.optim, opt_name)(ref.parameters(), **kw)
     _train(ref, torch.compile(ref, backend=counter), ref_opt, batch_fn, loss_fn)
 
-    lo_opt = getattr(layeropt, opt_name)(model.parameters(), **kw)
     compiled = torch.compile(model, backend=counter)
     with layeropt.attach(compiled, lo_opt):
         gen = torch.Generator().manual_seed(1)
@@ -117,10 +108,7 @@ def test_compiled_autograd_matches_torch_optim(name):
     The pattern of torch's compiled-autograd tutorial: a compiled model, and a
     compiled function that runs forward + ``backward()``.
     """
-    model, ref, _, batch_fn, loss_fn, _, kw = _pair(name, 0)
-    ref_opt = torch.optim.Adam(ref.parameters(), **kw)
-    lo_opt = layeropt.Adam(model.parameters(), **kw)
-    handle = layeropt.attach(model, lo_opt)
+    model, ref, lo_opt, ref_opt, batch_fn, loss_fn, handle = make_pair(name, *ADAM, attach={})
     if not _hooks_opaque_to_dynamo(model):
         handle.remove()
         pytest.xfail(
@@ -181,9 +169,7 @@ def test_compiled_model_no_step_accumulation():
 
 
 def _accumulate_and_clip_through_compiled_model():
-    model, ref, _, batch_fn, loss_fn, _, _ = _pair("mlp", 0)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    lo_opt = layeropt.AdamW(model.parameters(), lr=1e-2)
+    model, ref, lo_opt, ref_opt, batch_fn, loss_fn, _ = make_pair("mlp", "AdamW", dict(lr=1e-2))
     counter = CompileCounterWithBackend("aot_eager")
     c_ref = torch.compile(ref, backend=counter)
     c_lo = torch.compile(model, backend=counter)

@@ -113,8 +113,13 @@ def _loss(m: nn.Module, i: int) -> torch.Tensor:
 Change = Callable[[int, nn.Module, torch.optim.Optimizer, dict[str, Any]], None]
 
 
-def _pair(opt_name: str, kw: dict[str, Any], change: Change, steps: int = 4,
-          params: Callable[[nn.Module], Any] = lambda m: m.parameters()) -> Any:  # fmt: skip
+def _train_with_change(
+    opt_name: str,
+    kw: dict[str, Any],
+    change: Change,
+    steps: int = 4,
+    params: Callable[[nn.Module], Any] = lambda m: m.parameters(),
+) -> Any:
     """Train reference and layeropt; ``change(i, model, opt, scratch)`` before step i."""
     model = _net()
     ref = copy.deepcopy(model)
@@ -142,8 +147,12 @@ def test_add_param_group_mid_training():
         if i == 2:
             opt.add_param_group({"params": list(m[4].parameters()), "lr": 0.003})
 
-    lo_opt = _pair("Adam", dict(lr=0.01, fused=True), change,
-                   params=lambda m: [p for k in (0, 2) for p in m[k].parameters()])  # fmt: skip
+    lo_opt = _train_with_change(
+        "Adam",
+        dict(lr=0.01, fused=True),
+        change,
+        params=lambda m: [p for k in (0, 2) for p in m[k].parameters()],
+    )
     fast = _fast(lo_opt)
     assert fast.dropped > 0 and fast.taken > 0
 
@@ -153,7 +162,7 @@ def test_group_params_list_replaced():
         if i == 2:
             opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])
 
-    fast = _fast(_pair("SGD", dict(lr=0.1, momentum=0.9), change))
+    fast = _fast(_train_with_change("SGD", dict(lr=0.1, momentum=0.9), change))
     assert fast.dropped > 0 and fast.taken > 0
 
 
@@ -165,7 +174,7 @@ def test_load_state_dict_mid_training(fused):
         if i == 3:
             opt.load_state_dict(scratch["sd"])  # back to the state after step 1
 
-    fast = _fast(_pair("Adam", dict(lr=0.01, fused=fused), change, steps=5))
+    fast = _fast(_train_with_change("Adam", dict(lr=0.01, fused=fused), change, steps=5))
     assert fast.dropped > 0 and fast.taken > 0
 
 
@@ -189,7 +198,7 @@ def test_lr_scheduler_changes_lr_between_steps(kw):
         else:
             scratch["sched"].step()
 
-    lo_opt = _pair("Adam", kw, change, steps=5)
+    lo_opt = _train_with_change("Adam", kw, change, steps=5)
     fast = _fast(lo_opt)
     assert fast.dropped == 0 and fast.taken == 4 * fast.built  # lr is read per call
     assert isinstance(lo_opt.param_groups[0]["lr"], type(kw["lr"]))
@@ -204,7 +213,7 @@ def test_hyperparameters_changed_by_hand_are_read_per_call():
             g["maximize"] = bool(i % 2)
             g["decoupled_weight_decay"] = i == 3
 
-    fast = _fast(_pair("Adam", dict(lr=0.01, fused=True), change))
+    fast = _fast(_train_with_change("Adam", dict(lr=0.01, fused=True), change))
     assert fast.dropped == 0 and fast.taken > 0
 
 
@@ -213,7 +222,7 @@ def test_model_double_after_attach_before_the_first_step():
         if i == 0:
             m.double()
 
-    fast = _fast(_pair("Adam", dict(lr=0.01, fused=True), change))
+    fast = _fast(_train_with_change("Adam", dict(lr=0.01, fused=True), change))
     assert fast.taken > 0
 
 
@@ -250,7 +259,7 @@ def test_model_double_then_load_state_dict(kw):
             m.double()
             opt.load_state_dict(opt.state_dict())
 
-    fast = _fast(_pair("Adam", kw, change, steps=5))
+    fast = _fast(_train_with_change("Adam", kw, change, steps=5))
     assert fast.dropped > 0 and fast.taken > 0
     assert all(c.lists[0][0].dtype == torch.float64 for e in fast._entries.values() for c in e.chunks)
 
@@ -263,7 +272,7 @@ def test_amsgrad_switched_off(kw):
             for g in opt.param_groups:
                 g["amsgrad"] = False
 
-    fast = _fast(_pair("Adam", kw, change))
+    fast = _fast(_train_with_change("Adam", kw, change))
     assert fast.dropped > 0 and fast.taken > 0
 
 
@@ -303,7 +312,7 @@ def test_group_option_toggled(opt_name, kw, key, value):
                 if key == "fused":
                     g["foreach"] = False
 
-    fast = _fast(_pair(opt_name, kw, change))
+    fast = _fast(_train_with_change(opt_name, kw, change))
     assert fast.taken > 0
 
 
@@ -324,7 +333,7 @@ def test_state_replaced_between_steps(how):
         else:
             opt.state.clear()
 
-    fast = _fast(_pair("Adam", dict(lr=0.01), change))
+    fast = _fast(_train_with_change("Adam", dict(lr=0.01), change))
     assert fast.dropped > 0 and fast.taken > 0
 
 

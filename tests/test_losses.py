@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import layeropt
-from harness import assert_same
+from harness import REPRESENTATIVE, assert_same, config_id
 from layeropt import losses
 from layeropt.losses import (
     ChunkedLMHead,
@@ -51,7 +51,7 @@ def peak(fn, backward: bool = True) -> int:
 # ---------------------------------------------------------------- recompute
 
 
-def _pair(u: Tensor, t: Tensor) -> Tensor:
+def _pairwise_logsumexp(u: Tensor, t: Tensor) -> Tensor:
     return torch.logsumexp(u @ t.T, dim=1).sum()
 
 
@@ -66,7 +66,7 @@ def _kwarg_loss(x: Tensor, y: Tensor, *, scale: float = 1.0, target: Tensor | No
 # (name, loss, makes (args, kwargs) from x, y)
 RECOMPUTE_CASES = [
     ("sum(x*y)", lambda x, y: torch.sum(x * y), lambda x, y: ((x, y), {})),
-    ("pairwise logsumexp", _pair, lambda x, y: ((x, y), {})),
+    ("pairwise logsumexp", _pairwise_logsumexp, lambda x, y: ((x, y), {})),
     ("dropout inside", _dropout_loss, lambda x, y: ((x, y), {})),
     ("keyword args", _kwarg_loss, lambda x, y: ((x, y), dict(scale=0.5, target=y.detach()))),
     ("nn.SmoothL1Loss", nn.SmoothL1Loss(), lambda x, y: ((torch.sin(x), y), {})),
@@ -93,7 +93,7 @@ def test_recompute_module_keeps_parameters_and_grads():
             self.t = nn.Parameter(torch.tensor(0.7))
 
         def forward(self, a: Tensor, b: Tensor) -> Tensor:
-            return _pair(a / self.t, b)
+            return _pairwise_logsumexp(a / self.t, b)
 
     plain = Temp()
     lean = Recompute(copy.deepcopy(plain))
@@ -114,7 +114,8 @@ def test_recompute_with_attached_optimizer_matches_torch_optim_bitwise():
 
     def train(model: Scaled, opt, attached: bool) -> None:
         handle = layeropt.attach(model, opt) if attached else None
-        crit = recompute(lambda a, b: _pair(a / model.temp, b))  # a parameter in the closure
+        # a parameter in the closure
+        crit = recompute(lambda a, b: _pairwise_logsumexp(a / model.temp, b))
         gen = torch.Generator().manual_seed(5)
         for _ in range(3):
             x, q = torch.randn(16, 8, generator=gen), torch.randn(32, 8, generator=gen)
@@ -159,7 +160,7 @@ def test_recompute_holds_no_intermediate_between_forward_and_backward():
     p = torch.randn(ROWS, DIM, requires_grad=True)
     q = torch.randn(COLS, DIM)
     held = []
-    for fn in (_pair, recompute(_pair)):
+    for fn in (_pairwise_logsumexp, recompute(_pairwise_logsumexp)):
         with PeakMemory() as mem:
             loss = fn(p * 2, q)
         held.append(mem.end)
@@ -174,10 +175,10 @@ def test_recompute_peak_drops_with_several_loss_terms(terms):
     """Plain keeps every term's (rows, cols) matrix until backward; recompute one at a time."""
     p = torch.randn(ROWS, DIM, requires_grad=True)
     q = torch.randn(COLS, DIM)
-    lean_pair = recompute(_pair)
-    plain = peak(lambda: sum(_pair(p * (i + 1), q) for i in range(terms)))
+    lean_logsumexp = recompute(_pairwise_logsumexp)
+    plain = peak(lambda: sum(_pairwise_logsumexp(p * (i + 1), q) for i in range(terms)))
     p.grad = None
-    lean = peak(lambda: sum(lean_pair(p * (i + 1), q) for i in range(terms)))
+    lean = peak(lambda: sum(lean_logsumexp(p * (i + 1), q) for i in range(terms)))
     assert plain >= terms * INTERMEDIATE
     # Recompute rebuilds one term at a time, so it saves every other term's
     # matrix, less the inputs + RNG state each term keeps for its replay.
@@ -476,14 +477,11 @@ def _train(model, opt, loss_fn, batches, attached: bool) -> None:
         handle.remove()
 
 
-OPTS = [("SGD", dict(lr=0.1, momentum=0.9)), ("Adam", dict(lr=1e-2)),
-        ("AdamW", dict(lr=1e-2, weight_decay=0.1, fused=True))]  # fmt: skip
-
-
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("opt_name,kw", OPTS, ids=[o[0] for o in OPTS])
-def test_attached_optimizer_with_lean_loss_matches_torch_optim_bitwise(impl, opt_name, kw):
+@pytest.mark.parametrize("cfg", REPRESENTATIVE, ids=config_id)
+def test_attached_optimizer_with_lean_loss_matches_torch_optim_bitwise(impl, cfg):
     """layeropt in backward + lean loss == torch.optim + the same lean loss, bit for bit."""
+    opt_name, kw = cfg
     torch.manual_seed(0)
     model = TinyGPT(vocab=96, d=16)
     ref = copy.deepcopy(model)

@@ -7,24 +7,21 @@ or checks that layeropt refuses it loudly with nothing of the step applied.
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
 import torch
-from harness import InfGrad, assert_models_equal, assert_same
+from harness import (
+    REPRESENTATIVE,
+    InfGrad,
+    assert_models_equal,
+    assert_same,
+    config_id,
+    make_pair,
+)
 
 import layeropt
 from layeropt.models import make_model
-
-
-def _pair(model_name: str = "mlp", opt_name: str = "Adam", **kw):
-    model, batch_fn, loss_fn = make_model(model_name)
-    ref = copy.deepcopy(model)
-    kw = kw or dict(lr=1e-2)
-    ref_opt = getattr(torch.optim, opt_name)(ref.parameters(), **kw)
-    opt = getattr(layeropt, opt_name)(model.parameters(), **kw)
-    return ref, ref_opt, model, opt, batch_fn, loss_fn
 
 
 def _snapshot(model):
@@ -35,8 +32,9 @@ def _snapshot(model):
 
 
 def test_torch_style_accumulation_is_refused_before_the_second_backward_applies():
-    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair()
-    layeropt.attach(model, opt)
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair(
+        "mlp", "Adam", dict(lr=1e-2), attach={}
+    )
     gen = torch.Generator().manual_seed(1)
     opt.zero_grad()  # the loop's first call: from here on it is a torch loop
     (loss_fn(model, batch_fn(gen)) / 2).backward()
@@ -49,8 +47,7 @@ def test_torch_style_accumulation_is_refused_before_the_second_backward_applies(
 
 def test_step_after_several_stepping_backwards_is_refused():
     """The (i + 1) % n loop: its first step() comes after n attached backwards."""
-    _, _, model, opt, batch_fn, loss_fn = _pair()
-    layeropt.attach(model, opt)
+    model, _, opt, _, batch_fn, loss_fn, _ = make_pair("mlp", "Adam", dict(lr=1e-2), attach={})
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
         (loss_fn(model, batch_fn(gen)) / 2).backward()
@@ -74,8 +71,9 @@ def test_retain_graph_double_backward_is_refused():
 @pytest.mark.parametrize("cap", [0.0, None])
 def test_accumulation_with_no_step_matches_torch(cap):
     """The fix the errors name: all but the last micro-batch inside no_step()."""
-    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair("gpt")
-    layeropt.attach(model, opt, **({} if cap is None else {"bucket_cap_mb": cap}))
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair(
+        "gpt", "Adam", dict(lr=1e-2), attach={} if cap is None else {"bucket_cap_mb": cap}
+    )
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
         batches = [batch_fn(gen) for _ in range(3)]
@@ -97,8 +95,9 @@ def test_accumulation_with_no_step_matches_torch(cap):
 
 def test_a_loop_without_step_calls_steps_every_backward():
     """A layeropt-native loop (never calls step/zero_grad): each backward is a step."""
-    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair()
-    layeropt.attach(model, opt)
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair(
+        "mlp", "Adam", dict(lr=1e-2), attach={}
+    )
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         data = batch_fn(gen)
@@ -129,16 +128,13 @@ def _scaler_loop(model, opt, batch_fn, loss_fn, *, inf_at=None, clip=None, steps
     return scaler
 
 
-@pytest.mark.parametrize("opt_name, kw", [
-    ("SGD", dict(lr=0.1, momentum=0.9)),
-    ("Adam", dict(lr=1e-2)),
-    ("Adam", dict(lr=1e-2, fused=True)),  # unscales inside its step: grad_scale / found_inf
-])
+# The fused ones unscale inside their step (grad_scale / found_inf).
+@pytest.mark.parametrize("cfg", REPRESENTATIVE, ids=config_id)
 @pytest.mark.parametrize("inf_at, clip", [(None, None), (1, None), (None, 0.05)])
-def test_grad_scaler_recipe_is_exact(opt_name, kw, inf_at, clip):
+def test_grad_scaler_recipe_is_exact(cfg, inf_at, clip):
     """scale(loss).backward(); [unscale_; clip]; scaler.step(opt); update(): held, exact."""
-    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair("gpt", opt_name, **kw)
-    layeropt.attach(model, opt)
+    opt_name, kw = cfg
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair("gpt", opt_name, kw, attach={})
     ref_scaler = _scaler_loop(ref, ref_opt, batch_fn, loss_fn, inf_at=inf_at, clip=clip)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -151,8 +147,7 @@ def test_grad_scaler_recipe_is_exact(opt_name, kw, inf_at, clip):
 
 
 def test_grad_scaler_recipe_never_changes_weights_during_backward():
-    _, _, model, opt, batch_fn, loss_fn = _pair("mlp", "SGD", lr=0.1)
-    layeropt.attach(model, opt)
+    model, _, opt, _, batch_fn, loss_fn, _ = make_pair("mlp", "SGD", dict(lr=0.1), attach={})
     before = _snapshot(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     with pytest.warns(UserWarning, match="GradScaler"):
@@ -165,8 +160,9 @@ def test_grad_scaler_recipe_never_changes_weights_during_backward():
 
 
 def test_step_with_closure_holds_gradients_so_the_caller_may_clip():
-    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair("gpt")
-    layeropt.attach(model, opt)
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair(
+        "gpt", "Adam", dict(lr=1e-2), attach={}
+    )
     gen = torch.Generator().manual_seed(1)
 
     def closure_for(m, o, data):
@@ -191,8 +187,7 @@ def test_step_with_closure_holds_gradients_so_the_caller_may_clip():
 
 
 def test_clipping_after_an_attached_backward_is_refused():
-    _, _, model, opt, batch_fn, loss_fn = _pair()
-    handle = layeropt.attach(model, opt)
+    model, _, opt, _, batch_fn, loss_fn, handle = make_pair("mlp", "Adam", dict(lr=1e-2), attach={})
     loss_fn(model, batch_fn(torch.Generator().manual_seed(1))).backward()
     with pytest.raises(layeropt.LayeroptError, match="layeropt.backward"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -212,8 +207,7 @@ def test_clipping_after_an_attached_backward_is_refused():
 
 
 def test_clipping_unrelated_parameters_is_untouched():
-    _, _, model, opt, batch_fn, loss_fn = _pair()
-    layeropt.attach(model, opt)
+    model, _, opt, _, batch_fn, loss_fn, _ = make_pair("mlp", "Adam", dict(lr=1e-2), attach={})
     loss_fn(model, batch_fn(torch.Generator().manual_seed(1))).backward()
     other = torch.nn.Linear(3, 3)
     other(torch.ones(3)).sum().backward()
@@ -234,7 +228,7 @@ def _unfreeze_schedule(model, step):
 
 @pytest.mark.parametrize("cap", [0.0, None])
 def test_gradual_unfreezing_matches_torch(cap):
-    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair("mlp", "AdamW")
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair("mlp", "AdamW", dict(lr=1e-2))
     _unfreeze_schedule(ref, 0)
     _unfreeze_schedule(model, 0)
     handle = layeropt.attach(model, opt, **({} if cap is None else {"bucket_cap_mb": cap}))
@@ -274,7 +268,7 @@ def test_gradual_unfreezing_through_layeropt_backward_matches_torch(case, cap):
     """Layers unfrozen since attach are measured (clip norm, inf check) and stepped
     with the clipped gradient, also when they accumulate under no_step() first."""
     clip, scaled, micro_batches, unfreeze_at = UNFREEZE_BACKWARDS[case]
-    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair("mlp", "AdamW")
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair("mlp", "AdamW", dict(lr=1e-2))
     _unfreeze_schedule(ref, 0)
     _unfreeze_schedule(model, 0)
     layeropt.attach(model, opt, **({} if cap is None else {"bucket_cap_mb": cap}))
@@ -317,7 +311,7 @@ def test_gradual_unfreezing_through_layeropt_backward_matches_torch(case, cap):
 def test_unfreezing_with_no_hooked_layer_left_is_stepped_by_step():
     """Everything trainable so far frozen, new layers unfrozen: no hook fires at all;
     step() updates them (as torch) and hooks them for the next backward."""
-    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair("mlp", "SGD", lr=0.1)
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair("mlp", "SGD", dict(lr=0.1))
     for m in (ref, model):
         m.requires_grad_(False)
         m.head.requires_grad_(True)
@@ -451,7 +445,7 @@ def test_hyperparameter_changed_after_backward_is_refused_at_step(case):
 
 
 def test_scheduler_before_step_is_refused_and_after_step_is_exact():
-    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair("mlp", "AdamW")
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair("mlp", "AdamW", dict(lr=1e-2))
     scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (ref_opt, opt)]
     layeropt.attach(model, opt)
     gen = torch.Generator().manual_seed(1)
@@ -494,8 +488,9 @@ def test_gradient_set_after_backward_on_an_updated_parameter_is_refused():
 
 def test_gradient_set_by_hand_where_backward_left_none_is_stepped_as_torch():
     """Parameters no backward reached, and a step() of a gradient alone: torch's updates."""
-    ref, ref_opt, model, opt, batch_fn, loss_fn = _pair("mlp", "SGD", lr=0.1, momentum=0.9)
-    layeropt.attach(model, opt)
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair(
+        "mlp", "SGD", dict(lr=0.1, momentum=0.9), attach={}
+    )
     gen = torch.Generator().manual_seed(1)
     for m, o in ((ref, ref_opt), (model, opt)):
         m.requires_grad_(False)
