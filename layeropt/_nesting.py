@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._registry import ENGINES
+
 __all__ = ["Pin", "watch_torch_checkpoint"]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -49,7 +51,6 @@ class TaskEnd:
             self.dropped()
 
 
-_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
 # Segments of torch.utils.checkpoint(use_reentrant=True) recorded with grad and
 # still alive (their autograd nodes), and how many run their nested backward now.
 _TORCH_SEGMENTS: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -94,7 +95,7 @@ def _unpin(params: list[Tensor], done: set[int]) -> None:
 
 
 def _ungate_all() -> None:
-    for engine in list(_ENGINES):
+    for engine in list(ENGINES):
         if engine._gated:
             engine._ungate()
 
@@ -136,7 +137,7 @@ segment_depth = _Depth()
 def _segment_enter(grad_outputs: Any) -> None:
     segment_depth.value += 1
     task = _graph_task_id()
-    for engine in list(_ENGINES):
+    for engine in list(ENGINES):
         engine._enter_torch_segment(task)
 
 

@@ -6,6 +6,7 @@ distributed code, importing none of them):
 * :func:`world_size`, :func:`is_dtensor`, and the guard the plain hooks run
   before touching a gradient under ``torch.distributed``
   (:func:`check_local_hooks_allowed`, :func:`allow_local_updates`);
+* :data:`ENGINES`, every live engine;
 * which :class:`~layeropt.attaching.Attachment` hooks a parameter
   (:func:`hooked_by`). Kept by ``id`` with an identity check, not in a weak
   dictionary: ``torch.utils.swap_tensors`` (module conversion under
@@ -33,6 +34,7 @@ __all__ = [
     "mark_hooked",
     "unmark_hooked",
     "WeakOrderedSet",
+    "ENGINES",
 ]
 
 # Attribute set on parameters declared for local updates (a plain value: picklable).
@@ -50,6 +52,12 @@ class WeakOrderedSet(weakref.WeakKeyDictionary):
 
     def discard(self, item: Any) -> None:
         self.pop(item, None)
+
+
+# The engine of every live layeropt optimizer, in the order they were made: what
+# attach(model) looks owners up in, and what the watchers of torch's checkpoint and
+# clipping functions ask (``_nesting``, ``_watch``).
+ENGINES = WeakOrderedSet()
 
 
 def hooked_by(param: Tensor) -> Any:

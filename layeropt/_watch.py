@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._registry import ENGINES
 from .errors import LayeroptError, warn
 
 __all__ = ["watch", "scaled_backward", "CLIP_AFTER_BACKWARD"]
 
 _SCALED: list[weakref.ref] = []  # outputs of GradScaler.scale still alive
-_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()  # engines to ask about stepped params
 _CALLING: list[str] = []  # guarded clipping functions running now (the outermost checks)
 
 CLIP_AFTER_BACKWARD = (
@@ -77,7 +77,7 @@ def scaled_backward() -> bool:
 def _stepped_ids() -> set[int]:
     """Parameters updated by an attached backward since their optimizer's last step()."""
     ids: set[int] = set()
-    for engine in list(_ENGINES):
+    for engine in list(ENGINES):
         if engine.stepped_since_boundary:
             ids.update(id(p) for p in engine.stepped)
     return ids
@@ -91,7 +91,7 @@ def _guard(fn: Callable[..., Any], by_norm: bool, name: str) -> Callable[..., An
         if isinstance(parameters, Tensor):
             parameters = [parameters]
         parameters = list(parameters)
-        stepped = _stepped_ids() if _ENGINES else ()
+        stepped = _stepped_ids() if ENGINES else ()
         if stepped and any(p.grad is None and id(p) in stepped for p in parameters):
             max_norm = args[0] if args else kwargs.get("max_norm", math.inf)
             message = CLIP_AFTER_BACKWARD.format(

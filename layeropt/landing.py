@@ -250,8 +250,6 @@ class Engine:
         # param_groups as this training step's first update read them (layeropt/_between.py)
         self.hyper: list[dict[str, Any]] | None = None
         self.hyper_txn = -1
-        nesting._ENGINES.add(self)
-        _watch._ENGINES.add(self)
         watch_torch_checkpoint()
         _watch.watch()
 

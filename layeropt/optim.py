@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ._between import snapshot
-from ._registry import WeakOrderedSet
+from ._registry import ENGINES
 from ._subset import SubsetStepper, narrowable
 from .errors import LayeroptError
 from .landing import Engine
@@ -47,9 +47,6 @@ _O = TypeVar("_O", bound=Optimizer)
 # a closure), so stepping a subset as soon as its gradient lands cannot match
 # stepping all of them at once.
 _NOT_PER_PARAMETER = {"LBFGS": "it needs a closure and keeps one state for all parameters"}
-
-# Every live layeropt optimizer, so ``attach(model)`` can find the owners.
-_LIVE = WeakOrderedSet()  # in the order they were made
 
 
 def _raw_step(cls: type) -> Callable[..., Any]:
@@ -90,7 +87,7 @@ class InBackwardOptimizer(Optimizer):
         self._lo_group_index: dict[int, tuple[int, Tensor]] | None = None
         self.last_grad_norm: Tensor | None = None  # set by layeropt.backward(max_norm=...)
         super().__init__(*args, **kwargs)
-        _LIVE.add(self)
+        ENGINES.add(self._lo_engine)  # (once torch's __init__ accepted the arguments)
 
     @classmethod
     def _new_stepper(cls) -> SubsetStepper:
@@ -251,7 +248,7 @@ class InBackwardOptimizer(Optimizer):
             self._lo_stepper = self._new_stepper()
             self._lo_group_index = None
         self.__dict__.setdefault("last_grad_norm", None)
-        _LIVE.add(self)
+        ENGINES.add(self._lo_engine)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickle by the class it wraps: ``in_backward(X)`` classes are made at run time."""
@@ -449,5 +446,6 @@ def optimizer_list(optimizer: Any) -> list[Any]:
 
 
 def live_optimizers() -> list[InBackwardOptimizer]:
-    """Every layeropt optimizer still alive (used by ``attach(model)``)."""
-    return list(_LIVE)
+    """Every layeropt optimizer still alive, in the order they were made (used by
+    ``attach(model)``)."""
+    return [o for o in (e._optimizer() for e in list(ENGINES)) if o is not None]

@@ -505,7 +505,7 @@ MEM_CASES = {  # name: (engine, layeropt?, gradient_as_bucket_view)
 
 
 def _memory(rank: int) -> dict[str, Any]:
-    """Memory of the third step (optimizer state and DDP buckets exist by then).
+    """Memory of a step after the second (optimizer state and DDP buckets exist by then).
 
     DDP: PeakMemory of backward + step + zero_grad. FSDP2: the sharded gradient
     bytes alive after each reduce-scatter's hooks, at most (PeakMemory is not
@@ -543,14 +543,18 @@ def _memory(rank: int) -> dict[str, Any]:
             for p in params:
                 p.register_post_accumulate_grad_hook(track)
         x = torch.randn(4, MEM_D, generator=torch.Generator().manual_seed(rank))
-        for _ in range(3):
+        peaks = []
+        for _ in range(5):
             loss = wrapped(x).square().mean()
             held[0] = 0
             with PeakMemory() as mem:
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-        out[name] = mem.peak if engine == "ddp" else held[0]
+            peaks.append(mem.peak)
+        # DDP: the least of steps 3-5 (every step holds the same tensors; when gloo's
+        # threads free their small buffers can only add to one step's peak)
+        out[name] = min(peaks[2:]) if engine == "ddp" else held[0]
         if engine == "fsdp2":
             out[f"{name}/shard_bytes"] = [p.to_local().nbytes for p in params]
         if layer:
