@@ -233,17 +233,24 @@ _UNUSED = (
 def _allreduce_then_step(state, bucket):  # no annotations: DDP inspects them
     """DDP comm hook: average the bucket; step its parameters once the average lands."""
     state.begin()
-    buffer = bucket.buffer()
-    landing = _Landing(state, bucket, buffer)  # sorted now: frees the local gradients at once
-    buffer.mul_(1.0 / state.world)  # what the built-in reducer does, bit for bit
-    fut = state.group.allreduce([buffer]).get_future()  # (a sum, as dist.all_reduce)
-    if state.overlap and buffer.device.type != "cpu" and not state.find_unused:
+    landing, fut = average(state, bucket)
+    if state.overlap and landing.device.type != "cpu" and not state.find_unused:
         # A device future's .then() runs on a stream that waits for the all-reduce.
         return fut.then(landing.then)
     state.defer(landing, fut)
     done: torch.futures.Future = torch.futures.Future()
-    done.set_result(buffer)  # as torch's own optimizer-in-backward hook: stepped by the flush
+    done.set_result(bucket.buffer())  # as torch's optimizer-in-backward hook: the flush steps
     return done
+
+
+def average(state: _HookState, bucket: Any) -> tuple[_Landing, Any]:
+    """Sort a bucket's parameters (:class:`_Landing`) and start its average: what DDP's
+    reducer does with it, bit for bit. Also ``layeropt.backward``'s second pass, which
+    DDP's reducer does not run (``layeropt/distributed.py``)."""
+    buffer = bucket.buffer()
+    landing = _Landing(state, bucket, buffer)  # sorted now: frees the local gradients at once
+    buffer.mul_(1.0 / state.world)
+    return landing, state.group.allreduce([buffer]).get_future()  # (a sum: dist.all_reduce)
 
 
 class _Landing:
@@ -277,7 +284,7 @@ class _Landing:
             mode = modes.get(id(ref), _WRITE_BACK if ref is None else None)
             if mode is None:  # the optimizer's first parameter in this bucket
                 opt = ref()  # type: ignore[misc]
-                if opt is None or id(opt) in state.holding:
+                if opt is None or id(opt) in state.holding or opt._lo_engine.no_step_depth:
                     mode = _WRITE_BACK
                 elif opt._lo_engine.measure is not None:  # layeropt.backward's first pass
                     mode = opt._lo_engine.measure

@@ -26,11 +26,11 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ._ddp_hook import _UNUSED, _allreduce_then_step, _Copied, _HookState, _step
+from ._ddp_hook import (_UNUSED, _allreduce_then_step, _Copied, _grad_view, _HookState, _step,
+                        _stepping, average)
 from ._registry import allow_local_updates, check_local_hooks_allowed, hooked_by
 from .attaching import Attachment, layer_buckets, register_wrapper, resolve_owners
 from .errors import AttachError
@@ -54,9 +54,10 @@ class _TwoPasses:
     are recorded. Each parameter's ``.grad`` is then put back as it was
     before the pass (only what ``no_step()`` accumulated), since the reducer
     left the pass's local gradient in it. Pass 2 (step): DDP's reducer does
-    not run a second time for one forward, so post-accumulate hooks average
-    each recorded bucket exactly as DDP does (one flat buffer in the bucket's
-    layout, ``mul_(1 / world)``, all-reduce), then unscale / clip and step it.
+    not run a second time for one forward, so post-accumulate hooks hand each
+    recorded bucket, in the reducer's layout, to the comm hook's own sorting
+    and averaging (:func:`~layeropt._ddp_hook.average`), and its parameters
+    are stepped through the engine (unscaled, clipped) as in any backward.
     """
 
     def __init__(self, engines: list[Any]) -> None:
@@ -146,34 +147,11 @@ class _StepPass:
 
     def _average_and_step(self, params: list[Tensor]) -> None:
         state = self.state
-        first = params[0]
-        buffer = torch.empty(sum(p.numel() for p in params), dtype=first.dtype,
-                             device=first.device)
-        views, offset = [], 0
-        for p in params:  # the layout of DDP's bucket: each gradient with its parameter's strides
-            view = buffer.as_strided(p.size(), p.stride(), offset)
-            if p.grad is None:  # find_unused_parameters: not used here (DDP's zeros)
-                view.zero_()
-            else:
-                view.copy_(p.grad)
-            views.append(view)
-            offset += p.numel()
-        buffer.mul_(1.0 / state.world)  # as the comm hook (and DDP's reducer) does
-        dist.all_reduce(buffer, group=state.group)
-        todo: dict[Any, list[Tensor]] = {}
-        used = state.used if state.find_unused else None
-        for p, view in zip(params, views):
-            if used is not None and id(p) not in used:
-                if p.grad is None:
-                    continue  # no process used it: DDP leaves its .grad alone
-            else:
-                p.grad = view
-            ref = state.owner.get(p)
-            opt = None if ref is None else ref()
-            if opt is not None and not opt._lo_engine.no_step_depth:
-                todo.setdefault(opt, []).append(p)
-        for opt, owned in todo.items():
-            _step(state, opt, owned)
+        landing, fut = average(state, _Rebucket(params))  # as the comm hook does
+        fut.wait()
+        with _stepping(state):
+            for opt, owned in landing.apply(state.used if state.find_unused else None).items():
+                _step(state, opt, owned)
 
     def check_done(self) -> None:
         self._average_ready()  # trailing buckets nothing of which was used here
@@ -193,6 +171,36 @@ class _StepPass:
             ddp = state.ddp()
             if ddp is not None:
                 ddp.reducer._reset_state()
+
+
+class _Rebucket:
+    """A recorded DDP bucket as DDP hands it to the comm hook: its parameters' gradients
+    copied into one flat buffer in the reducer's layout (zeros where a parameter got
+    none here, as DDP's)."""
+
+    def __init__(self, params: list[Tensor]) -> None:
+        first = params[0]
+        self._params = params
+        self._buffer = torch.empty(sum(p.numel() for p in params), dtype=first.dtype,
+                                   device=first.device)
+        self._views, offset = [], 0
+        for p in params:
+            view = self._buffer[offset: offset + p.numel()].view(p.shape)
+            if p.grad is None:  # find_unused_parameters: not used here
+                view.zero_()
+            else:
+                _grad_view(p, view).copy_(p.grad)
+            self._views.append(view)
+            offset += p.numel()
+
+    def buffer(self) -> Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[Tensor]:
+        return self._params
+
+    def gradients(self) -> list[Tensor]:
+        return self._views
 
 
 def two_passes(engines: list[Any]) -> _TwoPasses:
