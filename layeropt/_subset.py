@@ -107,16 +107,18 @@ def _changed(before: dict[str, Any], group: dict[str, Any]) -> list[str]:
     return sorted(k for k in keys if not _same(before.get(k, _MISSING), group.get(k, _MISSING)))
 
 
-def _restore_values(group: dict[str, Any], values: dict[str, Any]) -> None:
-    for k in [k for k in group if k != "params" and k not in values]:
-        del group[k]
+def _restore_values(target: dict[str, Any], values: dict[str, Any], now: Any) -> None:
+    """Put ``values`` back into ``target`` (a param group, or the optimizer's ``vars``);
+    keys of ``now`` (what the snapshot covers) that it lacks were made since: deleted."""
+    for k in [k for k in now if k not in values]:
+        del target[k]
     for k, v in values.items():
-        old = group.get(k)
+        old = target.get(k)
         if isinstance(v, Tensor) and isinstance(old, Tensor) and old.shape == v.shape:
             with torch.no_grad():
                 old.copy_(v)  # the same tensor object, as torch code may hold it
         else:
-            group[k] = v.clone() if isinstance(v, Tensor) else v
+            target[k] = v.clone() if isinstance(v, Tensor) else v
 
 
 # Instance attributes that are the optimizer's machinery, not its algorithm's state.
@@ -150,16 +152,9 @@ def _diff(snapshot: list[dict[str, Any]], optimizer: Any) -> list[str]:
 
 def _restore(optimizer: Any, snapshot: list[dict[str, Any]]) -> None:
     for g, values in zip(optimizer.param_groups, snapshot):
-        _restore_values(g, values)
-    for k in _own(optimizer, copy=False).keys() - snapshot[-1].keys():
-        delattr(optimizer, k)  # made by a step call since (``self.t = getattr(...) + 1``)
-    for k, v in snapshot[-1].items():
-        old = vars(optimizer).get(k)
-        if isinstance(v, Tensor) and isinstance(old, Tensor) and old.shape == v.shape:
-            with torch.no_grad():
-                old.copy_(v)
-        else:
-            setattr(optimizer, k, v.clone() if isinstance(v, Tensor) else v)
+        _restore_values(g, values, [k for k in g if k != "params"])
+    # (an attribute a step call made since is deleted: ``self.t = getattr(...) + 1``)
+    _restore_values(vars(optimizer), snapshot[-1], list(_own(optimizer, copy=False)))
 
 
 def _inner(t: Tensor) -> list[Tensor]:
