@@ -141,6 +141,8 @@ def programs(draw):
             clip=draw(st.sampled_from([None, 0.05, 10.0])),
             unfrozen=draw(st.booleans()),  # the layer frozen at attach trains this step
             overflow=draw(st.booleans()) and draw(st.booleans()),  # an inf in a gradient
+            # after the step, each optimizer reloads its own state_dict (a resumed run)
+            reload=draw(st.booleans()) and draw(st.booleans()),
         ))
     scaler = draw(st.booleans())
     return dict(
@@ -197,6 +199,8 @@ def _run_program(model, opts, program, lo, late_layer, rank=0):
             sched.step()
         for o in opts:
             o.zero_grad(set_to_none=program["set_to_none"])
+            if step.get("reload"):
+                o.load_state_dict(copy.deepcopy(o.state_dict()))
     return norms
 
 
@@ -221,8 +225,8 @@ def test_random_training_programs_match_torch_bitwise(process_group, kind, model
                                                       opt2, program, checkpointed, seed):
     """Accumulation, clipping, GradScaler, two optimizers, a layer frozen at attach and
     (un)frozen per step, activation checkpoints of every kind, optimizer state in host
-    memory, against torch.optim; on a plain model, on DDP and on FSDP2 (one process;
-    two processes: tests/test_distributed.py)."""
+    memory, state_dict reloaded between steps, against torch.optim; on a plain model, on
+    DDP and on FSDP2 (one process; two processes: tests/test_distributed.py)."""
     # torch's fused SGD with momentum, its first step skipped by a GradScaler inf, keeps
     # uninitialised momentum buffers (torch.empty_like in _fused_sgd): no reference
     assume(not (program["scaler"] and any(s["overflow"] for s in program["steps"])
@@ -328,7 +332,8 @@ def random_program(rng):
     scaler = rng.random() < 0.5
     program = dict(
         steps=[dict(micro=rng.randint(1, 3), clip=rng.choice([None, 0.05, 10.0]),
-                    unfrozen=False, overflow=scaler and rng.random() < 0.25)
+                    unfrozen=False, overflow=scaler and rng.random() < 0.25,
+                    reload=rng.random() < 0.25)
                for _ in range(rng.randint(2, 4))],
         scaler=scaler, two_optimizers=rng.random() < 0.5,
         checkpoint=rng.choice(["none", "layeropt"]), offload=rng.random() < 0.5,
