@@ -197,7 +197,7 @@ class Engine:
 
     def __init__(self, optimizer: Any) -> None:  # an InBackwardOptimizer (layeropt/optim.py)
         self._optimizer = weakref.ref(optimizer)
-        self._detour = False  # a gradient must leave the plain path (see _route)
+        self._detour = False  # a gradient must leave the plain path (see route)
         self.no_step_depth = 0  # open optimizer.no_step() contexts (> 0: hold gradients)
         # gradients accumulated under no_step(), with their bucket
         self.held: dict[Tensor, Bucket | None] = {}
