@@ -9,6 +9,7 @@ bit for bit.
 from __future__ import annotations
 
 import copy
+import os
 import socket
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -19,6 +20,10 @@ import torch.distributed as dist
 
 import layeropt
 from layeropt.models import make_model
+
+# LAYEROPT_SOAK=k multiplies the examples of the random-architecture and random-program
+# tests (tests/test_properties.py, the two-process programs of tests/test_distributed.py).
+SOAK = max(1, int(os.environ.get("LAYEROPT_SOAK", "1")))
 
 # The installed torch, for what depends on it (compared as a tuple: TORCH >= (2, 8)).
 TORCH = torch.torch_version.TorchVersion(torch.__version__)

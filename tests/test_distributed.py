@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import layeropt
-from harness import FSDP2_ON_CPU, TORCH, OtherReentrant, assert_same, needs_fsdp2
+from harness import FSDP2_ON_CPU, SOAK, TORCH, OtherReentrant, assert_same, needs_fsdp2
 from layeropt.errors import AttachError
 
 import test_properties
@@ -68,7 +68,7 @@ if dist.is_available():
 
 WORLD, STEPS, ACCUM = 2, 3, 3
 BUCKET_MB = 0.0005  # 512 bytes: several DDP buckets even for the tiny model
-TIMEOUT_S = 150
+TIMEOUT_S = 150 + 30 * (SOAK - 1)  # (16 more two-process programs per SOAK step)
 RULE_CAPS = (0.0, 1.0)  # bucket_cap_mb: each layer at once, and the default
 
 OPTS = {
@@ -779,7 +779,7 @@ def _find_unused(rank: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------
 # Random training programs (tests/test_properties.py) on two processes
 # ----------------------------------------------------------------------------
-PROGRAMS = 8  # per kind; seeded, the same on every rank
+PROGRAMS = 8 * SOAK  # per kind; seeded, the same on every rank
 
 
 def _program(kind: str, i: int, rank: int) -> Any:

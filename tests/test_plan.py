@@ -12,6 +12,7 @@ plan models.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import pathlib
@@ -441,8 +442,10 @@ def test_cli_is_quiet(tmp_path):
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert "torchao.optim.AdamW8bit" in proc.stdout  # the low-bit libraries were loaded
-    noise = ("Failed to load", "kernels-community", "_pytree", "Enum subclass", "loss_type")
+    if importlib.util.find_spec("torchao") is not None:  # (the optimizers extra, torch >= 2.6)
+        assert "torchao.optim.AdamW8bit" in proc.stdout  # the low-bit libraries were loaded
+    noise = ("Failed to load", "kernels-community", "_pytree", "Enum subclass", "loss_type",
+             "Warning")
     assert not [line for line in proc.stderr.splitlines() if any(n in line for n in noise)], (
         proc.stderr
     )

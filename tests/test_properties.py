@@ -14,7 +14,7 @@ from torch import nn
 
 import layeropt
 from harness import (  # noqa: F401 - process_group: a fixture
-    assert_models_equal, assert_same, fully_shard, needs_fsdp2, process_group)
+    SOAK, assert_models_equal, assert_same, fully_shard, needs_fsdp2, process_group)
 
 
 class RandomDAG(nn.Module):
@@ -73,7 +73,7 @@ def optimizers(draw):
     return name, kw
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40 * SOAK, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(model_spec=dag_models(), opt=optimizers(), split=st.booleans(), seed=st.integers(0, 2**16))
 def test_random_models_match_torch_bitwise(model_spec, opt, split, seed):
     spec, frozen, n_layers = model_spec
@@ -205,7 +205,7 @@ def _run_program(model, opts, program, lo, late_layer, rank=0):
 
 
 @pytest.mark.parametrize("kind", ["plain", "ddp", pytest.param("fsdp2", marks=needs_fsdp2)])
-@settings(max_examples=20, deadline=None, suppress_health_check=[
+@settings(max_examples=20 * SOAK, deadline=None, suppress_health_check=[
     HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
     phases=[p for p in Phase if p is not Phase.explain])  # (its explain step can crash)
 @given(model_spec=dag_models(), opt=optimizers(), opt2=optimizers(), program=programs(),

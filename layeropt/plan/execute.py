@@ -415,6 +415,9 @@ def library_quirks(live: LiveBytes, fake: Any, variants: list[Variant]) -> Itera
             stack.enter_context(_patched(bnb, "create_dynamic_map", real))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated")
+            # torch 2.4-2.5's own checkpoint calls its deprecated torch.cpu.amp.autocast
+            warnings.filterwarnings("ignore", message=r".*torch\.cpu\.amp\.autocast",
+                                    category=FutureWarning)
             yield
 
 
