@@ -66,15 +66,12 @@ class _HookState:
         self.fired: set[int] = set()
         self.pass_fired: set[int] | None = None  # those of layeropt.backward's measure pass
         self.used: set[int] | None = None  # used anywhere, as of the latest flush
-        if self.find_unused:
+        if self.find_unused:  # (a hook reaches this state weakly: it holds the parameters)
+            fired = partial(_fired, weakref.ref(self))
             for p in ddp.parameters():
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._fired)
+                    p.register_post_accumulate_grad_hook(fired)
 
-    def _fired(self, param: Tensor) -> None:
-        self.fired.add(id(param))
-        if self.pass_fired is not None:
-            self.pass_fired.add(id(param))
 
     def forward(self, module: nn.Module, args: Any) -> None:
         """DDP forward pre-hook: the next synchronised backward is a new training step."""
@@ -166,6 +163,15 @@ class _HookState:
         if serial == self.flushes:  # the latest flush queued (an older one may go later)
             self.deferred = []
             self.flush_task = _NONE
+
+
+def _fired(state_ref: weakref.ref, param: Tensor) -> None:
+    """``find_unused_parameters``: ``param``'s gradient was accumulated here."""
+    state = state_ref()
+    if state is not None:
+        state.fired.add(id(param))
+        if state.pass_fired is not None:
+            state.pass_fired.add(id(param))
 
 
 class _Copied:

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from ._registry import hooked_by, mark_hooked, unmark_hooked
 from .errors import AttachError, user_frame, warn
-from .landing import Bucket
+from .landing import Bucket, drop_dead_hooks
 from .optim import InBackwardOptimizer, in_backward_spelling, live_optimizers, optimizer_list
 
 __all__ = ["attach", "Attachment"]
@@ -186,12 +186,12 @@ class Attachment:
                         "attach() returned) before attaching it to another optimizer."
                     )
         for opt in optimizers:  # (also one none of whose parameters trains yet: rule 7)
-            opt._lo_engine.attachments.add(self)
+            opt._lo_engine.attachments[self] = None  # the engine keeps its attachments
         for opt, b in pairs:
             engine = opt._lo_engine
             for i, p in enumerate(b.params):
-                hook = engine.hook(b, i)
-                hook.attachment = self  # the handle lives as long as its hooked parameters
+                drop_dead_hooks(p)  # of an optimizer deleted while attached
+                hook = engine.hook(b, i, self)
                 self._handles.append((p, p.register_post_accumulate_grad_hook(hook)))
                 mark_hooked(p, self)
                 engine.hook_count += 1
@@ -268,7 +268,7 @@ class Attachment:
         if not self._removed:
             self._release()
             for opt in self.optimizers:
-                opt._lo_engine.attachments.discard(self)
+                opt._lo_engine.attachments.pop(self, None)
             self._removed = True
 
     def __enter__(self) -> Attachment:

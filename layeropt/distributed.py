@@ -245,7 +245,7 @@ class DDPAttachment(Attachment):
             )
         self.params = list(owner)
         for opt in self.optimizers:
-            opt._lo_engine.attachments.add(self)  # opt.attached; add_param_group -> _rebuild
+            opt._lo_engine.attachments[self] = None  # opt.attached; add_param_group -> _rebuild
         with self._state.lock:
             self._state.owner = {p: weakref.ref(o) for p, o in owner.items()}
             self._state.attachment = self

@@ -83,7 +83,7 @@ from . import _between, _watch
 from . import _nesting as nesting
 from ._nesting import TaskEnd, _graph_task_id, watch_torch_checkpoint
 from ._transforms import Measure, all_finite, prepare_grads
-from ._registry import WeakOrderedSet, check_local_hooks_allowed, world_size
+from ._registry import check_local_hooks_allowed, world_size
 from .errors import AttachError, BackwardStateError, LayeroptError, warn
 
 __all__ = ["Bucket", "Engine"]
@@ -161,6 +161,36 @@ def _dynamo_switches() -> tuple[Callable[[Any], Any], Callable[[Any], None]]:
     return set_eval_frame, functools.cache(eval_frame.skip_code)
 
 
+_ORPHAN_WARNED = [_IDLE]  # the backward (graph task) that warned about deleted optimizers
+
+
+def _orphaned(param: Tensor, attachment_ref: Any) -> None:
+    """A hook whose optimizer (and with it the engine) was deleted: warn once per
+    backward; at its end remove the attachment, or, if that is gone too, the dead
+    hooks of ``param``. The gradient stays in ``.grad``, as without layeropt."""
+    task = _graph_task_id()
+    if _ORPHAN_WARNED[0] != task:
+        _ORPHAN_WARNED[0] = task
+        warn(ORPHAN_WARNING, RuntimeWarning)
+
+    def remove() -> None:
+        attachment = attachment_ref()
+        if attachment is not None:
+            attachment.remove()
+        drop_dead_hooks(param)
+
+    _queue_callback(remove)
+
+
+def drop_dead_hooks(param: Tensor) -> None:
+    """Remove ``param``'s layeropt hooks whose optimizer was deleted."""
+    hooks = param._post_accumulate_grad_hooks or {}
+    for key, fn in list(hooks.items()):
+        ref = getattr(fn, "_lo_engine_ref", None)
+        if ref is not None and ref() is None:
+            del hooks[key]
+
+
 def _all_dense(groups: list[list[Tensor]]) -> bool:
     for g in groups:
         for p in g:
@@ -205,8 +235,8 @@ class Engine:
         self._ready: list[list[Tensor]] = []  # complete buckets not yet stepped
         self._ready_bytes = 0
         self.hook_count = 0  # parameters with this engine's post-accumulate-grad hook
-        self.attachments = WeakOrderedSet()  # in the order they were attached (the handles
-        # live as long as their hooked parameters, or their DDP model)
+        self.attachments: dict[Any, None] = {}  # in the order they were attached (kept alive:
+        # the hooks reach them only weakly)
         self._partial: list[Bucket] = []  # buckets whose first gradient landed incomplete
         self._incomplete = 0  # how many of them are still incomplete
         self._active_task = _IDLE  # autograd graph task of the backward in progress
@@ -283,8 +313,16 @@ class Engine:
         )
 
     # -- the hook -------------------------------------------------------
-    def hook(self, bucket: Bucket, index: int) -> Callable[[Tensor], None]:
+    def hook(self, bucket: Bucket, index: int, attachment: Any) -> Callable[[Tensor], None]:
         """The post-accumulate-grad hook of ``bucket.params[index]``.
+
+        It reaches its engine, bucket and attachment through weak references
+        only: torch keeps a tensor's hooks in C++, where no garbage collection
+        sees them, so a hook that reached its own tensor (the bucket lists it)
+        would keep the model alive forever. The optimizer keeps its engine,
+        the engine its attachments, an attachment its buckets. Once the
+        optimizer is gone the hook warns and is removed at the end of that
+        backward (:func:`_orphaned`); the gradient stays, as without layeropt.
 
         ``hook(param)`` takes the plain path inline - same backward, no mode
         on, no pin: mark it arrived (:meth:`_arrive`; the gradient itself is
@@ -297,14 +335,19 @@ class Engine:
         ``torch.compiler.disable(fn, recursive=True)`` at a seventh of its cost.
         """
         set_eval_frame, skip_code = _dynamo_switches()
-        engine, on_grad, bit = self, self.on_grad, 1 << index
+        engine_ref, bucket_ref, bit = weakref.ref(self), weakref.ref(bucket), 1 << index
+        attachment_ref = weakref.ref(attachment)
         pins, task_id = nesting._PINS, _graph_task_id
 
         def hook(param: Tensor) -> None:
             prior = set_eval_frame(None)
             try:
+                engine, bucket = engine_ref(), bucket_ref()
+                if engine is None or bucket is None:
+                    _orphaned(param, attachment_ref)
+                    return
                 if task_id() != engine._active_task or engine._detour or pins:
-                    on_grad(bucket, index, param)
+                    engine.on_grad(bucket, index, param)
                     return
                 # _arrive(bucket, index), inlined: this runs for every parameter
                 if bucket.serial != engine._serial:
@@ -321,6 +364,7 @@ class Engine:
             finally:
                 set_eval_frame(prior)
 
+        hook._lo_engine_ref = engine_ref  # type: ignore[attr-defined]
         hook._torchdynamo_disable = True  # type: ignore[attr-defined]
         skip_code(hook.__code__)  # one code object for every hook
         return hook

@@ -244,14 +244,17 @@ def test_a_new_optimizer_attaches_where_a_deleted_one_was():
 
 
 def test_discarding_model_and_optimizer_together_is_silent_and_frees_them():
-    def train() -> tuple[weakref.ref, weakref.ref]:
+    """Their parameters too: a hook that reaches its own tensor (through its bucket,
+    engine or attachment) is a cycle through torch's C++ hook registry, which no
+    garbage collection frees (it leaked every attached model that was not removed)."""
+    def train() -> list[weakref.ref]:
         model, batch_fn, loss_fn = make_model("mlp")
         opt = layeropt.Adam(model.parameters())
         layeropt.attach(model, opt)
         loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
         opt.step()
         opt.zero_grad()
-        return weakref.ref(model), weakref.ref(opt)
+        return [weakref.ref(model), weakref.ref(opt), *map(weakref.ref, model.parameters())]
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
