@@ -143,7 +143,8 @@ class Attachment:
         self._hooked_ids: set[int] = set()
         self._impls: list[int] = []
         self.buckets: list[Bucket] = []
-        self._engines: list[Any] = []  # the engine that steps each bucket
+        self._engines: list[Any] = []  # the engine that steps each bucket (weakly: engines
+        # keep their attachments)
         self._owned: list[Tensor] = []  # the model's parameters the optimizers own
         self.named: list[tuple[str, Tensor]] = []
         self._trainable: tuple[bool, ...] = ()  # their requires_grad when hooked
@@ -196,7 +197,7 @@ class Attachment:
                 mark_hooked(p, self)
                 engine.hook_count += 1
             self.buckets.append(b)
-            self._engines.append(engine)
+            self._engines.append(weakref.ref(engine))
         self._hooked_ids = {id(p) for p, _ in self._handles}
         self._impls = [p._cdata for p, _ in self._handles]  # the C++ tensor behind each
 
@@ -256,8 +257,10 @@ class Attachment:
         for p, h in self._handles:
             h.remove()
             unmark_hooked(p, self)
-        for engine, b in zip(self._engines, self.buckets):
-            engine.hook_count -= len(b.params)
+        for ref, b in zip(self._engines, self.buckets):
+            engine = ref()
+            if engine is not None:
+                engine.hook_count -= len(b.params)
         self._handles.clear()
         self._hooked_ids = set()
         self.buckets.clear()
