@@ -16,7 +16,10 @@ import pytest
 import torch
 
 import layeropt
-from harness import Boom, InfGrad, assert_models_equal, assert_same
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from harness import (  # noqa: F401 - process_group: a fixture
+    Boom, InfGrad, assert_models_equal, assert_same, fully_shard, needs_fsdp2, process_group)
 from layeropt.memory import PeakMemory
 from layeropt.models import make_model
 
@@ -243,12 +246,19 @@ def test_a_new_optimizer_attaches_where_a_deleted_one_was():
     assert opt.stepped_in_backward == len(list(model.parameters()))
 
 
-def test_discarding_model_and_optimizer_together_is_silent_and_frees_them():
-    """Their parameters too: a hook that reaches its own tensor (through its bucket,
-    engine or attachment) is a cycle through torch's C++ hook registry, which no
-    garbage collection frees (it leaked every attached model that was not removed)."""
+@pytest.mark.parametrize("kind", ["plain", "ddp", "ddp-find-unused",
+                                  pytest.param("fsdp2", marks=needs_fsdp2)])
+def test_discarding_model_and_optimizer_together_is_silent_and_frees_them(process_group, kind):
+    """Their parameters too, on every attachment kind: a hook that reaches its own tensor
+    (through its bucket, engine, attachment or DDP state) is a cycle through torch's C++
+    hook registry, which no garbage collection frees (it leaked every attached model
+    that was not removed)."""
     def train() -> list[weakref.ref]:
         model, batch_fn, loss_fn = make_model("mlp")
+        if kind.startswith("ddp"):
+            model = DDP(model, find_unused_parameters=kind == "ddp-find-unused")
+        elif kind == "fsdp2":
+            model = fully_shard(model)
         opt = layeropt.Adam(model.parameters())
         layeropt.attach(model, opt)
         loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
@@ -258,6 +268,7 @@ def test_discarding_model_and_optimizer_together_is_silent_and_frees_them():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message=".*find_unused_parameters=True")  # (DDP's)
         refs = train()
         gc.collect()
     assert all(r() is None for r in refs)

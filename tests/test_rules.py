@@ -488,12 +488,7 @@ def test_grad_scaler_recipe_over_torch_reentrant_checkpoint():
             for step in range(STEPS):
                 x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
                 x.requires_grad_()  # (reentrant segments need an input that requires grad)
-                scaler.scale(model(x).pow(2).mean()).backward()
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad()
+                _scaler_recipe(model, opt, x, lo, {"scaler": scaler})
         runs.append((list(model.parameters()), opt.state_dict()))
         handle and handle.remove()
     assert_same(_local(runs[1][0]), _local(runs[0][0]), "params")
