@@ -51,8 +51,6 @@ class _HookState:
         self.fresh = True  # DDP ran a forward since the last training step began
         self.steps: dict[int, int] = {}  # id(optimizer) -> updates this backward
         self.holding: set[int] = set()  # id(optimizer): gradients held for step() this backward
-        self.recording: list[list[Tensor]] | None = None  # buckets seen in a measure pass
-        self.buckets: list[list[Tensor]] = []  # those of the latest measure pass
         self.deferred: list[tuple[_Landing, Any]] = []  # to land at the end, in bucket order
         self.flush_task = _NONE  # graph task whose end lands ``deferred``
         self.flushes = 0  # flush callbacks queued so far (the latest may abort)
@@ -64,8 +62,6 @@ class _HookState:
         self.ddp = weakref.ref(ddp)
         self.bucket_view = bool(ddp.gradient_as_bucket_view)
         self.fired: set[int] = set()
-        self.pass_fired: set[int] | None = None  # those of layeropt.backward's measure pass
-        self.used: set[int] | None = None  # used anywhere, as of the latest flush
         if self.find_unused:  # (a hook reaches this state weakly: it holds the parameters)
             fired = partial(_fired, weakref.ref(self))
             for p in ddp.parameters():
@@ -154,9 +150,7 @@ class _HookState:
                              device=landings[0].device)
         self.group.allreduce([flags]).wait()
         self.fired.difference_update(id(p) for p in params)
-        used = {id(p) for p, f in zip(params, flags.tolist()) if f}
-        self.used = used
-        return used
+        return {id(p) for p, f in zip(params, flags.tolist()) if f}
 
     def abort(self, serial: int) -> None:
         """The backward raised: nothing of its deferred buckets is applied."""
@@ -170,8 +164,6 @@ def _fired(state_ref: weakref.ref, param: Tensor) -> None:
     state = state_ref()
     if state is not None:
         state.fired.add(id(param))
-        if state.pass_fired is not None:
-            state.pass_fired.add(id(param))
 
 
 class _Copied:
@@ -237,26 +229,20 @@ _UNUSED = (
 
 
 def _allreduce_then_step(state, bucket):  # no annotations: DDP inspects them
-    """DDP comm hook: average the bucket; step its parameters once the average lands."""
+    """DDP comm hook: sort the bucket's parameters (:class:`_Landing`), average the
+    bucket as DDP's reducer does, bit for bit; step them once the average lands."""
     state.begin()
-    landing, fut = average(state, bucket)
+    buffer = bucket.buffer()
+    landing = _Landing(state, bucket, buffer)  # sorted now: frees the local gradients at once
+    buffer.mul_(1.0 / state.world)
+    fut = state.group.allreduce([buffer]).get_future()  # (a sum: dist.all_reduce)
     if state.overlap and landing.device.type != "cpu" and not state.find_unused:
         # A device future's .then() runs on a stream that waits for the all-reduce.
         return fut.then(landing.then)
     state.defer(landing, fut)
     done: torch.futures.Future = torch.futures.Future()
-    done.set_result(bucket.buffer())  # as torch's optimizer-in-backward hook: the flush steps
+    done.set_result(buffer)  # as torch's optimizer-in-backward hook: the flush steps
     return done
-
-
-def average(state: _HookState, bucket: Any) -> tuple[_Landing, Any]:
-    """Sort a bucket's parameters (:class:`_Landing`) and start its average: what DDP's
-    reducer does with it, bit for bit. Also ``layeropt.backward``'s second pass, which
-    DDP's reducer does not run (``layeropt/distributed.py``)."""
-    buffer = bucket.buffer()
-    landing = _Landing(state, bucket, buffer)  # sorted now: frees the local gradients at once
-    buffer.mul_(1.0 / state.world)
-    return landing, state.group.allreduce([buffer]).get_future()  # (a sum: dist.all_reduce)
 
 
 class _Landing:
@@ -308,8 +294,6 @@ class _Landing:
                 p.grad = None  # the bucket holds it now
             else:
                 self.measures.append((mode, p, view))
-        if state.recording is not None:
-            state.recording.append(self.params)
 
     def then(self, fut: Any) -> Tensor:
         """``.then()`` callback: the all-reduce has landed; step this bucket alone."""

@@ -248,7 +248,6 @@ class SubsetStepper:
             self._transact(optimizer, order)
 
     def _transact(self, optimizer: Any, params: list[Tensor]) -> None:
-        groups = optimizer.param_groups
         if self._pre is None:  # the transaction's first call
             self._pre = _snapshot(optimizer)
             self._whole(optimizer, params)

@@ -20,7 +20,7 @@ bucket_max_norm=...)``) needs no extra pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -233,8 +233,9 @@ def backward(
     if len(skipped) < len(engines):  # Pass 2: the ordinary attached backward
         undo_pass_1()
         coef = None if total is None else torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        with ddp.step() as finish, no_step_all(o for o in optimizers if o._lo_engine in skipped):
-            _attached_backward(loss, engines, retain_graph, (inv_scale, coef), finish)
+        ddp.arm(loss)
+        with no_step_all(o for o in optimizers if o._lo_engine in skipped):
+            _attached_backward(loss, engines, retain_graph, (inv_scale, coef))
         unowned.clip(coef)
     for o in optimizers:  # their step is skipped: nothing of theirs changes
         if o._lo_engine in skipped:
@@ -307,19 +308,15 @@ class _BufferSnapshot:
 
 
 def _attached_backward(
-    loss: Tensor, engines: list[Any], retain_graph: bool | None, transform: Any,
-    finish: Callable[[], None] | None = None,
+    loss: Tensor, engines: list[Any], retain_graph: bool | None, transform: Any
 ) -> None:
-    """``loss.backward()`` with the engines told they run inside layeropt.backward;
-    then ``finish()`` (DDP's pass 2: what is left), the transform still set."""
+    """``loss.backward()`` with the engines told they run inside layeropt.backward."""
     for e in engines:
         e.transform = transform
         e.entered = True
         e.route()
     try:
         loss.backward(retain_graph=retain_graph)
-        if finish is not None:
-            finish()
         if transform is not None:
             for e in engines:
                 e.step_held()

@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from functools import partial
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ._ddp_hook import (_UNUSED, _allreduce_then_step, _Copied, _grad_view, _HookState, _step,
-                        _stepping, average)
+from ._ddp_hook import _allreduce_then_step, _Copied, _HookState
 from ._registry import allow_local_updates, check_local_hooks_allowed, hooked_by
 from .attaching import Attachment, layer_buckets, register_wrapper, resolve_owners
 from .errors import AttachError
@@ -50,14 +48,13 @@ class _TwoPasses:
     """``layeropt.backward``'s two passes on DDP models (clipping, GradScaler).
 
     Pass 1 (measure): the comm hook averages each bucket as usual and the
-    engines reduce the averaged gradients to norms / inf flags; the buckets
-    are recorded. Each parameter's ``.grad`` is then put back as it was
-    before the pass (only what ``no_step()`` accumulated), since the reducer
-    left the pass's local gradient in it. Pass 2 (step): DDP's reducer does
-    not run a second time for one forward, so post-accumulate hooks hand each
-    recorded bucket, in the reducer's layout, to the comm hook's own sorting
-    and averaging (:func:`~layeropt._ddp_hook.average`), and its parameters
-    are stepped through the engine (unscaled, clipped) as in any backward.
+    engines reduce the averaged gradients to norms / inf flags. Then each
+    parameter's ``.grad`` and the record of which parameters got a gradient
+    (``find_unused_parameters``) are put back as they were before the pass
+    (only what ``no_step()`` / ``no_sync()`` accumulated), since the reducer
+    left the pass's local gradient in ``.grad``. Pass 2 (step): DDP's reducer
+    runs once per forward, so :meth:`arm` arms it again as DDP's forward does;
+    its buckets then go through the comm hook as any backward's do.
     """
 
     def __init__(self, engines: list[Any]) -> None:
@@ -66,141 +63,30 @@ class _TwoPasses:
             for a in list(e.attachments):
                 if isinstance(a, DDPAttachment) and a._state not in self.states:
                     self.states.append(a._state)
-        self._before: dict[Tensor, Tensor | None] = {}
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
-        if not self.states:
-            yield
-            return
-        for state in self.states:
-            ddp = state.ddp() if state.find_unused else None
-            if ddp is not None and not hasattr(ddp.reducer, "_reset_state"):
-                raise AttachError(
-                    "layeropt.backward(max_norm=/scaler=) runs a second backward, after "
-                    "which DDP(find_unused_parameters=True) must reset its used-parameter "
-                    f"map: this torch ({torch.__version__}) cannot. Upgrade torch, or build "
-                    "DDP with find_unused_parameters=False."
-                )
-        params = [p for state in self.states for p in state.owner]
-        self._before = {p: None if p.grad is None else p.grad.detach().clone() for p in params}
-        for state in self.states:
-            state.recording = []
-            state.pass_fired = set() if state.find_unused else None
+        grads = {p: None if p.grad is None else p.grad.detach().clone()
+                 for state in self.states for p in state.owner}
+        fired = [set(state.fired) for state in self.states]
         try:
             yield
         finally:
-            for state in self.states:
-                state.buckets, state.recording = state.recording, None
-            for p, grad in self._before.items():
+            for state, before in zip(self.states, fired):
+                state.fired = before
+            for p, grad in grads.items():
                 p.grad = grad
-            self._before = {}
 
-    @contextlib.contextmanager
-    def step(self) -> Iterator[Callable[[], None]]:
-        """Pass 2's hooks; yields the check to call after its backward, while the
-        unscale/clip transform is still set (it averages and steps what is left)."""
-        passes = [_StepPass(state) for state in self.states]
-
-        def finish() -> None:
-            for one in passes:
-                one.check_done()
-
-        try:
-            yield finish
-        finally:
-            for one in passes:
-                one.remove()
-
-
-class _StepPass:
-    """Pass 2 on one DDP model: average each recorded bucket, then step it.
-
-    Buckets are averaged in DDP's bucket order (each as soon as it and those
-    before it are complete), so every process issues the same all-reduces in
-    the same order. Under ``find_unused_parameters`` a bucket waits only for
-    the gradients this process produced in the measure pass, and a parameter
-    no process used is left alone (as DDP leaves it).
-    """
-
-    def __init__(self, state: _HookState) -> None:
-        self.state = state
-        self.buckets = state.buckets
-        fired = state.pass_fired
-        self.left = [sum(fired is None or id(p) in fired for p in b) for b in self.buckets]
-        self.next = 0  # the next bucket to average, in DDP's order
-        where = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self.handles = [
-            p.register_post_accumulate_grad_hook(partial(self._landed, where[id(p)]))
-            for b in self.buckets for p in b if fired is None or id(p) in fired
-        ]
-
-    def _landed(self, index: int, param: Tensor) -> None:
-        self.left[index] -= 1
-        if self.left[index] == 0:
-            self._average_ready()
-
-    def _average_ready(self) -> None:
-        while self.next < len(self.buckets) and self.left[self.next] <= 0:
-            self.next += 1
-            self._average_and_step(self.buckets[self.next - 1])
-
-    def _average_and_step(self, params: list[Tensor]) -> None:
-        state = self.state
-        landing, fut = average(state, _Rebucket(params))  # as the comm hook does
-        fut.wait()
-        with _stepping(state):
-            for opt, owned in landing.apply(state.used if state.find_unused else None).items():
-                _step(state, opt, owned)
-
-    def check_done(self) -> None:
-        self._average_ready()  # trailing buckets nothing of which was used here
-        if self.next < len(self.buckets):
-            raise AttachError(_UNUSED)
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        state = self.state
-        state.pass_fired = None
-        if state.find_unused:
-            # This pass ran the reducer's autograd hooks again after its
-            # end-of-backward: they marked parameters used in DDP's map, which
-            # the next backward would read (and fail on). Reset it, and ours.
-            state.fired.clear()
+    def arm(self, loss: Tensor) -> None:
+        """Before pass 2: DDP's reducer expects this backward (what DDP's forward does)."""
+        for state in self.states:
             ddp = state.ddp()
-            if ddp is not None:
-                ddp.reducer._reset_state()
-
-
-class _Rebucket:
-    """A recorded DDP bucket as DDP hands it to the comm hook: its parameters' gradients
-    copied into one flat buffer in the reducer's layout (zeros where a parameter got
-    none here, as DDP's)."""
-
-    def __init__(self, params: list[Tensor]) -> None:
-        first = params[0]
-        self._params = params
-        self._buffer = torch.empty(sum(p.numel() for p in params), dtype=first.dtype,
-                                   device=first.device)
-        self._views, offset = [], 0
-        for p in params:
-            view = self._buffer[offset: offset + p.numel()].view(p.shape)
-            if p.grad is None:  # find_unused_parameters: not used here
-                view.zero_()
-            else:
-                _grad_view(p, view).copy_(p.grad)
-            self._views.append(view)
-            offset += p.numel()
-
-    def buffer(self) -> Tensor:
-        return self._buffer
-
-    def parameters(self) -> list[Tensor]:
-        return self._params
-
-    def gradients(self) -> list[Tensor]:
-        return self._views
+            if ddp is None or not ddp.require_forward_param_sync:  # (a no_sync() forward)
+                continue
+            ddp.reducer._rebuild_buckets()  # the first step's, as the next forward would
+            state.fresh = True
+            find = ddp.find_unused_parameters and not ddp.static_graph
+            ddp.reducer.prepare_for_backward([loss] if find else [])
 
 
 def two_passes(engines: list[Any]) -> _TwoPasses:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 

@@ -959,17 +959,17 @@ def test_ddp_steps_buckets_at_end_of_backward(ranks, name):
     assert len(backwards) == STEPS
     assert all(sum(n for n, _ in b) == n_params for b in backwards)  # each param once
     options = TRAIN[name][2]
-    if options.get("cap") == 0 or "clip" in options:
+    if options.get("cap") == 0:
         assert len(backwards[-1]) > 1, "expected a call per bucket (DDP rebuilds them after step 1)"
     else:  # the default bucket_cap_mb (1 MiB) holds this model's parameters: one call
         assert all(len(b) == 1 for b in backwards), backwards
     assert lo["stepped"] == n_params
-    if "clip" not in options:  # (layeropt.backward's second pass steps as buckets fill)
-        # The comm hook lands CPU buckets at the end of backward (on the autograd
-        # thread, before backward() returns): every step comes after the last gradient.
-        for b in backwards:
-            assert len({arrived for _, arrived in b}) == 1, b
-        assert [b[0][1] for b in backwards] == sorted({b[0][1] for b in backwards})
+    # The comm hook lands CPU buckets at the end of backward (on the autograd thread,
+    # before backward() returns; layeropt.backward's second pass too): every step
+    # comes after the last gradient.
+    for b in backwards:
+        assert len({arrived for _, arrived in b}) == 1, b
+    assert [b[0][1] for b in backwards] == sorted({b[0][1] for b in backwards})
 
 
 @pytest.mark.parametrize("name", list(FIND_UNUSED))
