@@ -176,21 +176,13 @@ class _Copied:
 _NONE = -2  # _HookState.flush_task: no flush queued
 
 
-# Engine settings the DDP hook does not apply: (attribute, what sets it).
-_NOT_UNDER_DDP = (
-    ("max_grad_norm", "attach(..., max_grad_norm=...)"),
-    ("bucket_max_norm", "attach(..., bucket_max_norm=...)"),
-)
-
-
 def _check_engine(engine: Any) -> None:
-    for name, what in _NOT_UNDER_DDP:
-        if getattr(engine, name, None) is not None:
-            raise AttachError(
-                f"{what} is not supported with attach_ddp: under DDP clip the global norm "
-                "(and use a GradScaler) with layeropt.backward(loss, max_norm=..., "
-                "scaler=...), which averages each bucket before measuring it."
-            )
+    if engine.bucket_max_norm is not None:
+        raise AttachError(
+            "attach(..., bucket_max_norm=...) is not supported with attach_ddp: under DDP "
+            "clip the global norm (and use a GradScaler) with layeropt.backward(loss, "
+            "max_norm=..., scaler=...), which averages each bucket before measuring it."
+        )
 
 
 def _grad_view(p: Tensor, g: Tensor) -> Tensor:

@@ -88,13 +88,3 @@ def prepare_grads(
         torch.nn.utils.clip_grad_value_(params, clip_value)
     if bucket_max_norm is not None:
         torch.nn.utils.clip_grad_norm_(params, bucket_max_norm, norm_type)
-
-
-def all_finite(params: list[Tensor]) -> bool:
-    """Whether every gradient of ``params`` is finite (one host sync per call)."""
-    found = torch.zeros((), device=params[0].grad.device)
-    one = torch.ones((), device=found.device)
-    for grads in by_device_dtype([p.grad for p in params]):
-        # GradScaler's own check, with a unit scale (the gradients are unchanged)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one.to(grads[0].device))
-    return not bool(found.item())

@@ -307,11 +307,9 @@ def attach(
     optimizer: Optimizer | Iterable[Optimizer] | None = None,
     *,
     bucket_cap_mb: float = 1.0,
-    max_grad_norm: float | None = None,
-    norm_type: float = 2.0,
     clip_value: float | None = None,
     bucket_max_norm: float | None = None,
-    skip_nonfinite: bool = False,
+    norm_type: float = 2.0,
 ) -> Attachment:
     """Update ``model``'s parameters during backward, as their gradients complete.
 
@@ -319,7 +317,7 @@ def attach(
     post-accumulate-grad hook. A ``DistributedDataParallel`` model is handed to
     :func:`layeropt.distributed.attach_ddp` instead (each bucket is stepped
     on its all-reduced gradient, ``bucket_cap_mb`` applies to DDP's buckets;
-    no clipping options here - use :func:`layeropt.backward`); under FSDP2,
+    no ``bucket_max_norm``); under FSDP2,
     attach after ``fully_shard``. Parameters are grouped into layer buckets (a
     module's own parameters); a bucket is stepped with torch's own ``step``
     the moment all its gradients have accumulated, and its ``.grad`` is freed.
@@ -337,22 +335,14 @@ def attach(
             every large layer is stepped the moment it completes, and holds
             well under 1% of the memory of any model large enough to need
             layeropt.
-        max_grad_norm: clip the *global* gradient norm (as
-            ``torch.nn.utils.clip_grad_norm_`` before ``step()``). It needs the
-            norm before the first update, so backward must then go through
-            :func:`layeropt.backward` (two passes); a plain ``loss.backward()``
-            raises instead of clipping wrongly.
-        norm_type: the p-norm for ``max_grad_norm`` and ``bucket_max_norm``.
         clip_value: clip each gradient element to ``[-clip_value, clip_value]``
             (``clip_grad_value_``) before its bucket is stepped. No extra cost.
         bucket_max_norm: clip each bucket's gradient norm
             (``clip_grad_norm_(bucket.params, bucket_max_norm)``). No extra cost.
-        skip_nonfinite: opt-in policy: a bucket whose gradient holds an inf/NaN
-            is not stepped (its gradient is dropped; listed in
-            ``optimizer.skipped_params``) while the other buckets are. Costs one
-            host sync per step call. Default ``False``: exactly torch's
-            behaviour (the non-finite values go into the update). For an
-            all-or-nothing skip use ``layeropt.backward(..., scaler=...)``.
+        norm_type: the p-norm for ``bucket_max_norm``.
+
+        Global-norm clipping needs the norm before the first update:
+        :func:`layeropt.backward` (``max_norm=``) takes it in two passes.
 
     Returns:
         An :class:`Attachment`; call ``.remove()`` (or use it as a context
@@ -377,17 +367,17 @@ def attach(
         raise TypeError(f"attach() needs an nn.Module, got {type(model).__name__}")
     for cls, attach_wrapper in _WRAPPERS.items():
         if isinstance(model, cls):
-            if max_grad_norm is not None or bucket_max_norm is not None:
+            if bucket_max_norm is not None:
                 raise AttachError(
-                    f"attach({cls.__name__}, ...) takes no norm clipping options: clip the "
+                    f"attach({cls.__name__}, ...) takes no bucket_max_norm: clip the "
                     "global norm (and use a GradScaler) with layeropt.backward(loss, "
                     "max_norm=..., scaler=...), which averages each bucket before measuring it."
                 )
             wrapped = attach_wrapper(model, optimizer, bucket_cap_mb=bucket_cap_mb,
                                      clip_value=clip_value)
             return wrapped  # type: ignore[no-any-return]
-    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("max_grad_norm", max_grad_norm),
-                        ("clip_value", clip_value), ("bucket_max_norm", bucket_max_norm)):
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("clip_value", clip_value),
+                        ("bucket_max_norm", bucket_max_norm)):
         if value is not None and not value >= 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     optimizers = resolve_owners(model, optimizer)
@@ -412,12 +402,8 @@ def attach(
             "optimizer was built from this model's parameters."
         )
     for opt in optimizers:
-        opt._lo_engine.cap_bytes = int(bucket_cap_mb * 2**20)
-        opt._lo_engine.configure_clipping(
-            max_grad_norm=max_grad_norm,
-            norm_type=norm_type,
-            clip_value=clip_value,
-            bucket_max_norm=bucket_max_norm,
-            skip_nonfinite=skip_nonfinite,
-        )
+        engine = opt._lo_engine
+        engine.cap_bytes = int(bucket_cap_mb * 2**20)
+        engine.clip_value, engine.bucket_max_norm = clip_value, bucket_max_norm
+        engine.norm_type = float(norm_type)
     return handle

@@ -111,7 +111,7 @@ def backward(
         loss: the (scaled) loss to differentiate.
         optimizer: the attached layeropt optimizer(s); default: every attached one.
         max_norm: clip the global gradient norm to this value (``None``: no
-            clipping; falls back to ``attach(..., max_grad_norm=...)``).
+            clipping).
         norm_type: the p of the p-norm, as in ``clip_grad_norm_``.
         error_if_nonfinite: raise if the total norm is inf/NaN (before any update).
         scaler: a ``torch.amp.GradScaler`` whose ``scale(loss)`` was passed.
@@ -137,16 +137,6 @@ def backward(
     optimizers = _resolve(optimizer)
     if scaler is not None and not scaler.is_enabled():
         scaler = None  # a disabled scaler is plain backward, as in torch
-    if max_norm is None:
-        configured = {o._lo_engine.max_grad_norm for o in optimizers} - {None}
-        if len(configured) > 1:
-            raise LayeroptError(
-                "the optimizers were attached with different max_grad_norm values; "
-                "pass max_norm= to layeropt.backward explicitly."
-            )
-        if configured:
-            max_norm = configured.pop()
-            norm_type = optimizers[0]._lo_engine.norm_type
     engines = [o._lo_engine for o in optimizers]
     if max_norm is None and scaler is None:
         _attached_backward(loss, engines, retain_graph, None)

@@ -82,9 +82,9 @@ from torch import Tensor
 from . import _between, _watch
 from . import _nesting as nesting
 from ._nesting import TaskEnd, _graph_task_id, watch_torch_checkpoint
-from ._transforms import Measure, all_finite, prepare_grads
+from ._transforms import Measure, prepare_grads
 from ._registry import check_local_hooks_allowed, world_size
-from .errors import AttachError, BackwardStateError, LayeroptError, warn
+from .errors import AttachError, BackwardStateError, warn
 
 __all__ = ["Bucket", "Engine"]
 
@@ -246,12 +246,9 @@ class Engine:
         self._distributed = False  # several processes in this backward (checked per backward)
         self.stepped: list[Tensor] = []  # parameters updated in the latest backward
         # Clipping / scaling (set by attach(...) and layeropt.backward).
-        self.max_grad_norm: float | None = None
         self.norm_type = 2.0
         self.clip_value: float | None = None
         self.bucket_max_norm: float | None = None
-        self.skip_nonfinite = False
-        self.skipped: list[Tensor] = []  # parameters skipped (non-finite) in the latest backward
         self.entered = False  # inside layeropt.backward
         self.measure: Measure | None = None  # the measure pass of layeropt.backward
         self.transform: tuple[Tensor | None, Tensor | None] | None = None  # (inv_scale, coef)
@@ -283,30 +280,13 @@ class Engine:
         watch_torch_checkpoint()
         _watch.watch()
 
-    def configure_clipping(
-        self,
-        *,
-        max_grad_norm: float | None,
-        norm_type: float,
-        clip_value: float | None,
-        bucket_max_norm: float | None,
-        skip_nonfinite: bool = False,
-    ) -> None:
-        self.max_grad_norm = max_grad_norm
-        self.norm_type = float(norm_type)
-        self.clip_value = clip_value
-        self.bucket_max_norm = bucket_max_norm
-        self.skip_nonfinite = skip_nonfinite
-        self.route()
-
     # -- modes that take a gradient off the plain path ---------------------
     def route(self) -> None:
-        """Recompute ``_detour``: one flag the hook checks instead of six (call it after
-        setting ``no_step_depth``, ``measure`` or ``entered``)."""
+        """Recompute ``_detour``: one flag the hook checks instead of five (call it after
+        setting ``no_step_depth`` or ``measure``)."""
         self._detour = bool(
             self._distributed
             or self.measure is not None
-            or (self.max_grad_norm is not None and not self.entered)
             or self.no_step_depth
             or self._defer
             or self._hold
@@ -398,12 +378,6 @@ class Engine:
             else:
                 self.measure.take(param)
             return
-        if self.max_grad_norm is not None and not self.entered:
-            raise LayeroptError(
-                "this optimizer was attached with max_grad_norm, which needs the global "
-                "gradient norm before the first update: call layeropt.backward(loss) "
-                "instead of loss.backward(). Nothing was updated."
-            )
         if self.no_step_depth or self._hold:
             self.held[param] = bucket
             return
@@ -516,7 +490,6 @@ class Engine:
         self._counted = False
         self._distributed = world_size() > 1
         self.stepped = []
-        self.skipped = []
         self.txn += 1
         self._open_txn = self.txn
 
@@ -677,17 +650,6 @@ class Engine:
         if clip != (None, None, None):
             for group in groups:  # unscaling and clipping are per bucket
                 prepare_grads(group, *clip, self.norm_type)
-        if self.skip_nonfinite:  # opt-in policy: a bucket with an inf/NaN is not stepped
-            kept = [g for g in groups if all_finite(g)]
-            for g in groups:
-                if not any(g is k for k in kept):
-                    self.skipped.extend(g)
-                    for p in g:
-                        p.grad = None
-                        self.held.pop(p, None)
-            groups = kept
-            if not groups:
-                return
         params = groups[0] if len(groups) == 1 else [p for g in groups for p in g]
         try:
             optimizer._step_params(params)

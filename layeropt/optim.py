@@ -156,14 +156,6 @@ class InBackwardOptimizer(Optimizer):
         """
         return list(self._lo_engine.stepped)
 
-    @property
-    def skipped_params(self) -> list[Tensor]:
-        """Parameters not stepped in the latest backward because of an inf/NaN.
-
-        Only with ``attach(..., skip_nonfinite=True)``; their gradients were dropped.
-        """
-        return list(self._lo_engine.skipped)
-
     @contextlib.contextmanager
     def no_step(self) -> Iterator[None]:
         """Accumulate gradients in attached backwards instead of stepping.

@@ -17,7 +17,6 @@ from harness import (
     config_id,
     make_pair,
 )
-from layeropt.errors import LayeroptError
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["active", "inactive"])
@@ -37,20 +36,6 @@ def test_global_clipping_equals_clip_grad_norm(cfg, max_norm):
         assert all(p.grad is None for p in model.parameters())
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), opt.state_dict())
-
-
-def test_clipping_configured_at_attach_refuses_plain_backward_before_any_update():
-    model, ref, opt, _, batch_fn, loss_fn, _ = make_pair(
-        "mlp", "Adam", dict(lr=0.01), attach=dict(max_grad_norm=1.0)
-    )
-    before = copy.deepcopy(model.state_dict())
-    with pytest.raises(LayeroptError, match=r"layeropt\.backward"):
-        loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
-    assert_same(before, model.state_dict())
-    assert len(opt.state) == 0
-    opt.zero_grad()
-    layeropt.backward(loss_fn(model, batch_fn(torch.Generator().manual_seed(0))))  # uses the config
-    assert opt.last_grad_norm is not None
 
 
 def test_global_clipping_with_accumulation():
