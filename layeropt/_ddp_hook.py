@@ -49,7 +49,6 @@ class _HookState:
         self.active = False
         self.lock = threading.Lock()  # bucket steps may land on comm threads
         self.fresh = True  # DDP ran a forward since the last training step began
-        self.steps: dict[int, int] = {}  # id(optimizer) -> updates this backward
         self.holding: set[int] = set()  # id(optimizer): gradients held for step() this backward
         self.deferred: list[tuple[_Landing, Any]] = []  # to land at the end, in bucket order
         self.flush_task = _NONE  # graph task whose end lands ``deferred``
@@ -98,7 +97,6 @@ class _HookState:
             # the engine's rules, as for a plain backward (may refuse it: nothing ran yet)
             self.holding = {id(opt) for opt in optimizers if opt._lo_engine.begin_averaged()}
             self.fresh = False
-            self.steps = {}
 
     def defer(self, landing: _Landing, fut: Any) -> None:
         """Land ``landing`` when the running graph task ends, on this thread.
@@ -132,10 +130,10 @@ class _HookState:
                     waiting.setdefault(opt, []).extend(params)
                     held[opt] = held.get(opt, 0) + sum(p.grad.nbytes for p in params)
                     if held[opt] >= opt._lo_engine.cap_bytes:
-                        _step(self, opt, waiting.pop(opt))
+                        opt._lo_engine.step_averaged(waiting.pop(opt))
                         del held[opt]
             for opt, params in waiting.items():
-                _step(self, opt, params)
+                opt._lo_engine.step_averaged(params)
 
     def _used_anywhere(self, landings: list[_Landing]) -> set[int] | None:
         """``find_unused_parameters``: ids of these buckets' parameters some process used.
@@ -292,7 +290,7 @@ class _Landing:
         buffer = fut.value()[0]  # re-raises a failed all-reduce
         with _stepping(self.state):
             for opt, params in self.apply().items():
-                _step(self.state, opt, params)
+                opt._lo_engine.step_averaged(params)
         return buffer
 
     def apply(self, used: set[int] | None = None) -> dict[Any, list[Tensor]]:
@@ -337,13 +335,6 @@ def _stepping(state: _HookState) -> Iterator[None]:
             yield
         finally:
             torch._C._set_grad_enabled(grad_mode)
-
-
-def _step(state: _HookState, opt: Any, params: list[Tensor]) -> None:
-    """Step ``params`` (``.grad`` = averaged bucket slices) through the engine's one
-    step path (clipping by value, rules, record), which frees their ``.grad``."""
-    opt._lo_engine.step_averaged(params)
-    state.steps[id(opt)] = state.steps.get(id(opt), 0) + len(params)
 
 
 _WRITE_BACK = object()  # _Landing: leave the averaged gradient in .grad, as DDP would

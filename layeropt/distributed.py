@@ -148,11 +148,6 @@ class DDPAttachment(Attachment):
         """DDP fixes the set of synchronised parameters when wrapping: nothing to follow."""
         return False
 
-    @property
-    def stepped_in_backward(self) -> int:
-        """Parameter updates made in the last synchronised backward."""
-        return sum(self._state.steps.values())
-
     def __repr__(self) -> str:
         state = "removed" if self._removed else f"{len(self.params)} params"
         return f"<layeropt.DDPAttachment {state}>"
