@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ._registry import ENGINES
-from .errors import LayeroptError, warn
+from .errors import IN_A_TRAINER, LayeroptError, warn
 
 __all__ = ["watch", "scaled_backward", "CLIP_AFTER_BACKWARD"]
 
@@ -38,11 +38,8 @@ CLIP_AFTER_BACKWARD = (
     "{fn} was called on parameters that an attached backward has already updated, "
     "so their gradients are gone and nothing would be clipped ({result}). Clip inside "
     "backward instead: layeropt.backward(loss, max_norm=...) for the global norm, or "
-    "layeropt.attach(model, opt, clip_value=... / bucket_max_norm=...) per layer; in "
-    "a trainer use its layeropt integration (Lightning: "
-    "layeropt.integrations.lightning.LayeroptCallback, accelerate: "
-    "layeropt.integrations.accelerate.LayeroptAccelerator, Hugging Face: "
-    "layeropt.integrations.hf.LayeroptTrainer)."
+    "layeropt.attach(model, opt, clip_value=... / bucket_max_norm=...) per layer; "
+    + IN_A_TRAINER
 )
 
 

@@ -19,6 +19,14 @@ from typing import Any
 __all__ = ["LayeroptError", "AttachError", "BackwardStateError", "warn", "user_frame"]
 
 
+IN_A_TRAINER = (
+    "in a trainer, use its layeropt integration (Lightning: "
+    "layeropt.integrations.lightning.LayeroptCallback, accelerate: "
+    "layeropt.integrations.accelerate.LayeroptAccelerator, Hugging Face: "
+    "layeropt.integrations.hf.LayeroptTrainer)."
+)
+
+
 class LayeroptError(RuntimeError):
     """Base class of every error layeropt raises on its own."""
 

@@ -84,7 +84,7 @@ from . import _nesting as nesting
 from ._nesting import TaskEnd, _graph_task_id, watch_torch_checkpoint
 from ._transforms import Measure, prepare_grads
 from ._registry import check_local_hooks_allowed, world_size
-from .errors import AttachError, BackwardStateError, warn
+from .errors import IN_A_TRAINER, AttachError, BackwardStateError, warn
 
 __all__ = ["Bucket", "Engine"]
 
@@ -103,10 +103,7 @@ ACCUMULATION_ERROR = (
     "retain_graph=True), but layeropt applies each attached backward at once, so "
     "the result would differ. {outcome} Run all but the last micro-batch inside "
     "`with opt.no_step():` (or use layeropt.LoopAccumulator); if every backward is "
-    "meant to be a full step, call opt.step() after each one. In a trainer, use its "
-    "layeropt integration (Lightning: layeropt.integrations.lightning.LayeroptCallback, "
-    "accelerate: layeropt.integrations.accelerate.LayeroptAccelerator, Hugging Face: "
-    "layeropt.integrations.hf.LayeroptTrainer)."
+    "meant to be a full step, call opt.step() after each one; " + IN_A_TRAINER
 )
 SCALER_HOLD_WARNING = (
     "this backward runs through a GradScaler-scaled loss (scaler.scale(loss).backward()), "
