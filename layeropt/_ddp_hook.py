@@ -45,7 +45,6 @@ class _HookState:
         self.world = self.group.size()
         self.overlap = overlap
         self.owner: dict[Tensor, weakref.ref] = {}  # param -> its optimizer (weakly)
-        self.attachment: Any = None  # its DDPAttachment (distributed.py), alive with the model
         self.active = False
         self.lock = threading.Lock()  # bucket steps may land on comm threads
         self.fresh = True  # DDP ran a forward since the last training step began

@@ -134,7 +134,6 @@ class DDPAttachment(Attachment):
             opt._lo_engine.attachments[self] = None  # opt.attached; add_param_group -> _rebuild
         with self._state.lock:
             self._state.owner = {p: weakref.ref(o) for p, o in owner.items()}
-            self._state.attachment = self
             self._state.active = True
             self._state.fresh = True  # (attached between a forward and its backward)
 
