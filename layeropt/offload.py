@@ -90,7 +90,7 @@ class StateOffload:
     """
 
     def __init__(self, optimizer: InBackwardOptimizer, max_buckets: int, overlap: bool) -> None:
-        self.optimizer = optimizer
+        self._optimizer = weakref.ref(optimizer)  # (the optimizer keeps this handle)
         self.max_buckets = max_buckets
         self.overlap = overlap
         self.device_bytes = 0
@@ -107,6 +107,11 @@ class StateOffload:
             optimizer.register_step_pre_hook(functools.partial(_hook, "_before_step", ref)),
         ]
 
+    @property
+    def optimizer(self) -> InBackwardOptimizer | None:
+        """The optimizer whose state this handle keeps (``None`` once it was deleted)."""
+        return self._optimizer()
+
     # -- host tensors -------------------------------------------------------
     def _host(self, p: Tensor, key: Any, v: Any) -> bool:
         """Whether ``v`` is the host tensor this handle keeps for ``state[p][key]``."""
@@ -119,7 +124,8 @@ class StateOffload:
         return host
 
     def _params(self) -> list[Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
+        opt = self.optimizer
+        return [] if opt is None else [p for g in opt.param_groups for p in g["params"]]
 
     def _to_host_all(self) -> None:
         """Move every device state tensor of the optimizer to the host (now)."""
@@ -295,6 +301,8 @@ class StateOffload:
         """Bring the state back to the parameters' devices and stop offloading."""
         self.synchronize()
         opt = self.optimizer
+        if opt is None:
+            return
         state = opt.state
         for p in self._params():
             s = state.get(p)
@@ -312,7 +320,8 @@ class StateOffload:
     @property
     def host_bytes(self) -> int:
         """Bytes of state kept in host memory now."""
-        state = self.optimizer.state
+        opt = self.optimizer
+        state = opt.state if opt is not None else {}
         return sum(v.nbytes for p in self._params() for k, v in (state.get(p) or {}).items()
                    if self._host(p, k, v))
 

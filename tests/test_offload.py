@@ -411,3 +411,35 @@ def test_a_failed_load_loses_nothing(cap):
     _assert_on_host(handle)
     _train([ref, plain, off], batch_fn, loss_fn, steps=2, seed=2)
     _assert_all_same(ref, plain, off)
+
+
+def test_deleting_the_optimizer_frees_its_host_state_at_once():
+    """As deleting a torch.optim optimizer frees its state: by reference counting alone
+    (a 7B model's offloaded state is tens of GB of pinned host memory)."""
+    import gc
+    import weakref
+
+    model, batch_fn, loss_fn = make_model("mlp")
+    torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])  # (torch's first optimizer in a
+    # process keeps its frames alive through a one-time lazy import)
+
+    def train() -> tuple[list[weakref.ref], StateOffload]:
+        opt = layeropt.AdamW(model.parameters())
+        handle = layeropt.attach(model, opt)
+        offloaded = offload_state(opt)
+        loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
+        handle.remove()
+        refs = [weakref.ref(opt), *(weakref.ref(t) for s in opt.state.values()
+                                     for t in s.values() if t.dim() > 0)]
+        assert offloaded.host_bytes > 0 and len(refs) > 1
+        return refs, offloaded
+
+    gc.collect()
+    gc.disable()
+    try:
+        refs, offloaded = train()
+        assert all(r() is None for r in refs)
+        assert offloaded.optimizer is None and offloaded.host_bytes == 0
+        offloaded.remove()  # nothing left to bring back: a no-op
+    finally:
+        gc.enable()
