@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import inspect
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -258,12 +259,20 @@ def checkpoint_modules(
             raise ValueError(f"module {name!r} is already checkpointed; remove() the first handle.")
         previous = module.__dict__.get("forward")
         wrapped.append((name, module, previous))
-        module.forward = _checkpointed(module.forward, use_reentrant, checkpoint_kwargs)
+        module.forward = _checkpointed(module, previous, use_reentrant, checkpoint_kwargs)
     return CheckpointHandle(wrapped)
 
 
-def _checkpointed(forward: Callable[..., Any], use_reentrant: bool, options: dict[str, Any]) -> Any:
+def _checkpointed(module: nn.Module, previous: Any, use_reentrant: bool,
+                  options: dict[str, Any]) -> Any:
+    """``module``'s forward under :func:`checkpoint`. It refers to the module weakly: the
+    module keeps it, and a cycle would free the model only at a garbage collection
+    (torch.optim's models go at ``del``)."""
+    ref = weakref.ref(module)
+
     def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+        own = ref()
+        forward = previous if previous is not None else type(own).forward.__get__(own)
         return checkpoint(forward, *args, use_reentrant=use_reentrant, **options, **kwargs)
 
     checkpointed_forward._layeropt_checkpointed = True  # type: ignore[attr-defined]

@@ -685,3 +685,36 @@ def test_reentrant_segment_nested_in_a_non_reentrant_one(outer):
         opt.zero_grad()
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+@pytest.mark.parametrize("attached", [False, True], ids=["plain", "attached"])
+def test_a_checkpointed_model_is_freed_when_a_plain_one_is(attached):
+    """checkpoint_modules replaces forward on the module itself; referring to the module
+    strongly from there was a cycle: the model (GPU memory) went only at a garbage
+    collection, where a plain model goes at ``del``."""
+    import gc
+    import weakref
+
+    torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])  # (torch's first optimizer in a
+    # process keeps its frames alive through a one-time lazy import)
+
+    def train(wrap: bool) -> list[weakref.ref]:
+        model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 1))
+        if wrap:
+            checkpoint_modules(model, types=nn.Linear)
+        opt = layeropt.SGD(model.parameters(), lr=0.1)
+        if attached:
+            layeropt.attach(model, opt)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        return [weakref.ref(model), *map(weakref.ref, model.parameters())]
+
+    def freed_at_once(wrap: bool) -> bool:
+        gc.collect()
+        gc.disable()
+        try:
+            return all(r() is None for r in train(wrap))
+        finally:
+            gc.enable()
+
+    assert freed_at_once(True) == freed_at_once(False) is True
