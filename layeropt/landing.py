@@ -17,7 +17,9 @@ through :meth:`Engine.on_grad`. From there:
    until together they hold ``bucket_cap_mb`` of gradient (default 1 MiB;
    a large layer alone reaches it), then are stepped with one call of
    torch's ``step`` (one foreach/fused launch; unscaling and clipping applied
-   per bucket first, ``layeropt/_transforms.py``) and their gradients freed;
+   per bucket first, ``layeropt/_transforms.py``) and their gradients freed -
+   after any post-accumulate-grad hook registered later than layeropt's on the
+   parameter that completed the queue, as torch's ``step()`` comes after them;
 4. when the backward ends (an autograd engine callback queued at the first
    arrival), the queue, buckets that only partly arrived - some parameters
    got no gradient this time - and gradients held from ``no_step()`` are
@@ -188,6 +190,14 @@ def drop_dead_hooks(param: Tensor) -> None:
             del hooks[key]
 
 
+def _hooked_last(param: Tensor) -> bool:
+    """Whether layeropt's hook is the last of ``param``'s post-accumulate-grad hooks. torch
+    runs them in registration order and ``step()`` after them all: one registered after
+    attach (noise, scaling, logging) must see, and may change, the gradient first."""
+    hooks = param._post_accumulate_grad_hooks
+    return len(hooks) == 1 or hasattr(next(reversed(hooks.values())), "_lo_engine_ref")
+
+
 def _all_dense(groups: list[list[Tensor]]) -> bool:
     for g in groups:
         for p in g:
@@ -334,7 +344,7 @@ class Engine:
                     engine._second_gradient(bucket, index)
                 bucket.arrived = arrived = arrived | bit
                 if arrived == bucket.full:
-                    engine._complete(bucket, arrived != bit)
+                    engine._complete(bucket, arrived != bit, param)
                 elif arrived == bit:
                     engine._partial.append(bucket)
                     engine._incomplete += 1
@@ -370,7 +380,7 @@ class Engine:
         if grad.is_sparse:
             raise AttachError(SPARSE_ERROR)
         if self.measure is not None:
-            if self._defer:
+            if self._defer or not _hooked_last(param):  # (measured at the end)
                 self._deferred[param] = bucket
             else:
                 self.measure.take(param)
@@ -399,13 +409,15 @@ class Engine:
             self._second_gradient(bucket, index)
         bucket.arrived = arrived = arrived | bit
         if arrived == bucket.full:
-            self._complete(bucket, arrived != bit)
+            self._complete(bucket, arrived != bit, bucket.params[index])
         elif arrived == bit:
             self._partial.append(bucket)
             self._incomplete += 1
 
-    def _complete(self, bucket: Bucket, was_partial: bool) -> None:
-        """Every gradient of ``bucket`` landed: queue it, step the queue at the cap."""
+    def _complete(self, bucket: Bucket, was_partial: bool, param: Tensor) -> None:
+        """Every gradient of ``bucket`` landed (``param``'s last): queue it, step the queue
+        at the cap - unless hooks registered after layeropt's are still to run on
+        ``param`` (the next step call, or the end of backward, then takes it)."""
         if was_partial:
             self._incomplete -= 1
         if self.held:
@@ -413,7 +425,7 @@ class Engine:
                 self.held.pop(p, None)  # its accumulated gradient is in the bucket now
         self._ready.append(bucket.params)
         self._ready_bytes += bucket.nbytes
-        if self._ready_bytes >= self.cap_bytes:
+        if self._ready_bytes >= self.cap_bytes and _hooked_last(param):
             self._flush_ready()
 
     def _second_gradient(self, bucket: Bucket, index: int) -> NoReturn:

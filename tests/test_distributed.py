@@ -531,17 +531,18 @@ def _memory(rank: int) -> dict[str, Any]:
             wrapped = fully_shard(model, mesh=mesh)
         params = list(wrapped.parameters())
         opt = getattr(layeropt if layer else torch.optim, "Adam")(params, lr=1e-3, fused=True)
-        if layer:  # CPU buckets: every step on this thread, where the profiler sees it
-            handle = (attach_ddp(wrapped, opt, overlap=False) if engine == "ddp"
-                      else layeropt.attach(wrapped, opt, bucket_cap_mb=0))  # each layer at once
         held = [0]
-        if engine == "fsdp2":  # runs after layeropt's hook (registered later)
+        if engine == "fsdp2":  # as each sharded gradient lands (before layeropt's hook,
+            # registered first: a hook registered after it runs before the update)
             def track(_: torch.Tensor) -> None:
                 live = sum(p.grad.to_local().nbytes for p in params if p.grad is not None)
                 held[0] = max(held[0], live)
 
             for p in params:
                 p.register_post_accumulate_grad_hook(track)
+        if layer:  # CPU buckets: every step on this thread, where the profiler sees it
+            handle = (attach_ddp(wrapped, opt, overlap=False) if engine == "ddp"
+                      else layeropt.attach(wrapped, opt, bucket_cap_mb=0))  # each layer at once
         x = torch.randn(4, MEM_D, generator=torch.Generator().manual_seed(rank))
         peaks = []
         for _ in range(5):

@@ -7,12 +7,16 @@ import inspect
 import io
 import pickle
 import warnings
+from typing import Any
 
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import layeropt
-from harness import assert_models_equal, assert_same
+from harness import (  # noqa: F401 - process_group: a fixture
+    assert_models_equal, assert_same, fully_shard, needs_fsdp2, process_group)
+from test_properties import _plain
 from layeropt.models import make_model
 
 FAMILY = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop"] + (
@@ -337,3 +341,59 @@ def test_module_conversion_after_attach(swap, reattach):
         assert_same(ref_opt.state_dict(), opt.state_dict())
     finally:
         torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
+@pytest.mark.parametrize("kind", ["plain", "ddp", pytest.param("fsdp2", marks=needs_fsdp2)])
+@pytest.mark.parametrize("how", ["backward", "layeropt.backward(max_norm)"])
+def test_a_users_post_accumulate_hook_registered_after_attach_runs_before_the_update(
+        process_group, kind, how):
+    """torch runs a parameter's post-accumulate-grad hooks in registration order, then
+    step() reads .grad: a hook registered after attach (gradient noise, per-parameter
+    scaling, logging) must see the gradient and change what is applied and measured,
+    also for the parameter whose gradient completes its bucket (it used to be stepped
+    before that hook ran, and the hook found .grad None; DDP's comm hook always ran
+    after it)."""
+    seen: list[bool] = []
+
+    def scale(p: torch.Tensor) -> None:
+        seen.append(p.grad is not None)
+        if p.grad is not None:
+            p.grad.mul_(0.5)
+
+    def run(lib: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(  # (the 640x640 layer, 1.6 MB, is stepped in its hook
+            # under the default bucket_cap_mb too)
+            torch.nn.Linear(8, 640), torch.nn.GELU(), torch.nn.Linear(640, 640),
+            torch.nn.Linear(640, 1))
+        if kind == "ddp":
+            model = DDP(model)
+        elif kind == "fsdp2":
+            for layer in (model[0], model[2], model[3]):
+                fully_shard(layer)
+            fully_shard(model)
+        opt = lib.AdamW(model.parameters(), lr=0.01)
+        if lib is layeropt:
+            layeropt.attach(model, opt)
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(scale)
+        for _ in range(2):
+            loss = model(torch.randn(3, 8)).square().mean()
+            if how == "backward":
+                loss.backward()
+            elif lib is layeropt:
+                layeropt.backward(loss, max_norm=0.01)
+            else:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            opt.step()
+            opt.zero_grad()
+        return _plain(list(model.parameters())), _plain(opt.state_dict())
+
+    ref_params, ref_state = run(torch.optim)
+    assert all(seen)
+    seen.clear()
+    params, state = run(layeropt)
+    assert all(seen)
+    assert_same(ref_params, params)
+    assert_same(ref_state, state)
