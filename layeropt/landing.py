@@ -42,7 +42,9 @@ through :meth:`Engine.on_grad`. From there:
    torch's recipe checks or changes before the update is *held* (as under
    ``no_step()``) and stepped by ``step()``: a backward through a
    ``GradScaler``-scaled loss (``layeropt/_watch.py``), and one inside
-   ``optimizer.step(closure)`` (the caller may clip). Once the loop has called
+   ``optimizer.step(closure)`` (the caller may clip); one with
+   ``create_graph=True`` is held as under ``no_step()`` (a gradient penalty's
+   backward follows). Once the loop has called
    ``step()`` or ``zero_grad()``, a second attached backward before the next
    call is torch-style accumulation, which in-backward updates would turn
    into several steps: it is refused before anything of it is applied;
@@ -266,6 +268,7 @@ class Engine:
         # Steps torch would take as one (rule 6): gradients held for step(), and the
         # backwards since the last step()/zero_grad() that stepped or held.
         self._hold = False  # this backward's gradients wait for step()
+        self._graph = False  # backward(create_graph=True): held as under no_step()
         self._sweep = False  # requires_grad changed: step every gradient left at the end
         self._orphaned = False  # the optimizer was deleted: detach when this backward ends
         self._unchecked = False  # rule 6's check waits for this backward's first gradient
@@ -297,6 +300,7 @@ class Engine:
             or self.no_step_depth
             or self._defer
             or self._hold
+            or self._graph
         )
 
     # -- the hook -------------------------------------------------------
@@ -385,7 +389,7 @@ class Engine:
             else:
                 self.measure.take(param)
             return
-        if self.no_step_depth or self._hold:
+        if self.no_step_depth or self._hold or self._graph:
             self.held[param] = bucket
             return
         if self._defer:
@@ -521,11 +525,14 @@ class Engine:
             self._held_backwards += 1
         self._hold = False
         self.route()
-        return hold or bool(self.no_step_depth)
+        return hold or bool(self.no_step_depth) or self._graph
 
     def _decide(self) -> None:
         """Rules 6 and 7 for a backward that reaches this engine's parameters."""
         self._unchecked = False
+        # backward(create_graph=True): the gradients' graph is for something torch does
+        # before the update (a penalty's backward, a Hessian estimate in step())
+        self._graph = torch.is_grad_enabled()
         plain = self.measure is None and not self.no_step_depth
         if plain and self._bounded and self._stepped_backwards:
             raise BackwardStateError(ACCUMULATION_ERROR.format(
@@ -561,7 +568,7 @@ class Engine:
                         self.measure.take(p)
             elif self._hold:
                 self._held_backwards += 1
-            elif self.no_step_depth:
+            elif self.no_step_depth or self._graph:
                 if self._sweep:  # unfrozen since attach: no hook held them (rule 7)
                     for p in self._swept():
                         self.held.setdefault(p, None)
@@ -632,6 +639,7 @@ class Engine:
         self._deferred.clear()
         self._defer = False
         self._hold = False
+        self._graph = False
         self._sweep = False
         self._unchecked = False
         self._active_task = _IDLE

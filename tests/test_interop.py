@@ -397,3 +397,35 @@ def test_a_users_post_accumulate_hook_registered_after_attach_runs_before_the_up
     assert all(seen)
     assert_same(ref_params, params)
     assert_same(ref_state, state)
+
+
+@pytest.mark.parametrize("loop", ["gradient penalty", "step() after it"])
+def test_backward_with_create_graph_is_held_for_step_as_torch_uses_it(loop):
+    """backward(create_graph=True) keeps the gradients' graph for something the loop
+    does before the update (a gradient penalty's second backward): its gradients are
+    held, as under no_step(), and stepped by the next stepping backward or by step() -
+    the same numbers, no memory saved for it. (They used to be applied and freed at
+    once: the penalty found .grad None.)"""
+    def run(lib: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                                    torch.nn.Linear(8, 1))
+        opt = lib.Adam(model.parameters(), lr=0.01)
+        if lib is layeropt:
+            layeropt.attach(model, opt)
+        for _ in range(3):
+            loss = model(torch.randn(5, 4)).square().mean()
+            loss.backward(create_graph=True)
+            if loop == "gradient penalty":
+                penalty = sum(p.grad.square().sum() for p in model.parameters())
+                penalty.backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()], opt.state_dict()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (torch's create_graph warning)
+        ref_params, ref_state = run(torch.optim)
+        params, state = run(layeropt)
+    assert_same(ref_params, params)
+    assert_same(ref_state, state)
