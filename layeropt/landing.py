@@ -196,8 +196,9 @@ def _hooked_last(param: Tensor) -> bool:
     """Whether layeropt's hook is the last of ``param``'s post-accumulate-grad hooks. torch
     runs them in registration order and ``step()`` after them all: one registered after
     attach (noise, scaling, logging) must see, and may change, the gradient first."""
-    hooks = param._post_accumulate_grad_hooks
-    return len(hooks) == 1 or hasattr(next(reversed(hooks.values())), "_lo_engine_ref")
+    hooks = param._post_accumulate_grad_hooks  # (none left: the attachment was removed)
+    return not hooks or len(hooks) == 1 or hasattr(next(reversed(hooks.values())),
+                                                   "_lo_engine_ref")
 
 
 def _all_dense(groups: list[list[Tensor]]) -> bool:
@@ -520,18 +521,18 @@ class Engine:
         self._open()
         self._scaled = _watch.scaled_backward()
         self._decide()
-        hold = self._hold
+        hold, graph = self._hold, self._graph
         if hold:
             self._held_backwards += 1
-        self._hold = False
+        self._hold = self._graph = False  # (no end-of-backward reset on this path)
         self.route()
-        return hold or bool(self.no_step_depth) or self._graph
+        return hold or graph or bool(self.no_step_depth)
 
     def _decide(self) -> None:
         """Rules 6 and 7 for a backward that reaches this engine's parameters."""
         self._unchecked = False
-        # backward(create_graph=True): the gradients' graph is for something torch does
-        # before the update (a penalty's backward, a Hessian estimate in step())
+        # backward(create_graph=True): the gradients' graph is for something the loop
+        # does before the update (a gradient penalty's backward)
         self._graph = torch.is_grad_enabled()
         plain = self.measure is None and not self.no_step_depth
         if plain and self._bounded and self._stepped_backwards:

@@ -372,10 +372,11 @@ def test_a_users_post_accumulate_hook_registered_after_attach_runs_before_the_up
             for layer in (model[0], model[2], model[3]):
                 fully_shard(layer)
             fully_shard(model)
-        opt = lib.AdamW(model.parameters(), lr=0.01)
+        params = list(model.parameters())  # two optimizers: the rule is each engine's
+        opts = [lib.AdamW(params[:4], lr=0.01), lib.SGD(params[4:], lr=0.1, momentum=0.9)]
         if lib is layeropt:
-            layeropt.attach(model, opt)
-        for p in model.parameters():
+            layeropt.attach(model, opts)
+        for p in params:
             p.register_post_accumulate_grad_hook(scale)
         for _ in range(2):
             loss = model(torch.randn(3, 8)).square().mean()
@@ -386,9 +387,10 @@ def test_a_users_post_accumulate_hook_registered_after_attach_runs_before_the_up
             else:
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
-            opt.step()
-            opt.zero_grad()
-        return _plain(list(model.parameters())), _plain(opt.state_dict())
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        return _plain(list(model.parameters())), _plain([o.state_dict() for o in opts])
 
     ref_params, ref_state = run(torch.optim)
     assert all(seen)
@@ -399,17 +401,24 @@ def test_a_users_post_accumulate_hook_registered_after_attach_runs_before_the_up
     assert_same(ref_state, state)
 
 
+@pytest.mark.parametrize("kind", ["plain", "ddp", pytest.param("fsdp2", marks=needs_fsdp2)])
 @pytest.mark.parametrize("loop", ["gradient penalty", "step() after it"])
-def test_backward_with_create_graph_is_held_for_step_as_torch_uses_it(loop):
+def test_backward_with_create_graph_is_held_for_step_as_torch_uses_it(process_group, kind, loop):
     """backward(create_graph=True) keeps the gradients' graph for something the loop
     does before the update (a gradient penalty's second backward): its gradients are
     held, as under no_step(), and stepped by the next stepping backward or by step() -
     the same numbers, no memory saved for it. (They used to be applied and freed at
-    once: the penalty found .grad None.)"""
+    once: the penalty found .grad None.) Where torch itself cannot run the loop (DDP
+    refuses create_graph; FSDP2's reduced gradients carry no graph), layeropt raises
+    too."""
     def run(lib: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
                                     torch.nn.Linear(8, 1))
+        if kind == "ddp":
+            model = DDP(model)
+        elif kind == "fsdp2":
+            fully_shard(model)
         opt = lib.Adam(model.parameters(), lr=0.01)
         if lib is layeropt:
             layeropt.attach(model, opt)
@@ -421,11 +430,17 @@ def test_backward_with_create_graph_is_held_for_step_as_torch_uses_it(loop):
                 penalty.backward()
             opt.step()
             opt.zero_grad()
-        return [p.detach().clone() for p in model.parameters()], opt.state_dict()
+        return _plain(list(model.parameters())), _plain(opt.state_dict())
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # (torch's create_graph warning)
-        ref_params, ref_state = run(torch.optim)
+        try:
+            ref_params, ref_state = run(torch.optim)
+        except RuntimeError:  # torch cannot run this loop on this kind
+            assert kind != "plain"
+            with pytest.raises((RuntimeError, AttributeError)):
+                run(layeropt)
+            return
         params, state = run(layeropt)
     assert_same(ref_params, params)
     assert_same(ref_state, state)
