@@ -8,7 +8,9 @@ and properties of classes too; a constant's docstring is its ``#:`` comment).
 An object re-exported by several public modules is listed once, under the
 first (``layeropt.two_pass_compile``, not ``layeropt.integrations``'s).
 ``tests/test_docs_api.py`` fails when ``docs/api.md`` is out of date, when an
-entry has no docstring, or when an internal name shows up.
+entry has no docstring or no definition in the source (a submodule missing
+from ``PUBLIC``), when a public name reachable from ``import layeropt`` is not
+documented, or when an internal name shows up.
 
 Usage:
     python docs/gen_api.py            # rewrite docs/api.md
@@ -30,7 +32,7 @@ OUT = ROOT / "docs" / "api.md"
 #: re-exported by ``layeropt`` itself, and listed there.
 PUBLIC = [
     "layeropt", "layeropt.losses", "layeropt.memory", "layeropt.report",
-    "layeropt.distributed", "layeropt.integrations", "layeropt.integrations.hf",
+    "layeropt.distributed", "layeropt.offload", "layeropt.integrations", "layeropt.integrations.hf",
     "layeropt.integrations.lightning", "layeropt.integrations.accelerate", "layeropt.plan",
 ]  # fmt: skip
 #: Names in a public module's ``__all__`` that are not API, with the reason.
@@ -116,6 +118,9 @@ def _doc(node: ast.AST) -> list[str]:
 
 
 MISSING = "*(no docstring)*"
+#: The body of an entry whose name is in an ``__all__`` but defined nowhere in the
+#: source: a submodule that belongs in ``PUBLIC``, or a stale name. Never published.
+NOT_FOUND = "*(not found in the source)*"
 
 
 def _decorators(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
@@ -195,7 +200,7 @@ def _entry(module: str, name: str) -> list[str]:
     full = f"{module}.{name}"
     found = _find(module, name)
     if found is None:
-        return [f"### `{full}`", "", "*(not found in the source)*", ""]
+        return [f"### `{full}`", "", NOT_FOUND, ""]
     where, node = found
     if isinstance(node, ast.ClassDef):
         lines = _class(node)
@@ -270,6 +275,11 @@ def aliases() -> dict[str, str]:
     return out
 
 
+def not_found() -> list[str]:
+    """Entries defined nowhere in the source (a submodule missing from ``PUBLIC``)."""
+    return [lines[0].split("`")[1] for _, lines in entries() if NOT_FOUND in lines]
+
+
 def missing_docstrings() -> list[str]:
     """Entries (and their methods) that have no docstring."""
     missing: list[str] = []
@@ -330,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Generate docs/api.md from the docstrings.")
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/api.md is stale")
     args = parser.parse_args(argv)
+    unknown = not_found()
+    if unknown:
+        print(f"in an __all__ but defined nowhere in the source: {', '.join(unknown)}; "
+              "add a submodule to PUBLIC in docs/gen_api.py, or drop the stale name",
+              file=sys.stderr)  # fmt: skip
+        return 1
     text = render()
     if args.check:
         stale = not OUT.exists() or OUT.read_text() != text
