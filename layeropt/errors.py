@@ -20,10 +20,7 @@ __all__ = ["LayeroptError", "AttachError", "BackwardStateError", "warn", "user_f
 
 
 IN_A_TRAINER = (
-    "in a trainer, use its layeropt integration (Lightning: "
-    "layeropt.integrations.lightning.LayeroptCallback, accelerate: "
-    "layeropt.integrations.accelerate.LayeroptAccelerator, Hugging Face: "
-    "layeropt.integrations.hf.LayeroptTrainer)."
+    "in a trainer, use its integration (LayeroptCallback, LayeroptAccelerator, LayeroptTrainer)."
 )
 
 
