@@ -10,7 +10,8 @@
 #    bf16 step's time goes (benchmarks/gpu_profile.py);
 # 4. the step tables of gpu.sh, bf16 (23M GPT, many-small; ~1B GPT);
 # 5. plan's margin calibration (benchmarks/plan_calibrate.py);
-# 6. optimizer state offload (tests/test_cuda_offload.py: sync and overlap bit for bit;
+# 6. optimizer state offload (tests/test_cuda_offload.py: sync and overlap bit for bit,
+#    and FSDP2's CPUOffloadPolicy over NCCL: exact, or refused where torch races;
 #    benchmarks/offload_bench.py: 7B-shaped layers vs fused AdamW, and a profiler trace
 #    of an overlapped backward, offload-trace.json, to see copies beside the steps).
 # Each part is capped by `timeout`, so a slow part is cut short, not the rest.

@@ -16,6 +16,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ._fsdp_offload import check_fsdp2_offload
 from ._registry import hooked_by, mark_hooked, unmark_hooked
 from .errors import AttachError, user_frame, warn
 from .landing import Bucket, drop_dead_hooks
@@ -376,6 +377,7 @@ def attach(
             wrapped = attach_wrapper(model, optimizer, bucket_cap_mb=bucket_cap_mb,
                                      clip_value=clip_value)
             return wrapped  # type: ignore[no-any-return]
+    check_fsdp2_offload(model)  # FSDP2 + CPUOffloadPolicy: refused where torch races
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("clip_value", clip_value),
                         ("bucket_max_norm", bucket_max_norm)):
         if value is not None and not value >= 0:

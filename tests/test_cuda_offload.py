@@ -1,20 +1,32 @@
 """layeropt.offload on CUDA: pinned host state, synchronous and overlapped copies.
 
 Bit for bit against the same loop without offload and against torch.optim, on
-the GPU (skipped without CUDA; ``benchmarks/device_check.sh`` runs it).
+the GPU (skipped without CUDA; ``benchmarks/device_check.sh`` runs it). Also
+FSDP2's own ``CPUOffloadPolicy`` (gradients copied into host memory before
+the hooks run; refused at attach on the torch releases where the hooks run
+first, pytorch#180666).
 """
 
 from __future__ import annotations
 
 import copy
+import socket
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 
 import layeropt
-from harness import assert_models_equal, assert_same
+from harness import assert_models_equal, assert_same, fully_shard
+from layeropt._fsdp_offload import has_offload_race, offloaded_shards
 from layeropt.models import make_model
 from layeropt.offload import offload_state
+
+try:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+except ImportError:  # torch < 2.6
+    from torch.distributed._composable.fsdp import CPUOffloadPolicy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -100,3 +112,67 @@ def test_overlap_state_dict_round_trip_resumes_exactly():
     assert_same(plain.state_dict(), off.state_dict())
     handle.remove()
     assert all(s["exp_avg"].is_cuda for s in off.state.values())
+
+
+# -- FSDP2 with CPUOffloadPolicy ------------------------------------------------------
+@pytest.fixture(scope="module")
+def nccl_group():
+    """One NCCL process, for FSDP2 on the GPU in this process."""
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp2_offloaded(pin: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(4)])
+    mesh = torch.distributed.device_mesh.init_device_mesh("cuda", (1,))
+    policy = CPUOffloadPolicy(pin_memory=pin)
+    for block in model:
+        fully_shard(block.cuda(), mesh=mesh, offload_policy=policy)
+    return fully_shard(model, mesh=mesh, offload_policy=policy)
+
+
+@pytest.mark.parametrize("pin", [True, False], ids=["pinned", "pageable"])
+def test_fsdp2_cpu_offload_policy(nccl_group, pin):
+    """Attached and bit for bit with torch.optim where torch copies each gradient before
+    the hooks run; refused (nothing attached) where it does not. The reference's own
+    hook checks that guarantee: the gradient a hook reads is the one step() gets."""
+    ref, model = _fsdp2_offloaded(pin), _fsdp2_offloaded(pin)
+    seen = offloaded_shards(model)
+    assert len(seen) == 8 and all(s.pin_memory is pin and s.device_type == "cuda" for s in seen)
+    opt = layeropt.AdamW(model.parameters(), lr=1e-2)
+    if pin and has_offload_race(torch.__version__):
+        with pytest.raises(layeropt.AttachError, match="pytorch#180666"):
+            layeropt.attach(model, opt)
+        assert not opt.attached
+        return
+    read_in_hook = {}
+    for p in ref.parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p: read_in_hook.__setitem__(p, p.grad.to_local().clone()))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with layeropt.attach(model, opt, bucket_cap_mb=0):
+        for i in range(3):
+            x = torch.randn(64, 512, generator=torch.Generator().manual_seed(i)).cuda()
+            for m, o in ((ref, ref_opt), (model, opt)):
+                m(x).square().mean().backward()
+                if m is ref:
+                    for p in ref.parameters():
+                        assert_same(read_in_hook[p], p.grad.to_local())
+                o.step()
+                o.zero_grad()
+        assert opt.stepped_in_backward == len(seen)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.to_local().device.type == "cpu"
+        assert_same(p.to_local(), q.to_local())
+    assert_same(opt.state_dict(), ref_opt.state_dict())
