@@ -323,13 +323,16 @@ def test_fits_follows_the_real_peaks():
     build, make_batch, loss, checkpoint, _ = hf_real(cfg, torch.float32)
     start, peak = real_for(LAYEROPT_CKPT, build, make_batch, loss, checkpoint)
     margin = Margin(fixed=4096, fraction=0.0)
-    p = plan(cfg, seq=SEQ, batch=BATCH, dtype="fp32", device="cpu",
-             variants=[FOREACH, LAYEROPT_CKPT], bucket_cap_mb=0.0,
-             gpu_memory=start + peak + 4096, margin=margin)  # fmt: skip
+    planned = plan(cfg, seq=SEQ, batch=BATCH, dtype="fp32", device="cpu",
+                   variants=[FOREACH, LAYEROPT_CKPT], bucket_cap_mb=0.0)  # fmt: skip
+    # (a GPU this small is refused by plan(): the Plan is made from its rows)
+    p = Plan(planned.model, planned.parameters, planned.rows, gpu_memory=start + peak + 4096,
+             margin=margin)  # fmt: skip
     assert p.fits(p.row(LAYEROPT_CKPT)) is True
     assert p.fits(p.row(FOREACH)) is False
     assert p.choice.variant == LAYEROPT_CKPT
-    assert "with the fewest changes: layeropt.AdamW (fused) + checkpointing" in p.table()
+    told = " ".join(p.table().split())
+    assert "with the fewest changes: layeropt.AdamW (fused) + checkpointing" in told
 
 
 # -- command line ------------------------------------------------------------
@@ -454,13 +457,29 @@ def test_cli_is_quiet(tmp_path):
     assert levels == {n: logging.getLogger(n).level for n in levels}
 
 
-def test_cli_unknown_model_says_how_to_get_its_config(monkeypatch, capsys):
+def _suggested_commands(err: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", err)
+
+
+def test_cli_unknown_model_suggests_only_real_commands(monkeypatch, capsys):
+    """A misspelled name: the nearest built-in shape as a command that runs, no internal
+    exception name, and a download command only for a repository id (owner/name)."""
+    import shutil
+
+    assert main(["plan", "lama-2-7b", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "`python -m layeropt plan llama-2-7b`" in err  # the nearest built-in shape
+    assert "`python -m layeropt plan path/to/config.json`" in err  # offline: a local config
+    assert "Error" not in err and "(OSError)" not in err  # no internal exception
+    assert "download" not in err  # 'lama-2-7b' is no repository id
+    for command in _suggested_commands(err):
+        words = command.split()
+        assert words[:4] == ["python", "-m", "layeropt", "plan"], command
+        assert words[4] in layeropt.plan.BUILTIN_SHAPES or words[4] == "path/to/config.json"
+
     assert main(["plan", "meta-llama/Llama-3.1-8B-nowhere", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "'llama-3.1-8b'" in err  # the nearest built-in shape
-    assert "path/to/config.json" in err  # offline: a local config
-    import shutil
-
     installed = next((c for c in ("hf", "huggingface-cli") if shutil.which(c)), None)
     if installed:
         assert f"`{installed} download meta-llama/Llama-3.1-8B-nowhere config.json`" in err
@@ -472,7 +491,86 @@ def test_cli_unknown_model_says_how_to_get_its_config(monkeypatch, capsys):
             assert "`huggingface-cli download org/some-model config.json`" in err
         else:
             assert "huggingface.co/org/some-model/resolve/main/config.json" in err
-        assert "hf download" not in err.replace("for the `hf download` command", "")
+        assert "hf download" not in err
+
+    for path in ("./no/such/config.json", "/no/such/folder"):
+        assert main(["plan", path, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert "no such file" in err or "does not exist" in err
+        assert "download" not in err
+
+
+@pytest.mark.parametrize("size", ["0", "0.001", "512MiB", "24TB", "2TiB"])
+def test_cli_refuses_gpu_sizes_no_gpu_has_before_planning(size, monkeypatch, capsys):
+    """0, 1 MiB or 24 TiB: refused at once, naming the accepted range (nothing is built)."""
+    def never(*args, **kwargs):
+        raise AssertionError("planned a GPU size no GPU has")
+
+    monkeypatch.setattr(layeropt.plan, "hf_workload", never)
+    assert main(["plan", "gpt2", "--gpu-memory", size, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("layeropt plan: error: GPU memory") and "from 1 GiB to 1 TiB" in err
+    with pytest.raises(PlanError, match="no GPU has"):
+        plan("gpt2", gpu_memory=size)
+    # the default margin (1 GiB + 5%) leaves nothing of 1 GiB: refused too
+    assert main(["plan", "gpt2", "--gpu-memory", "1GiB", "--no-progress"]) == 2
+    assert "leaves nothing of 1.0 GiB" in capsys.readouterr().err
+    for ok in ("1GiB", "1TiB", "80GB"):
+        assert parse_gpu_memory(ok)[0] in (2**30, 2**40, 80 * 2**30)
+
+
+def _rows(*specs):
+    """Measurements of made-up peaks (GiB): ``(variant, peak, host)``."""
+    return [Measurement(v, int(gib * 2**30), 0, 0, dict(dict.fromkeys(CATEGORIES, 0),
+                                                         parameters=int(gib * 2**30)),
+                        "backward", 0.5, "", int(host * 2**30))
+            for v, gib, host in specs]  # fmt: skip
+
+
+def test_nothing_fits_says_how_far_and_which_gpu_would_do():
+    rows = _rows((FOREACH, 30, 0), (LAYEROPT_CKPT, 20, 0))
+    p = Plan("m", 10**9, rows, gpu_memory=16 * 2**30)
+    assert p.choice is None
+    told = " ".join(p.table().split())
+    over = 20 * 2**30 - p.budget
+    need = p.margin.gpu_memory_for(20 * 2**30)
+    assert f"must drop by {layeropt.memory.format_bytes(over)}" in told
+    assert f"a GPU of {layeropt.memory.format_bytes(need)}" in told
+    assert Plan("m", 10**9, rows, gpu_memory=need).choice.variant == LAYEROPT_CKPT
+    assert Plan("m", 10**9, rows, gpu_memory=need - 2**20).choice is None
+
+
+def test_table_marks_the_recommendation_and_what_never_ran_on_a_gpu():
+    """One row marked recommended; a fitting state offload row says on its line that it
+    has not run on a GPU; the why is short lines; the header names what was modelled."""
+    rows = _rows((FOREACH, 30, 0), (LAYEROPT_CKPT, 21, 0), (OFFLOAD_CKPT, 10, 12),
+                 (Variant("layeropt.in_backward(torchao.optim.AdamW4bit)", checkpointing=True),
+                  12, 0))  # fmt: skip
+    for gpu, choice in ((24, LAYEROPT_CKPT), (16, OFFLOAD_CKPT)):
+        p = Plan("llama", 3 * 10**9, rows, gpu_memory=gpu * 2**30)
+        assert p.choice.variant == choice
+        lines = p.table().splitlines()
+        marked = [line for line in lines if line.endswith("<- recommended")]
+        assert len(marked) == 1 and choice.label in marked[0]
+        for r in p.rows:
+            (line,) = [x for x in lines if x.rstrip().split("  <-")[0].endswith(
+                (r.variant.label, r.variant.label + " (not yet run on a GPU)"))]
+            says_fits = "  yes  " in line
+            assert says_fits == p.fits(r)
+            assert ("not yet run on a GPU" in line) == (says_fits and not r.variant.run_on_a_gpu)
+        table_end = next(i for i, x in enumerate(lines) if x.startswith("(categories"))
+        answer = " ".join(" ".join(lines[table_end + 1 : lines.index("why:")]).split())
+        assert choice.label in answer
+        assert ("not yet run on a GPU" in answer) == (choice == OFFLOAD_CKPT)
+        why = lines[lines.index("why:") + 1:]
+        assert why and all(len(line) <= 92 for line in why)
+        assert _changes_told(" ".join(" ".join(why).split())) == choice.changes()
+        header = "\n".join(lines[:4])
+        assert "on cuda" not in header and "no GPU used" in header
+        assert "not yet calibrated on a GPU" in header
+    assert not OFFLOAD_CKPT.run_on_a_gpu and LAYEROPT_CKPT.run_on_a_gpu
+    cpu = Plan("llama", 10**9, rows, device="cpu")
+    assert "torch's CPU kernels" in cpu.header() and "no GPU used" not in cpu.header()
 
 
 def test_cli_seq_beyond_positions_names_the_override(tiny_config, capsys):
@@ -508,8 +606,9 @@ def test_cli_recommendation_and_why_agree(tiny_config, capsys):
     out = _plan_json(capsys, tiny_config, "--seq", SEQ)
     peaks = sorted({r["peak_bytes"] for r in out["variants"]})
     gpu = peaks[len(peaks) // 2]
-    told = _plan_json(capsys, tiny_config, "--seq", SEQ, "--gpu-memory", f"{gpu}B",
-                      "--margin", "0")["recommendation"]  # fmt: skip
+    # a budget of `gpu` bytes on a GPU size plan accepts: 1 GiB less a fixed margin
+    told = _plan_json(capsys, tiny_config, "--seq", SEQ, "--gpu-memory", "1GiB",
+                      "--margin", f"{2**30 - gpu}B")["recommendation"]  # fmt: skip
     assert told["label"] == _from_json(out, gpu, Margin(0, 0)).choice.variant.label
     for gpu in peaks:
         p = _from_json(out, gpu, Margin(0, 0))

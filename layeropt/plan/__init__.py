@@ -9,7 +9,9 @@ row gives the step's peak, what is alive at the peak (parameters, optimizer
 state, gradients, activations, other), where in the step it falls, and
 whether it fits a GPU's memory with a stated margin, and which one to use
 (:attr:`Plan.choice`). A 7B model plans in about 30 s of CPU time and about
-400 MiB of RAM.
+400 MiB of RAM (measured on a 2-core x86-64 Linux machine, torch 2.13 CPU:
+``docs/plan.md``). A configuration that layeropt has not run on a GPU
+(:attr:`Variant.run_on_a_gpu`) says so where the plan says it fits.
 
 On CPU the planned peak equals the live tensor bytes of the real run to the
 byte (``tests/test_plan.py``); on a GPU it leaves out what no tensor count
@@ -35,9 +37,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..memory import format_bytes
 from .devices import TARGETS
 from .execute import Measurement, simulate
-from .render import Margin, Plan, parse_gpu_memory, parse_size
+from .render import GPU_MEMORY_RANGE, Margin, Plan, parse_gpu_memory, parse_size
 from .tracker import CATEGORIES, LiveBytes
 from .variants import OPTIMIZERS, Variant, default_variants
 from .workloads import BUILTIN_SHAPES, PlanError, Workload, hf_workload
@@ -56,6 +59,7 @@ __all__ = [
     "BUILTIN_SHAPES",
     "parse_size",
     "parse_gpu_memory",
+    "GPU_MEMORY_RANGE",
 ]
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
@@ -117,7 +121,10 @@ def plan(
             ``.to(dtype)`` fails on fake parameters).
         gpu_memory: the GPU's memory (``"24GiB"``, bytes as an int), to say
             what fits; ``"24GB"`` is read as 24 GiB, as GPU makers mean it
-            (:func:`parse_gpu_memory`, noted in the header).
+            (:func:`parse_gpu_memory`, noted in the header). From 1 GiB to
+            1 TiB (:data:`GPU_MEMORY_RANGE`), and more
+            than the margin's fixed part: anything else is refused before
+            planning.
         margin: what fitting leaves free (:class:`Margin`, or ``"1GiB+5%"``).
         variants: the configurations (default: :func:`default_variants`);
             ``"all"`` for every combination.
@@ -137,7 +144,7 @@ def plan(
 
     Raises:
         PlanError: the model or an argument cannot be planned (the message
-            says how to fix it).
+            says how to fix it); a ``gpu_memory`` no GPU has.
 
     Example:
         >>> from layeropt.models import MLP
@@ -146,6 +153,7 @@ def plan(
         ...          optimizers=["torch.optim.AdamW", "layeropt.AdamW"])
         >>> for r in p.rows:
         ...     print(r.variant.label, r.peak_bytes // 2**20, "MiB,", r.phase)
+        layeropt.AdamW (fused) + state offload 401 MiB, backward
         layeropt.AdamW (fused) 689 MiB, backward
         torch.optim.AdamW (fused) 832 MiB, backward
         torch.optim.AdamW (foreach) 1040 MiB, optimizer step
@@ -155,6 +163,11 @@ def plan(
         raise PlanError(f"device must be one of {TARGETS}, got {device!r}")
     gpu, note = (None, "") if gpu_memory is None else parse_gpu_memory(gpu_memory)
     margin = Margin.parse(margin) if isinstance(margin, str) else (margin or Margin())
+    if gpu is not None and margin.budget(gpu) <= 0:
+        raise PlanError(
+            f"the margin ({margin.describe()}) leaves nothing of {format_bytes(gpu)} for the "
+            "step: give the GPU's whole memory, or a smaller margin (--margin)"
+        )
     with _quiet_libraries():
         if isinstance(model, Workload):
             workload = model

@@ -42,9 +42,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="will a training step fit on my GPU, and with which settings (no GPU needed)",
         description=(
             "Run one steady-state training step of MODEL on fake tensors (no memory, any "
-            "size) under torch.optim.AdamW, layeropt.AdamW, checkpointing, a chunked loss "
+            "size, no GPU; a GPU's kernels modelled) under torch.optim.AdamW, "
+            "layeropt.AdamW, checkpointing, a chunked loss, optimizer state in host memory "
             "and low-bit optimizer states; print each configuration's peak memory, what is "
-            "alive at the peak, and what fits in --gpu-memory."
+            "alive at the peak, and what fits in --gpu-memory. Needs transformers for a "
+            "Hugging Face model (pip install 'layeropt[hf]')."
         ),
         epilog=f"built-in shapes: {', '.join(sorted(BUILTIN_SHAPES))}",
     )
@@ -69,8 +71,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--gpu-memory", metavar="SIZE",
-        help="the GPU's memory, e.g. 24GiB, 80GB or 16 (GiB; GB means GiB here, as GPU "
-        "makers mean it): say what fits",
+        help="the GPU's memory, 1 GiB to 1 TiB, e.g. 24GiB, 80GB or 16 (GiB; GB means GiB "
+        "here, as GPU makers mean it): say what fits",
     )  # fmt: skip
     p.add_argument(
         "--margin", metavar="SPEC", default="1GiB+5%",

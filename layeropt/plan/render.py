@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import textwrap
@@ -25,7 +26,10 @@ from .tracker import ACTIVATIONS, CATEGORIES, GRADIENTS, OTHER, STATE
 from .variants import LOW_BIT, Variant
 from .workloads import PlanError
 
-__all__ = ["Margin", "Plan", "parse_size", "parse_gpu_memory"]
+__all__ = ["Margin", "Plan", "parse_size", "parse_gpu_memory", "GPU_MEMORY_RANGE"]
+
+#: The GPU memory a plan accepts, in bytes: no GPU has less than 1 GiB or more than 1 TiB.
+GPU_MEMORY_RANGE = (2**30, 2**40)
 
 _UNITS = {"": 2**30, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20,
           "mb": 10**6, "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40,
@@ -67,6 +71,10 @@ def parse_gpu_memory(text: str | int) -> tuple[int, str]:
     GPU makers say "24 GB" for 24 GiB; the note says so when it applies
     (``""`` otherwise).
 
+    Raises:
+        PlanError: not a size, or a size no GPU has (outside
+            :data:`GPU_MEMORY_RANGE`: 1 GiB to 1 TiB).
+
     Example:
         >>> parse_gpu_memory("24GB")
         (25769803776, '24GB read as 24 GiB, as GPU makers mean it')
@@ -74,9 +82,18 @@ def parse_gpu_memory(text: str | int) -> tuple[int, str]:
     m = None if isinstance(text, int) else _SIZE.fullmatch(text)
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in ("kb", "mb", "gb", "tb"):
-        return parse_size(text), ""
-    binary = f"{m.group(1)} {unit[0].upper()}iB"
-    return parse_size(binary), f"{text.strip()} read as {binary}, as GPU makers mean it"
+        size, note = parse_size(text), ""
+    else:
+        binary = f"{m.group(1)} {unit[0].upper()}iB"
+        size, note = parse_size(binary), f"{text.strip()} read as {binary}, as GPU makers mean it"
+    low, high = GPU_MEMORY_RANGE
+    if not low <= size <= high:
+        read = f"{size:,} bytes" if size < 2**20 else format_bytes(size)
+        raise PlanError(
+            f"GPU memory {text!r} is {read}, which no GPU has: give one GPU's memory, "
+            "from 1 GiB to 1 TiB (24GiB, 80GB, or 16 for 16 GiB)"
+        )
+    return size, note
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +118,10 @@ class Margin:
     def budget(self, gpu_memory: int) -> int:
         """The largest peak that fits in ``gpu_memory`` bytes."""
         return int((gpu_memory - self.fixed) / (1 + self.fraction))
+
+    def gpu_memory_for(self, peak: int) -> int:
+        """The least GPU memory in which ``peak`` fits (the inverse of :meth:`budget`)."""
+        return math.ceil(peak * (1 + self.fraction) + self.fixed)
 
     def describe(self) -> str:
         """``"1.0 GiB + 5% of the peak"``."""
@@ -203,6 +224,17 @@ class Plan:
     def why(self, row: Measurement | None = None) -> str:
         """One line: how ``row`` differs from the baseline, and what each difference saves.
 
+        :meth:`why_steps` joined by ``"; "`` (the ``--json`` ``"why"``).
+
+        Args:
+            row: the configuration to explain (default: :attr:`choice`, or
+                the smallest peak when nothing fits).
+        """
+        return "; ".join(self.why_steps(row))
+
+    def why_steps(self, row: Measurement | None = None) -> list[str]:
+        """How ``row`` differs from the baseline, one change at a time.
+
         From :attr:`baseline` (plain ``torch.optim.AdamW``), one change of
         ``row`` at a time, through the planned rows in between: where the
         peak is, what it holds that the change removes, and the saving.
@@ -210,6 +242,9 @@ class Plan:
         Args:
             row: the configuration to explain (default: :attr:`choice`, or
                 the smallest peak when nothing fits).
+
+        Returns:
+            One sentence per step (the table prints each on its own lines).
         """
         row = row or self.choice or self.rows[0]
         current = self.baseline
@@ -244,31 +279,35 @@ class Plan:
             current = nxt
         if not steps:
             top = max(CATEGORIES[2:], key=lambda c: current.at_peak[c])
-            return (
+            return [
                 f"{current.variant.label} peaks {_where(current)}, where the largest part "
                 f"after parameters and optimizer state is {_name(top, current)} "
                 f"({format_bytes(current.at_peak[top])})"
-            )
+            ]
         if quiet:
             steps.append(" and ".join(_fix(c, row) for c in quiet) + " (no effect here)")
-        return "; ".join(steps)
+        return steps
 
     # -- rendering ----------------------------------------------------------
     def header(self) -> str:
-        """Two lines: the model and step, and the fitting rule."""
+        """The model and step, how it was planned, and the fitting rule."""
         shape = ""
         if self.seq is not None:
             shape = f", batch {self.batch} x {self.seq} tokens"
+        kernels = {"cuda": "a CUDA GPU's kernels modelled (flash attention); no GPU used",
+                   "cpu": "torch's CPU kernels"}.get(self.device, f"{self.device}'s kernels")
         lines = [
             f"layeropt plan: {self.model} ({_count(self.parameters)} parameters"
-            f"{', ' + self.dtype if self.dtype else ''}{shape}), one steady-state training "
-            f"step on {self.device}"
+            f"{', ' + self.dtype if self.dtype else ''}{shape}), one steady-state training step",
+            f"run on fake tensors, with {kernels}",
         ]
         if self.gpu_memory is not None:
             lines.append(
                 f"fits in {format_bytes(self.gpu_memory)}: peak + {self.margin.describe()} "
                 f"<= {format_bytes(self.gpu_memory)}, i.e. peak <= {format_bytes(self.budget)}"
             )
+            if self.margin == Margin():
+                lines.append("(the default margin: an estimate, not yet calibrated on a GPU)")
         return "\n".join(lines + self.notes)
 
     def table(self) -> str:
@@ -282,14 +321,16 @@ class Plan:
         head += "configuration"
         lines = [self.header(), "", head]
         unit, scale = _unit(max(r.peak_bytes for r in self.rows))
+        choice = self.choice
         for r in self.rows:
             cells = "".join(f"{r.at_peak[c] / scale:>12.2f}" for c in CATEGORIES)
             fit = {True: "yes   ", False: "no    ", None: ""}[self.fits(r)]
             kept = (f"{format_bytes(r.host_bytes) if r.host_bytes else '':>10}  " if host
                     else "")
+            mark = "  <- recommended" if r is choice else ""
             lines.append(
                 f"{format_bytes(r.peak_bytes):>10}  {cells}  {_where(r, short=True):<22}{fit}"
-                f"{kept}{r.variant.label}"
+                f"{kept}{self._named(r)}{mark}"
             )
         lines.append(f"(categories in {unit}, at the peak"
                      + ("; host: host memory the offloaded optimizer state takes)" if host
@@ -297,26 +338,33 @@ class Plan:
         lines += ["", *self.answer()]
         return "\n".join(lines)
 
+    def _named(self, row: Measurement) -> str:
+        """The row's label, and - where it says the row fits - that no GPU has run it."""
+        if self.fits(row) and not row.variant.run_on_a_gpu:
+            return f"{row.variant.label} (not yet run on a GPU)"
+        return row.variant.label
+
     def answer(self) -> list[str]:
-        """The last lines: what to use, and why."""
+        """The last lines: what to use, and why (wrapped to short lines)."""
         if self.gpu_memory is None:
             best = self.rows[0]
-            return [
-                f"smallest peak: {best.variant.label} ({format_bytes(best.peak_bytes)}); "
-                "pass --gpu-memory to see what fits",
-                f"why: {self.why(best)}",
-            ]
+            first = (f"smallest peak: {best.variant.label} ({format_bytes(best.peak_bytes)}); "
+                     "pass --gpu-memory to see what fits")  # fmt: skip
+            return _wrap(first, "") + self._why_lines(best)
         choice = self.choice
         if choice is None:
             best = self.rows[0]
             need = best.peak_bytes - (self.budget or 0)
-            return [
+            first = (
                 f"nothing fits in {format_bytes(self.gpu_memory)}: the smallest peak, "
-                f"{best.variant.label}, needs {format_bytes(need)} more. Try a shorter "
-                "--seq or smaller --batch (with gradient accumulation), or shard the "
-                "model across GPUs (FSDP).",
-                f"why: {self.why(best)}",
-            ]
+                f"{best.variant.label} ({format_bytes(best.peak_bytes)}), is "
+                f"{format_bytes(need)} over what fits (peak <= {format_bytes(self.budget)}). "
+                f"Its peak must drop by {format_bytes(need)}, or it needs a GPU of "
+                f"{format_bytes(self.margin.gpu_memory_for(best.peak_bytes))}: try a shorter "
+                "--seq or a smaller --batch (with gradient accumulation), or shard the "
+                "model across GPUs (FSDP)."
+            )
+            return _wrap(first, "") + self._why_lines(best)
         rule = "with the fewest changes"
         if "state offload" in choice.variant.changes():
             rule += (" once the optimizer state is in host memory (exact AdamW; no row with "
@@ -325,11 +373,15 @@ class Plan:
             rule += " once optimizer states are 8-bit (no exact AdamW fits)"
         elif "low-bit" in choice.variant.changes():
             rule += " once optimizer states are 4-bit (neither exact AdamW nor 8-bit states fit)"
-        return [
-            f"fits in {format_bytes(self.gpu_memory)} {rule}: "
-            f"{choice.variant.label} ({format_bytes(choice.peak_bytes)})",
-            f"why: {self.why(choice)}",
-        ]
+        first = (f"fits in {format_bytes(self.gpu_memory)} {rule}: "
+                 f"{self._named(choice)} ({format_bytes(choice.peak_bytes)})")  # fmt: skip
+        return _wrap(first, "") + self._why_lines(choice)
+
+    def _why_lines(self, row: Measurement) -> list[str]:
+        lines = ["why:"]
+        for step in self.why_steps(row):
+            lines += _wrap(step, "  ")
+        return lines
 
     def to_dict(self) -> dict[str, Any]:
         """One JSON-ready object (the ``--json`` output).
@@ -463,6 +515,18 @@ def _fix(change: str, row: Measurement) -> str:
     variant = row.variant
     text = _CHANGE_TEXT[change][2]
     return text.format(base=variant.base, bits=_bits(variant), host=format_bytes(row.host_bytes))
+
+
+def _wrap(text: str, indent: str) -> list[str]:
+    """``text`` in lines of at most 92 characters, continuation lines indented two more
+    (a size such as ``3.3 GiB`` is never split)."""
+    glued = _SIZE_IN_TEXT.sub("\\1\xa0\\2", text)  # textwrap does not break at a no-break space
+    lines = textwrap.wrap(glued, 92, initial_indent=indent, subsequent_indent=indent + "  ",
+                          break_on_hyphens=False)  # fmt: skip
+    return [line.replace("\xa0", " ") for line in lines]
+
+
+_SIZE_IN_TEXT = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB)\b")
 
 
 def _unit(n: int) -> tuple[str, int]:

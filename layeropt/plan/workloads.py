@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from typing import Any
@@ -168,33 +169,54 @@ def load_config(model: str | os.PathLike[str] | Any) -> tuple[str, Any]:
         raise PlanError(f"config file {text!r} does not exist")
     try:
         config = transformers.AutoConfig.from_pretrained(text, local_files_only=True)
-    except Exception as e:  # OSError, ValueError, ...: not in the cache
-        raise _not_found(text, e) from None
+    except OSError:  # not in the local cache, or not a repository id at all
+        raise _not_found(text) from None
+    except (ValueError, KeyError) as e:  # in the cache, but transformers cannot read it
+        raise PlanError(
+            f"the cached config of {text!r} cannot be read by transformers "
+            f"{transformers.__version__}: {e}; upgrade transformers or pass a model factory"
+        ) from None
     return text, config
 
 
-def _not_found(text: str, error: Exception) -> PlanError:
-    """What was tried, the nearest built-in name, and two ways to get a config.json."""
+#: A Hugging Face repository id: ``owner/name`` (what ``hf download`` takes).
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def _not_found(text: str) -> PlanError:
+    """What was tried, the nearest built-in shape, and only commands that can work."""
+    looks_like_path = text.startswith((".", "/", "~")) or os.sep in text.strip("/") and \
+        not _REPO_ID.fullmatch(text)
+    if looks_like_path:
+        return PlanError(
+            f"{text!r}: no such file or directory; pass the path of a config.json, or of "
+            "the folder holding one"
+        )
     close = difflib.get_close_matches(text.lower(), BUILTIN_SHAPES, n=1) or (
         difflib.get_close_matches(text.lower().rpartition("/")[2], BUILTIN_SHAPES, n=1)
     )
     if close:
-        nearest = f"Did you mean the built-in shape {close[0]!r}? "
+        nearest = (f"Did you mean the built-in shape {close[0]!r} "
+                   f"(`python -m layeropt plan {close[0]}`)? ")  # fmt: skip
     else:
         nearest = f"Built-in shapes: {', '.join(sorted(BUILTIN_SHAPES))}. "
-    command = next((c for c in ("hf", "huggingface-cli") if shutil.which(c)), None)
-    if command is not None:
-        login = "hf auth login" if command == "hf" else "huggingface-cli login"
-        fetch = (f"run `{command} download {text} config.json` (a few KiB, into the cache; "
-                 f"a gated model needs `{login}` first) and plan it again")  # fmt: skip
+    if _REPO_ID.fullmatch(text):
+        command = next((c for c in ("hf", "huggingface-cli") if shutil.which(c)), None)
+        if command is not None:
+            login = "hf auth login" if command == "hf" else "huggingface-cli login"
+            fetch = (f"If {text} is a Hugging Face repository, `{command} download {text} "
+                     f"config.json` puts its config in the cache (a few KiB; a gated model "
+                     f"needs `{login}` first); then plan it again. ")  # fmt: skip
+        else:
+            fetch = (f"If {text} is a Hugging Face repository, its config is at "
+                     f"https://huggingface.co/{text}/resolve/main/config.json. ")  # fmt: skip
     else:
-        fetch = (f"download https://huggingface.co/{text}/resolve/main/config.json "
-                 "(or pip install huggingface_hub for the `hf download` command)")  # fmt: skip
+        fetch = ("A Hugging Face model is named by its repository id, owner/name "
+                 "(meta-llama/Llama-2-7b-hf). ")  # fmt: skip
     return PlanError(
         f"{text!r} is not a config.json, a directory holding one, a built-in shape or a "
-        f"model whose config is in the local Hugging Face cache ({type(error).__name__}). "
-        f"{nearest}To plan a Hugging Face model, {fetch}; or pass the path of its "
-        "config.json (or of the folder holding it) instead of the name, e.g. "
+        f"model whose config is in the local Hugging Face cache. {nearest}{fetch}"
+        "Offline, pass the path of a config.json (or of the folder holding it): "
         "`python -m layeropt plan path/to/config.json`."
     )
 
