@@ -14,6 +14,9 @@ and its gradient freed at once:
   clipping** (``layeropt.backward(loss, max_norm=...)``);
 * **warmup + cosine** LR schedule (``torch.optim.lr_scheduler.LambdaLR``),
   optional bf16 autocast, a progress bar (tqdm if installed);
+* optional **optimizer state in host memory** (``--offload-state``,
+  ``layeropt.offload.offload_state``): each layer's AdamW state is brought to
+  the device only for its update in backward - the same numbers;
 * optional **gradual unfreezing** (``--unfreeze N``): only the last block and
   the head train at first, one more block below every N steps; the attached
   optimizer picks each newly trainable block up at the next backward;
@@ -34,6 +37,7 @@ Usage:
     python examples/finetune_lm.py --model ./my-llama --bf16
     python examples/finetune_lm.py --tiny --check-resume    # prove resume is exact
     python examples/finetune_lm.py --unfreeze 5             # gradual unfreezing
+    python examples/finetune_lm.py --offload-state          # AdamW state in host memory
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import torch
 from torch import Tensor, nn
 
 import layeropt
+import layeropt.offload
 from layeropt.losses import linear_cross_entropy
 from layeropt.memory import PeakMemory, format_bytes
 from layeropt.models import TinyGPT
@@ -170,7 +175,10 @@ def build(args: argparse.Namespace) -> tuple[nn.Module, Any, Any, Any]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
     handle = layeropt.attach(model, opt)
     ckpt = layeropt.checkpoint_modules(model, types=type(blocks_of(model)[0]))
-    return model, opt, sched, (handle, ckpt)
+    handles: tuple[Any, ...] = (handle, ckpt)
+    if args.offload_state:  # before a resume: the saved state loads into host memory
+        handles += (layeropt.offload.offload_state(opt),)
+    return model, opt, sched, handles
 
 
 def train_step(model: nn.Module, opt: Any, text: Tensor, step: int,
@@ -234,6 +242,10 @@ def run(args: argparse.Namespace, steps: int, resume: str | None = None,
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                     "scheduler": sched.state_dict(), "step": steps,
                     "rng": torch.get_rng_state()}, save)
+    if args.offload_state and not quiet:
+        off = handles[-1]
+        print(f"optimizer state in host memory: {format_bytes(off.host_bytes)}, at most "
+              f"{format_bytes(off.peak_device_bytes)} of it on the device at once")
     for h in handles:
         h.remove()
     return model, losses, peak
@@ -252,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--unfreeze", type=int, default=0, metavar="N",
                    help="gradual unfreezing: one more block every N steps (0: all train)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (CPU)")
+    p.add_argument("--offload-state", action="store_true",
+                   help="keep the optimizer state in host memory (layeropt.offload)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", help="write model/optimizer/scheduler/step here at the end")
     p.add_argument("--resume", help="continue from a file written by --save")

@@ -35,7 +35,7 @@ def _fresh_accelerate_state():
 
 def _loop(kind: str, *, ga: int = 1, clip: str | None = None, scaler: bool = False,
           steps: int = 4, inf_at: int | None = None, accel_kw: dict | None = None,
-          cap: float | None = 0.0) -> tuple[Any, Any, list]:
+          cap: float | None = 0.0, out: dict | None = None) -> tuple[Any, Any, list]:
     model, batch_fn, loss_fn = make_model("gpt")
     if kind == "torch":
         accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ga)
@@ -47,6 +47,8 @@ def _loop(kind: str, *, ga: int = 1, clip: str | None = None, scaler: bool = Fal
     if scaler:  # accelerate makes a GradScaler only for fp16 on a GPU: one by hand on CPU
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
     model, opt = accelerator.prepare(model, opt)
+    if out is not None:
+        out["accelerator"] = accelerator
     if scaler:  # clip_grad_norm_ unscales first, as with fp16 on a GPU (forward stays fp32)
         accelerator.native_amp = True
         accelerator.state._mixed_precision = "fp16"
@@ -165,3 +167,49 @@ def test_accelerate_compiling_the_model_with_clipping():
         accelerator.free_memory()
         assert getattr(functorch_config, "donated_buffer", True)  # restored
     _compare(runs[0], runs[1])
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(v.nbytes for s in opt.state.values() for v in s.values() if v.dim() > 0)
+
+
+@pytest.mark.parametrize("case", ["ga2-clip-norm", "ga3-scaler-clip"])
+def test_offload_state_matches_no_offload_and_torch_optim(case):
+    """``LayeroptAccelerator(offload_state=True, max_grad_norm=...)``: the parameters,
+    optimizer state and norms of the same loop without offload and of accelerate +
+    torch.optim, bit for bit; the state lives in host tensors each step copies in and
+    out, one layer's on the device at a time from the first step on."""
+    runs = []
+    offload = dict(offload_state=True, max_grad_norm=0.05)  # (not learned with offload)
+    for kind, kw in (("torch", {}), ("layeropt", {}), ("layeropt", offload)):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        out: dict = {}
+        runs.append(_loop(kind, accel_kw=kw, out=out, **CASES[case]))
+    ref, plain, got = runs
+    _compare(ref, got)
+    _compare(plain, got)
+    opt = got[1]
+    handle = out["accelerator"].offloads[opt]
+    assert handle.host_bytes == _state_bytes(opt) > 0  # every state tensor is a host copy
+    assert 0 < handle.peak_device_bytes < handle.host_bytes  # one layer's state at a time
+    assert handle.copied_bytes >= 4 * handle.host_bytes
+
+
+def test_offload_state_does_not_learn_clipping():
+    """With offload_state the first step is not held to learn the clipping (it would bring
+    the whole state to the device at once): a loop that clips without max_grad_norm=
+    is told to pass it; one that does not clip steps every layer in backward."""
+    model, batch_fn, loss_fn = make_model("mlp")
+    accelerator = LayeroptAccelerator(cpu=True, offload_state=True, bucket_cap_mb=0)
+    model, opt = accelerator.prepare(model, layeropt.AdamW(model.parameters(), lr=1e-2))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        accelerator.backward(loss_fn(model, batch_fn(gen)))
+        assert all(p.grad is None for p in model.parameters())  # stepped in backward
+        opt.step()
+        opt.zero_grad()
+    handle = accelerator.offloads[unwrap(opt)]
+    assert 0 < handle.peak_device_bytes < handle.host_bytes
+    with pytest.raises(AccelerateSetupError, match="pass max_grad_norm= to LayeroptAccelerator"):
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)

@@ -94,3 +94,23 @@ def test_finetune_lm_with_local_hf_model(tmp_path):
                tmp_path)
     assert re.search(r"LlamaForCausalLM: [\d,]+ parameters in 3 layer-wise LR groups", out), out
     assert "(bit for bit)" in out, out
+
+
+def test_finetune_lm_offload_state_is_exact(tmp_path):
+    """``--offload-state``: the saved model and optimizer state equal the same run without
+    it, bit for bit; resuming loads the state into host memory and stays exact."""
+    import torch
+    from harness import assert_same
+
+    script = ROOT / "examples" / "finetune_lm.py"
+    base = ["--tiny", "--no-progress"]
+    _run(script, [*base, "--save", "plain.pt"], tmp_path)
+    out = _run(script, [*base, "--offload-state", "--check-resume", "--save", "host.pt"],
+               tmp_path)
+    for pattern in (r"optimizer state in host memory: [\d.]+ KiB, at most [\d.]+ KiB",
+                    r"resume check: 2 steps \+ save \+ resume to 4 vs one run: .*\(bit for bit\)"):
+        assert re.search(pattern, out), f"no match for {pattern!r} in:\n{out}"
+    plain, host = (torch.load(tmp_path / f, weights_only=True) for f in ("plain.pt", "host.pt"))
+    assert plain["optimizer"]["state"]  # AdamW's moments were saved
+    assert_same(host["model"], plain["model"], "model")
+    assert_same(host["optimizer"], plain["optimizer"], "optimizer")

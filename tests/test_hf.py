@@ -230,7 +230,7 @@ class _TorchTrainer(Trainer):
 def _trainer(tmp_path: Any, kind: str, *, ga: int = 2, max_grad_norm: float = 0.0,
              steps: int = 3, n: int = 10, optim: str | None = None, save_steps: int = 0,
              torch_trainer: type = Trainer, user_scheduler: bool = False, width: int = 32,
-             **targs: Any) -> tuple[Any, Any, _Probe]:
+             offload_state: Any = False, **targs: Any) -> tuple[Any, Any, _Probe]:
     """Build one of the Trainer set-ups under test (not trained yet)."""
     torch.manual_seed(0)
     model = _llama(width=width)
@@ -256,12 +256,13 @@ def _trainer(tmp_path: Any, kind: str, *, ga: int = 2, max_grad_norm: float = 0.
         trainer = Trainer(**common)
     elif kind == "layeropt":
         opt = layeropt.AdamW(model.parameters(), lr=1e-2)
-        trainer = LayeroptTrainer(**common, optimizers=optimizers(opt), bucket_cap_mb=0)
+        trainer = LayeroptTrainer(**common, optimizers=optimizers(opt), bucket_cap_mb=0,
+                                  offload_state=offload_state)
     elif kind == "layeropt-torch-optimizer":  # refused
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         trainer = LayeroptTrainer(**common, optimizers=(opt, None))
     elif kind == "layeropt-built":
-        trainer = LayeroptTrainer(**common, bucket_cap_mb=0)
+        trainer = LayeroptTrainer(**common, bucket_cap_mb=0, offload_state=offload_state)
     elif kind == "callback":
         opt = layeropt.AdamW(model.parameters(), lr=1e-2)
         common["callbacks"].append(LayeroptCallback(bucket_cap_mb=0))
@@ -342,6 +343,57 @@ def test_trainer_matches_torch_optim(tmp_path, kind, ref_kind, opts):
         norms, ref_norms = _grad_norms(trainer), _grad_norms(ref_trainer)
         assert len(norms) == 3
         assert norms == ref_norms
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(v.nbytes for s in opt.state.values() for v in s.values() if v.dim() > 0)
+
+
+@pytest.mark.parametrize("kind,ref_kind,opts", [
+    ("layeropt", "torch", dict(ga=2, max_grad_norm=0.5)),
+    ("layeropt-built", "torch-built", dict(ga=3, max_grad_norm=1.0, bf16=True)),
+], ids=["ga2-clip", "built-ga3-clip-bf16"])
+def test_trainer_offload_state(tmp_path, kind, ref_kind, opts):
+    """``LayeroptTrainer(offload_state=True)``: the parameters and optimizer state of the
+    same Trainer without offload and of Trainer + torch.optim, bit for bit; the state
+    lives in host tensors that every step copies to the device and back."""
+    runs = {}
+    for name, k, offload in (("torch", ref_kind, False), ("layeropt", kind, False),
+                             ("offload", kind, True)):
+        trainer, model, probe = _trainer(tmp_path / name, k, offload_state=offload, **opts)
+        trainer.train()
+        runs[name] = trainer, model, unwrap_optimizer(trainer.optimizer), probe
+    trainer, model, opt, probe = runs["offload"]
+    assert probe.grads_alive == [0, 0, 0]  # still stepped and freed in backward
+    handle = trainer.layeropt_offload
+    assert handle is not None and handle.optimizer is opt
+    assert handle.host_bytes == _state_bytes(opt) > 0  # every state tensor is a host copy
+    assert 0 < handle.peak_device_bytes < handle.host_bytes  # one layer's state at a time
+    assert handle.copied_bytes >= 4 * handle.host_bytes  # steps 2 and 3: in and out
+    for name in ("layeropt", "torch"):
+        _, ref, ref_opt, _ = runs[name]
+        for (pname, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_same(p.detach(), q.detach(), f"{name}: {pname}")
+        assert_same(opt.state_dict(), ref_opt.state_dict(), name)
+    assert _grad_norms(trainer) == _grad_norms(runs["torch"][0])
+
+
+@pytest.mark.skipif(TORCH < (2, 6), reason="transformers' torch.load needs torch >= 2.6")
+def test_trainer_offload_state_resumes_exactly(tmp_path):
+    """A checkpoint's optimizer.pt loads into host memory and training continues exactly."""
+    opts = dict(ga=2, max_grad_norm=0.5, steps=4, save_steps=2)
+    ref_trainer, ref, _ = _trainer(tmp_path, "torch", **opts)
+    ref_trainer.train()
+    first, _, _ = _trainer(tmp_path, "layeropt", offload_state=True, **opts)
+    first.train()
+    resumed, model, _ = _trainer(tmp_path / "again", "layeropt", offload_state=True, **opts)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "layeropt" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    opt = unwrap_optimizer(resumed.optimizer)
+    assert resumed.layeropt_offload.host_bytes == _state_bytes(opt) > 0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach())
+    assert_same(opt.state_dict(), ref_trainer.optimizer.state_dict())
 
 
 class _Unfreeze(TrainerCallback):

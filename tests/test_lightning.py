@@ -56,14 +56,16 @@ def _loader() -> DataLoader:
                                     torch.randn(32, 4, generator=g)), batch_size=4)
 
 
-def _fit(module: Net, callbacks: list = (), steps: int = 3, **trainer_kw: Any) -> L.Trainer:
+def _fit(module: Net, callbacks: list = (), steps: int = 3, ckpt_path: str | None = None,
+         **trainer_kw: Any) -> L.Trainer:
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=list(callbacks), **trainer_kw)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         warnings.filterwarnings("ignore", ".*litlogger.*")
-        trainer.fit(module, _loader())
+        warnings.filterwarnings("ignore", ".*ended before the epoch ended.*")  # (same in both)
+        trainer.fit(module, _loader(), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -190,3 +192,59 @@ def test_callback_with_a_compiled_module_and_clipping():
     for p, q in zip(module.parameters(), ref.parameters()):
         assert_same(p.detach(), q.detach())
     assert getattr(functorch_config, "donated_buffer", True)  # restored when fit ended
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(v.nbytes for s in opt.state.values() for v in s.values() if v.dim() > 0)
+
+
+@pytest.mark.parametrize("setup", ["accumulate-3-clip", "16-mixed"])
+def test_callback_offload_state_matches_torch_optim(setup):
+    """``LayeroptCallback(offload_state=True)``: the same parameters and optimizer state
+    as the callback without offload and as torch.optim, bit for bit; the state lives in
+    host tensors that each step copies to the device and back."""
+    ref = Net(torch.optim.AdamW, weight_decay=0.1)
+    _fit(ref, steps=4, **_kw(SETUPS[setup]))
+    runs = []
+    for offload in (False, True):
+        module = Net(layeropt.AdamW, weight_decay=0.1)
+        callback = LayeroptCallback(bucket_cap_mb=0, offload_state=offload)
+        trainer = _fit(module, [callback], steps=4, **_kw(SETUPS[setup]))
+        runs.append((module, trainer.optimizers[0], callback))
+    (plain, plain_opt, _), (module, opt, callback) = runs
+    handle = callback.offloads[opt]
+    assert handle.host_bytes == _state_bytes(opt) > 0  # every state tensor is a host copy
+    assert 0 < handle.peak_device_bytes < handle.host_bytes  # one layer's state at a time
+    assert handle.copied_bytes >= 4 * handle.host_bytes
+    for other, other_opt in ((plain, plain_opt), (ref, ref.trainer.optimizers[0])):
+        for p, q in zip(module.parameters(), other.parameters()):
+            assert_same(p.detach(), q.detach())
+        assert_same(opt.state_dict(), other_opt.state_dict())
+
+
+def test_callback_offload_state_resumes_into_host_memory(tmp_path, monkeypatch):
+    """A checkpoint's optimizer state loads into host memory (Lightning's move of the
+    loaded state to the device is skipped for it) and training continues exactly."""
+    import lightning.pytorch.strategies.strategy as strategy_module
+
+    first = Net(torch.optim.AdamW)
+    trainer = _fit(first, steps=2)
+    ckpt = str(tmp_path / "two.ckpt")
+    trainer.save_checkpoint(ckpt)
+    moved = []
+    original = strategy_module._optimizer_to_device
+    monkeypatch.setattr(strategy_module, "_optimizer_to_device",
+                        lambda o, device: (moved.append(o), original(o, device)))
+    ref = Net(torch.optim.AdamW)
+    _fit(ref, steps=4, ckpt_path=ckpt)
+    assert moved == [ref.trainer.optimizers[0]]  # what Lightning does with a loaded state
+    module = Net(layeropt.AdamW)
+    callback = LayeroptCallback(offload_state=True)
+    trainer = _fit(module, [callback], steps=4, ckpt_path=ckpt)
+    opt = trainer.optimizers[0]
+    assert moved == [ref.trainer.optimizers[0]]  # not the offloaded one
+    assert callback.offloads[opt].host_bytes == _state_bytes(opt) > 0
+    assert "load_optimizer_state_dict" not in vars(trainer.strategy)  # restored at fit end
+    for p, q in zip(module.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach())
+    assert_same(opt.state_dict(), ref.trainer.optimizers[0].state_dict())

@@ -8,14 +8,59 @@ that module is imported, so ``import layeropt`` never needs them:
   'layeropt[hf]'``.
 * :mod:`layeropt.integrations.lightning` - Lightning (``LayeroptCallback``).
 * :mod:`layeropt.integrations.accelerate` - ``LayeroptAccelerator``.
+
+Each takes ``offload_state=``: ``True`` (or the keyword arguments of
+:func:`layeropt.offload.offload_state`, e.g. ``{"overlap": True}``) keeps the
+optimizer state in host memory, each bucket's brought to the device for its
+step (:func:`offload_state_once`).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-__all__ = ["two_pass_compile"]
+__all__ = ["two_pass_compile", "offload_state_once"]
+
+
+def offload_state_once(optimizer: Any, setting: bool | Mapping[str, Any] | None,
+                       done: MutableMapping[Any, Any]) -> None:
+    """An integration's ``offload_state=`` argument, applied to ``optimizer`` once.
+
+    Args:
+        optimizer: a layeropt optimizer (unwrapped).
+        setting: ``False``/``None`` (nothing), ``True`` (the defaults), or the
+            keyword arguments of :func:`layeropt.offload.offload_state`.
+        done: the integration's ``{optimizer: StateOffload}`` (a
+            ``WeakKeyDictionary``); an optimizer already in it is left as it
+            is (a second ``fit``/``train``).
+
+    Raises:
+        TypeError: ``setting`` is neither a bool nor a mapping.
+
+    Example:
+        >>> import torch, layeropt
+        >>> opt = layeropt.AdamW(torch.nn.Linear(2, 2).parameters(), lr=1e-3)
+        >>> done = {}
+        >>> offload_state_once(opt, True, done)
+        >>> type(done[opt]).__name__
+        'StateOffload'
+    """
+    if not setting or optimizer in done:
+        return
+    if setting is True:
+        kwargs: dict[str, Any] = {}
+    elif isinstance(setting, Mapping):
+        kwargs = dict(setting)
+    else:
+        raise TypeError(
+            f"offload_state= takes True or the keyword arguments of "
+            f"layeropt.offload.offload_state (e.g. {{'overlap': True}}), got {setting!r}."
+        )
+    from ..offload import offload_state  # (imported on first use, as layeropt.offload is)
+
+    done[optimizer] = offload_state(optimizer, **kwargs)
 
 
 def two_pass_compile() -> Any:
@@ -40,7 +85,7 @@ def two_pass_compile() -> Any:
         >>> with layeropt.two_pass_compile():
         ...     compiled = torch.compile(model, backend="aot_eager")
         ...     with layeropt.attach(compiled, opt):
-        ...         layeropt.backward(compiled(torch.randn(2, 4)).sum(), max_norm=1.0)
+        ...         norm = layeropt.backward(compiled(torch.randn(2, 4)).sum(), max_norm=1.0)
     """
     try:
         from torch._functorch import config

@@ -24,7 +24,13 @@ and updates each layer during backward, with the parameters ``Accelerator`` +
   returns the norm measured during backward, and ``clip_grad_value_`` is
   applied to each layer before its update. Pass ``max_grad_norm=`` (or
   ``clip_value=``) to skip the learning step; a later call with other values
-  raises.
+  raises;
+* ``offload_state=True`` keeps the prepared layeropt optimizers' state in
+  host memory (:func:`layeropt.offload.offload_state`), so ``load_state``
+  (``map_location="cpu"``, its default in one process) loads it there. The
+  clipping is then never learned (the learning step would bring the whole
+  state to the device at once): pass ``max_grad_norm=`` / ``clip_value=``
+  when the loop clips; a clipping call without them raises.
 
 Under several processes (``accelerate launch`` / ``torchrun``) ``prepare``
 wraps the model in ``DistributedDataParallel`` and the wrapper is attached:
@@ -39,6 +45,7 @@ accelerate 1.15.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 from torch import Tensor, nn
@@ -48,7 +55,7 @@ from ..attaching import Attachment, attach
 from ..backward_pass import backward as layeropt_backward
 from ..errors import LayeroptError
 from ..optim import InBackwardOptimizer, no_step_all, unwrap_optimizer
-from . import two_pass_compile
+from . import offload_state_once, two_pass_compile
 
 try:
     from accelerate import Accelerator
@@ -80,6 +87,12 @@ class LayeroptAccelerator(Accelerator):
         clip_value: the value the loop passes to ``clip_grad_value_``
             (``None``: learned on the first step).
         bucket_cap_mb: passed to :func:`layeropt.attach` (``None``: its default).
+        offload_state: ``True`` keeps each prepared layeropt optimizer's state
+            in host memory, each bucket's brought to the device for its step
+            (:func:`layeropt.offload.offload_state`; a dict passes its keyword
+            arguments, e.g. ``{"overlap": True}``); ``accelerator.offloads``
+            maps each optimizer to its handle. Clipping is not learned then:
+            give ``max_grad_norm`` / ``clip_value`` if the loop clips.
         **kwargs: ``Accelerator``'s keyword arguments.
 
     Raises:
@@ -101,12 +114,18 @@ class LayeroptAccelerator(Accelerator):
 
     def __init__(self, *args: Any, max_grad_norm: float | None = None, norm_type: float = 2.0,
                  clip_value: float | None = None, bucket_cap_mb: float | None = None,
-                 **kwargs: Any) -> None:
+                 offload_state: bool | dict[str, Any] = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.layeropt_bucket_cap_mb = bucket_cap_mb
+        self.layeropt_offload_state = offload_state
+        # optimizer -> its StateOffload (weakly: one freed by free_memory() may go)
+        self.offloads: weakref.WeakKeyDictionary[InBackwardOptimizer, Any] = \
+            weakref.WeakKeyDictionary()
         self._lo_handles: dict[int, Attachment] = {}
-        # (max_norm, norm_type, parameters) / value; _UNSET: learned on the first step
-        given = max_grad_norm is not None or clip_value is not None
+        # (max_norm, norm_type, parameters) / value; _UNSET: learned on the first step -
+        # never with offload_state: that step holds every gradient until opt.step(),
+        # which steps them all at once, with the whole state on the device
+        given = max_grad_norm is not None or clip_value is not None or bool(offload_state)
         unset = None if given else _UNSET
         self._lo_norm: Any = unset if max_grad_norm is None else (
             float(max_grad_norm), float(norm_type), None)
@@ -151,6 +170,8 @@ class LayeroptAccelerator(Accelerator):
                 kw = {} if self.layeropt_bucket_cap_mb is None else {
                     "bucket_cap_mb": self.layeropt_bucket_cap_mb}
                 self._lo_handles[key] = attach(model, owners, **kw)
+        for opt in opts:
+            offload_state_once(opt, self.layeropt_offload_state, self.offloads)
         self._apply_clip_value()
         return out
 

@@ -22,7 +22,10 @@ after backward would find no gradient left (and do nothing), and an fp16
 * without ``optimizers=``, it builds the layeropt version of the optimizer
   ``args.optim`` names (``adamw_torch`` -> ``layeropt.AdamW`` ...);
 * it attaches the model at the first training step and detaches it when
-  ``train()`` returns.
+  ``train()`` returns;
+* ``offload_state=True`` keeps the optimizer state in host memory
+  (:func:`layeropt.offload.offload_state`), from when the optimizer is
+  created, so a resumed ``optimizer.pt`` loads straight into host memory.
 
 :class:`LayeroptCallback` is for a plain ``Trainer``: it attaches the model
 and maps accumulation to ``no_step()``; a callback cannot change how the
@@ -51,6 +54,7 @@ import contextlib
 import functools
 import inspect
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -67,7 +71,7 @@ from ..optim import (
     live_optimizers,
     unwrap_optimizer,
 )
-from . import two_pass_compile
+from . import offload_state_once, two_pass_compile
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -159,6 +163,12 @@ class LayeroptTrainer(Trainer):
     Args:
         *args: ``Trainer``'s positional arguments.
         bucket_cap_mb: passed to :func:`layeropt.attach` (``None``: its default).
+        offload_state: ``True`` keeps the optimizer state in host memory, each
+            bucket's brought to the device for its step
+            (:func:`layeropt.offload.offload_state`; a dict passes its keyword
+            arguments, e.g. ``{"overlap": True}``). Applied when the optimizer
+            is created and kept after ``train()``; ``trainer.layeropt_offload``
+            is its handle (``.host_bytes``, ``.remove()``).
         **kwargs: ``Trainer``'s keyword arguments; ``optimizers=(opt, sched)``
             may hold a layeropt optimizer (attached or not), otherwise the
             layeropt version of ``args.optim``'s optimizer is built.
@@ -173,13 +183,29 @@ class LayeroptTrainer(Trainer):
         >>> trainer.train()  # doctest: +SKIP
     """
 
-    def __init__(self, *args: Any, bucket_cap_mb: float | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, bucket_cap_mb: float | None = None,
+                 offload_state: bool | dict[str, Any] = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.bucket_cap_mb = bucket_cap_mb
+        self.offload_state = offload_state
         self._layeropt_handle: Attachment | None = None
+        self._layeropt_offloads: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+    @property
+    def layeropt_offload(self) -> Any:
+        """The :class:`layeropt.offload.StateOffload` of ``offload_state=`` (``None`` before)."""
+        return next(iter(self._layeropt_offloads.values()), None)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """``Trainer.create_optimizer``, building the layeropt class of ``args.optim``."""
+        """``Trainer.create_optimizer``, building the layeropt class of ``args.optim``
+        (its state offloaded with ``offload_state=``)."""
+        optimizer = self._create_layeropt_optimizer(model)
+        if self.offload_state:
+            offload_state_once(self.layeropt_optimizer(), self.offload_state,
+                               self._layeropt_offloads)
+        return optimizer
+
+    def _create_layeropt_optimizer(self, model: nn.Module | None) -> torch.optim.Optimizer:
         if self.optimizer is not None:
             return self._base_create_optimizer(model)
         _check_args(self.args, plain=False)
@@ -227,6 +253,7 @@ class LayeroptTrainer(Trainer):
                     "torch.optim with it."
                 )
             self._layeropt_handle = attach(model, opt, **_attach_kwargs(self.bucket_cap_mb))
+            offload_state_once(opt, self.offload_state, self._layeropt_offloads)  # (if not yet)
         return opt
 
     def training_step(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Tensor:

@@ -23,7 +23,11 @@ and refuses torch-style accumulation - but it then saves no memory.
   the values the callback applied (anything else raises);
 * ``log_grad_norm=True`` logs the measured global norm as
   ``grad_2.0_norm_total`` (the name of ``lightning.pytorch.utilities.grad_norm``;
-  without clipping it costs the extra backward pass too).
+  without clipping it costs the extra backward pass too);
+* ``offload_state=True`` keeps the optimizers' state in host memory
+  (:func:`layeropt.offload.offload_state`) from ``fit`` start on; a resumed
+  checkpoint's optimizer state loads straight into host memory (the
+  strategy's move of the loaded state to the device is skipped for it).
 
 Parameters and optimizer state equal the same ``Trainer`` with ``torch.optim``
 bit for bit. One process, or several with a DDP strategy (``strategy="ddp"``
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -47,7 +52,7 @@ from ..attaching import Attachment, attach
 from ..backward_pass import backward as layeropt_backward
 from ..errors import LayeroptError
 from ..optim import InBackwardOptimizer, no_step_all, unwrap_optimizer
-from . import two_pass_compile
+from . import offload_state_once, two_pass_compile
 
 try:
     import lightning.pytorch as pl
@@ -72,6 +77,11 @@ class LayeroptCallback(Callback):
         bucket_cap_mb: passed to :func:`layeropt.attach` (``None``: its default).
         log_grad_norm: log the global gradient norm (before clipping) every
             optimizer step as ``grad_2.0_norm_total``.
+        offload_state: ``True`` keeps each layeropt optimizer's state in host
+            memory, each bucket's brought to the device for its step
+            (:func:`layeropt.offload.offload_state`; a dict passes its keyword
+            arguments, e.g. ``{"overlap": True}``). Kept after ``fit``;
+            ``callback.offloads`` maps each optimizer to its handle.
 
     Raises:
         LightningSetupError: at ``fit`` start, when no optimizer is a layeropt
@@ -87,9 +97,14 @@ class LayeroptCallback(Callback):
         >>> trainer.fit(Net(), loader)  # doctest: +SKIP
     """
 
-    def __init__(self, bucket_cap_mb: float | None = None, log_grad_norm: bool = False) -> None:
+    def __init__(self, bucket_cap_mb: float | None = None, log_grad_norm: bool = False,
+                 offload_state: bool | dict[str, Any] = False) -> None:
         self.bucket_cap_mb = bucket_cap_mb
         self.log_grad_norm = log_grad_norm
+        self.offload_state = offload_state
+        # optimizer -> its StateOffload (weakly: an optimizer of an earlier fit may go)
+        self.offloads: weakref.WeakKeyDictionary[InBackwardOptimizer, Any] = \
+            weakref.WeakKeyDictionary()
         self._handle: Attachment | None = None
         self._optimizers: list[InBackwardOptimizer] = []
         self._patched: list[tuple[Any, str]] = []
@@ -124,6 +139,11 @@ class LayeroptCallback(Callback):
         if self._clip is not None and algorithm == "value":
             kwargs["clip_value"] = clip_val
         self._handle = attach(model, self._optimizers, **kwargs)
+        for opt in self._optimizers:
+            offload_state_once(opt, self.offload_state, self.offloads)
+        if self.offloads:  # a resumed checkpoint: its state into host memory, not the device
+            self._patch(trainer.strategy, "load_optimizer_state_dict",
+                        self._load_optimizer_state_dict(trainer.strategy))
         # a module compiled for this fit: graphs layeropt.backward's two passes can run
         self._compiling.enter_context(two_pass_compile())
         precision = trainer.precision_plugin
@@ -153,6 +173,26 @@ class LayeroptCallback(Callback):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+    def _load_optimizer_state_dict(self, strategy: Any) -> Any:
+        """``Strategy.load_optimizer_state_dict`` without moving offloaded state to the device
+        (offload's ``load_state_dict`` puts it in host memory; the step brings each bucket's)."""
+        original = type(strategy).load_optimizer_state_dict
+
+        def load_optimizer_state_dict(checkpoint: Any) -> None:
+            states = checkpoint["optimizer_states"]
+            offloaded = [unwrap_optimizer(o) in self.offloads for o in strategy.optimizers]
+            if not any(offloaded):
+                return original(strategy, checkpoint)
+            for optimizer, state, host in zip(strategy.optimizers, states, offloaded):
+                optimizer.load_state_dict(state)
+                if not host:  # as Lightning does for the others
+                    from lightning.fabric.utilities.optimizer import _optimizer_to_device
+
+                    _optimizer_to_device(optimizer, strategy.root_device)
+            return None
+
+        return load_optimizer_state_dict
 
     # -- what the precision plugin now does ------------------------------------
     def _backward(self, trainer: pl.Trainer) -> Any:
