@@ -1,0 +1,121 @@
+"""TRL's ``SFTTrainer`` with ``LayeroptTrainer`` mixed in equals ``SFTTrainer`` + torch.optim.
+
+``class LayeroptSFTTrainer(LayeroptTrainer, SFTTrainer)`` (docs/integrations.md):
+the same SFT run - a tiny Llama built from a config, a word-level tokenizer
+built in memory, a text dataset that SFTTrainer tokenizes itself, gradient
+accumulation, ``max_grad_norm`` and SFTConfig's default activation
+checkpointing - trained with ``SFTTrainer`` and
+``optim="adamw_torch"``, and with the mixed class (which builds
+``layeropt.AdamW`` from the same ``args.optim``), with and without
+``offload_state``. Parameters, optimizer state and logged gradient norms are
+compared bit for bit. No network (Hugging Face's offline switches are set).
+Skipped without trl (``pip install -e ".[hf]"`` installs it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from harness import assert_same
+
+for _switch in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+    os.environ.setdefault(_switch, "1")
+
+trl = pytest.importorskip("trl")
+pytest.importorskip("datasets")
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    TrainerCallback,
+)
+from transformers.utils import logging as hf_logging  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+import layeropt  # noqa: E402
+from layeropt.integrations.hf import LayeroptTrainer, unwrap_optimizer  # noqa: E402
+
+hf_logging.set_verbosity_error()
+# trl's SFTConfig sets the field transformers 5 renamed (its own notice, not layeropt's)
+pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated")
+WORDS = [f"w{i}" for i in range(60)]
+
+
+class LayeroptSFTTrainer(LayeroptTrainer, SFTTrainer):
+    """The class docs/integrations.md shows."""
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    specials = ["<pad>", "<unk>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>")
+
+
+def _dataset(n: int = 10) -> Dataset:
+    gen = torch.Generator().manual_seed(0)
+    rows = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (int(k),), generator=gen))
+            for k in torch.randint(6, 15, (n,), generator=gen)]  # uneven: padding too
+    return Dataset.from_list([{"text": r} for r in rows])
+
+
+class _Probe(TrainerCallback):
+    """Counts the gradients backward left behind at each optimizer step."""
+
+    def __init__(self) -> None:
+        self.grads_alive: list[int] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads_alive.append(sum(p.grad is not None for p in model.parameters()))
+
+
+def _train(tmp_path, cls: type, **extra) -> tuple[SFTTrainer, torch.nn.Module, _Probe]:
+    torch.manual_seed(0)
+    tokenizer = _tokenizer()
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id))
+    args = SFTConfig(
+        output_dir=str(tmp_path / cls.__name__), max_steps=3, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, max_grad_norm=0.5, learning_rate=1e-2,
+        optim="adamw_torch", lr_scheduler_type="cosine", warmup_steps=1, logging_steps=1,
+        seed=0, report_to=[], use_cpu=True, bf16=False, disable_tqdm=True,
+        save_strategy="no", max_length=32)
+    probe = _Probe()
+    trainer = cls(model=model, args=args, train_dataset=_dataset(), processing_class=tokenizer,
+                  callbacks=[probe], **extra)
+    trainer.train()
+    return trainer, model, probe
+
+
+def _norms(trainer: SFTTrainer) -> list[float]:
+    return [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["state-on-device", "offload_state"])
+def test_sft_trainer_with_layeropt_matches_torch_optim(tmp_path, offload):
+    ref_trainer, ref, ref_probe = _train(tmp_path, SFTTrainer)
+    trainer, model, probe = _train(tmp_path, LayeroptSFTTrainer, bucket_cap_mb=0,
+                                   offload_state=offload)
+    opt = unwrap_optimizer(trainer.optimizer)
+    assert isinstance(opt, layeropt.AdamW)  # built from args.optim, in backward
+    assert trainer.state.global_step == ref_trainer.state.global_step == 3
+    assert probe.grads_alive == [0, 0, 0]  # every layer stepped and freed in backward
+    assert all(n > 0 for n in ref_probe.grads_alive)
+    assert (trainer.layeropt_offload is not None) is offload
+    for m in (model, ref):  # SFT's default (transformers 5 renamed the flag)
+        assert getattr(m, "is_activation_checkpointing", None) or m.is_gradient_checkpointing
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach(), name)
+    assert_same(opt.state_dict(), unwrap_optimizer(ref_trainer.optimizer).state_dict())
+    norms = _norms(trainer)
+    assert len(norms) == 3 and norms == _norms(ref_trainer)
+    assert max(norms) > 0.5  # clipping was active on some step
