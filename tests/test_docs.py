@@ -102,7 +102,7 @@ if hasattr(os, "fork"):
                 status = 0
             except BaseException as e:
                 with open(path, "w") as f:
-                    if type(e).__module__.startswith("_pytest"):  # importorskip, skip
+                    if type(e).__name__ == "Skipped":  # pytest.importorskip, pytest.skip
                         f.write("SKIPPED: " + str(e))
                     else:
                         f.write(traceback.format_exc())
