@@ -45,6 +45,7 @@ class _HookState:
         self.world = self.group.size()
         self.overlap = overlap
         self.owner: dict[Tensor, weakref.ref] = {}  # param -> its optimizer (weakly)
+        self.settings: Any = None  # the attachment's Settings (layeropt/landing.py)
         self.active = False
         self.lock = threading.Lock()  # bucket steps may land on comm threads
         self.fresh = True  # DDP ran a forward since the last training step began
@@ -91,8 +92,6 @@ class _HookState:
         with self.lock:
             refs = {id(r): r for r in self.owner.values()} if self.active else {}
             optimizers = [o for o in (r() for r in refs.values()) if o is not None]
-            for opt in optimizers:
-                _check_engine(opt._lo_engine)
             # the engine's rules, as for a plain backward (may refuse it: nothing ran yet)
             self.holding = {id(opt) for opt in optimizers if opt._lo_engine.begin_averaged()}
             self.fresh = False
@@ -115,7 +114,7 @@ class _HookState:
 
     def flush(self) -> None:
         """Land the deferred buckets. An optimizer's landed parameters wait, in
-        bucket order, until they hold its ``cap_bytes`` (attach's
+        bucket order, until they hold the attachment's ``cap_bytes`` (attach's
         ``bucket_cap_mb``), and are then stepped with one call."""
         deferred, self.deferred = self.deferred, []
         self.flush_task = _NONE
@@ -128,7 +127,7 @@ class _HookState:
                 for opt, params in landing.apply(used).items():
                     waiting.setdefault(opt, []).extend(params)
                     held[opt] = held.get(opt, 0) + sum(p.grad.nbytes for p in params)
-                    if held[opt] >= opt._lo_engine.cap_bytes:
+                    if held[opt] >= self.settings.cap_bytes:
                         opt._lo_engine.step_averaged(waiting.pop(opt))
                         del held[opt]
             for opt, params in waiting.items():
@@ -171,15 +170,6 @@ class _Copied:
 
 
 _NONE = -2  # _HookState.flush_task: no flush queued
-
-
-def _check_engine(engine: Any) -> None:
-    if engine.bucket_max_norm is not None:
-        raise AttachError(
-            "attach(..., bucket_max_norm=...) is not supported with attach_ddp: under DDP "
-            "clip the global norm (and use a GradScaler) with layeropt.backward(loss, "
-            "max_norm=..., scaler=...), which averages each bucket before measuring it."
-        )
 
 
 def _grad_view(p: Tensor, g: Tensor) -> Tensor:

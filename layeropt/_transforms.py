@@ -8,7 +8,7 @@ results stay bit-identical.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -47,12 +47,20 @@ class Measure:
         self.seen.add(id(param))
 
     def reduce(self, param: Tensor, grad: Tensor) -> None:
-        if self.inv_scale is not None and self.found_inf is not None:
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                [grad], self.found_inf, self.inv_scale.to(grad.device)
-            )
-        if self.norm_type is not None:
-            self.measured[param] = _norm(grad, self.norm_type)
+        norm = reduce_grad(grad, self.norm_type, self.inv_scale, self.found_inf)
+        if norm is not None:
+            self.measured[param] = norm
+
+
+def reduce_grad(grad: Tensor, norm_type: float | None, inv_scale: Tensor | None,
+                found_inf: Tensor | None) -> Tensor | None:
+    """Unscale ``grad`` in place, flagging an inf/NaN in ``found_inf``
+    (``GradScaler.unscale_``), then its norm (``clip_grad_norm_``'s per-tensor norm)."""
+    if inv_scale is not None and found_inf is not None:
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [grad], found_inf, inv_scale.to(grad.device)
+        )
+    return None if norm_type is None else _norm(grad, norm_type)
 
 
 def _norm(grad: Tensor, norm_type: float) -> Tensor:
@@ -64,27 +72,36 @@ def _norm(grad: Tensor, norm_type: float) -> Tensor:
     return torch.linalg.vector_norm(grad, norm_type)
 
 
-def prepare_grads(
-    params: list[Tensor],
-    transform: tuple[Tensor | None, Tensor | None] | None,
-    clip_value: float | None,
-    bucket_max_norm: float | None,
-    norm_type: float,
-) -> None:
-    """Unscale, then clip (global coefficient, by value, per bucket) in place."""
+class Transform(NamedTuple):
+    """What ``layeropt.backward``'s step pass does to every gradient before its step:
+    ``GradScaler.unscale_`` (``inv_scale``), then ``clip_grad_norm_``'s coefficient
+    (``coef``) on the parameters it clips (``clipped``: their ids; ``None``: all)."""
+
+    inv_scale: Tensor | None
+    coef: Tensor | None
+    clipped: frozenset[int] | None = None
+
+
+def prepare_grads(params: list[Tensor], transform: Transform | None, settings: Any) -> None:
+    """Unscale, then clip (the global coefficient, then the attachment's ``settings``:
+    by value, per bucket) in place."""
     if transform is not None:
-        inv_scale, coef = transform
         grads = [p.grad for p in params]
-        if inv_scale is not None:
+        if transform.inv_scale is not None:
             for device_grads in by_device_dtype(grads):
                 found = torch.zeros((), device=device_grads[0].device)
                 torch._amp_foreach_non_finite_check_and_unscale_(
-                    device_grads, found, inv_scale.to(device_grads[0].device)
+                    device_grads, found, transform.inv_scale.to(device_grads[0].device)
                 )
-        if coef is not None:
+        if transform.coef is not None:
+            clipped = transform.clipped
+            if clipped is not None:
+                grads = [p.grad for p in params if id(p) in clipped]
             for device_grads in by_device_dtype(grads):
-                torch._foreach_mul_(device_grads, coef.to(device_grads[0].device))
-    if clip_value is not None:
-        torch.nn.utils.clip_grad_value_(params, clip_value)
-    if bucket_max_norm is not None:
-        torch.nn.utils.clip_grad_norm_(params, bucket_max_norm, norm_type)
+                torch._foreach_mul_(device_grads, transform.coef.to(device_grads[0].device))
+    if settings is None:
+        return
+    if settings.clip_value is not None:
+        torch.nn.utils.clip_grad_value_(params, settings.clip_value)
+    if settings.bucket_max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(params, settings.bucket_max_norm, settings.norm_type)

@@ -1,18 +1,32 @@
 """Torch APIs whose use around an attached backward layeropt must notice.
 
+Each one is a call of the loop on something layeropt does not own; what
+layeropt knows (the parameters a backward updated, the ones its optimizers
+own) decides whether the loop's numbers would differ from torch's:
+
 * ``GradScaler.scale``: a backward through a scaled loss has gradients that
   must not be applied before ``scaler.step`` has checked them all for
   inf/NaN. :func:`scaled_backward` tells whether the running backward is one;
   the engine then holds its gradients for ``step()`` (exactly torch's recipe).
+* ``torch.autograd.backward`` (what ``Tensor.backward`` calls): a backward that
+  keeps its graph (``retain_graph=True``) says more backwards over it may
+  follow before the update; :func:`graph_kept` tells the engine, which holds
+  its gradients for the next stepping backward or ``step()``, as torch sums them.
 * ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` /
   ``clip_grads_with_norm_``: after an
   attached backward the gradients were already applied and freed, so
   clipping them does nothing and returns 0. Called with parameters stepped
   that way, they raise (a finite ``max_norm``, or by value) or warn (an
   infinite ``max_norm``: a measurement) instead of silently doing nothing.
+* ``nn.Module.zero_grad``: gradients a backward already applied, discarded
+  by the loop (``Engine.check_discard``; the optimizer's ``zero_grad`` is
+  layeropt's own).
+* any optimizer's ``step`` (torch's global step pre-hook): a plain optimizer
+  about to step a parameter an attached backward already updated and freed,
+  which it would skip.
 
-Both are wrapped once per process, when the first layeropt optimizer is made
-(never by importing layeropt); nothing else about them changes.
+They are installed once per process, when the first layeropt optimizer is
+made (never by importing layeropt); nothing else about them changes.
 """
 
 from __future__ import annotations
@@ -25,14 +39,16 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._registry import ENGINES
-from .errors import IN_A_TRAINER, LayeroptError, warn
+from .errors import IN_A_TRAINER, BackwardStateError, LayeroptError, warn
 
-__all__ = ["watch", "scaled_backward", "CLIP_AFTER_BACKWARD"]
+__all__ = ["watch", "scaled_backward", "graph_kept", "CLIP_AFTER_BACKWARD"]
 
 _SCALED: list[weakref.ref] = []  # outputs of GradScaler.scale still alive
 _CALLING: list[str] = []  # guarded clipping functions running now (the outermost checks)
+_KEPT: list[bool] = []  # retain_graph of the torch.autograd.backward calls running now
 
 CLIP_AFTER_BACKWARD = (
     "{fn} was called on parameters that an attached backward has already updated, "
@@ -69,6 +85,11 @@ def scaled_backward() -> bool:
         ):
             return True
     return False
+
+
+def graph_kept() -> bool:
+    """Whether the outermost ``torch.autograd.backward`` running now keeps its graph."""
+    return bool(_KEPT) and _KEPT[0]
 
 
 def _stepped_ids() -> set[int]:
@@ -109,9 +130,78 @@ def _guard(fn: Callable[..., Any], by_norm: bool, name: str) -> Callable[..., An
     return guarded
 
 
+SHARED_PARAMETER_ERROR = (
+    "{optimizer}.step() is about to skip parameter {name}: it has no gradient because "
+    "the layeropt optimizer {owner}, which also owns it, updated it during the latest "
+    "attached backward and freed its gradient; torch would update it with both "
+    "optimizers. Give each "
+    "parameter to one optimizer, or run the backwards that reach the shared "
+    "parameters inside `with opt.no_step():` (opt: the layeropt optimizer) so that "
+    "their gradients stay in .grad for both optimizers' step(), as in torch."
+)
+
+
+def _before_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """torch's global step pre-hook: refuse a step that would skip a parameter another
+    optimizer's attached backward updated and freed (torch would update it twice)."""
+    inner = optimizer  # (a wrapper's step - accelerate's, Lightning's - is the one inside)
+    while not hasattr(inner, "_lo_engine") and isinstance(
+            getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer
+    own = getattr(inner, "_lo_engine", None)
+    for engine in list(ENGINES):
+        if engine is own or not engine.stepped:
+            continue
+        stepped = {id(p) for p in engine.stepped}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None and id(p) in stepped:
+                    cls = type(optimizer)
+                    owners = [a.describe() for a in list(engine.attachments)]
+                    raise BackwardStateError(SHARED_PARAMETER_ERROR.format(
+                        optimizer=f"{cls.__module__}.{cls.__qualname__}",
+                        name=engine.name_of(p), owner=" and ".join(owners) or "layeropt"))
+
+
+def _wrap_backward() -> None:
+    """``torch.autograd.backward`` (``Tensor.backward`` calls it through the module)
+    records whether the running backward keeps its graph."""
+    original = torch.autograd.backward  # (tensors, grad_tensors, retain_graph, create_graph,
+    # ...) on every torch since 1.x
+
+    @functools.wraps(original)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else None)
+        if retain is None:  # torch's default: keep the graph where one is created
+            retain = kwargs.get("create_graph", args[3] if len(args) > 3 else False)
+        _KEPT.append(bool(retain))
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _KEPT.pop()
+
+    torch.autograd.backward = backward  # type: ignore[assignment]
+
+
+def _wrap_module_zero_grad() -> None:
+    original = torch.nn.Module.zero_grad
+
+    @functools.wraps(original)
+    def zero_grad(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if ENGINES:
+            for engine in list(ENGINES):
+                engine.check_discard(self.parameters, f"{type(self).__name__}.zero_grad()")
+        return original(self, *args, **kwargs)
+
+    torch.nn.Module.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
 @functools.cache
 def watch() -> None:
-    """Wrap ``GradScaler.scale`` and the clipping functions (once per process)."""
+    """Install the watchers of the module docstring (once per process)."""
+    _wrap_backward()
+    _wrap_module_zero_grad()
+    register_optimizer_step_pre_hook(_before_any_step)
     scaler_cls = torch.amp.GradScaler
     original_scale = scaler_cls.scale
 

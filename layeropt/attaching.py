@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from ._fsdp_offload import check_fsdp2_offload
 from ._registry import hooked_by, mark_hooked, unmark_hooked
 from .errors import AttachError, user_frame, warn
-from .landing import Bucket, drop_dead_hooks
+from .landing import Bucket, Settings, drop_dead_hooks
 from .optim import InBackwardOptimizer, in_backward_spelling, live_optimizers, optimizer_list
 
 __all__ = ["attach", "Attachment"]
@@ -82,7 +82,7 @@ def _check_param(name: str, p: Tensor, module: nn.Module) -> None:
 
 
 def layer_buckets(
-    model: nn.Module, optimizers: list[InBackwardOptimizer]
+    model: nn.Module, optimizers: list[InBackwardOptimizer], settings: Settings | None = None
 ) -> list[tuple[InBackwardOptimizer, Bucket]]:
     """One bucket per (module, optimizer) of the module's own trainable params.
 
@@ -111,7 +111,8 @@ def layer_buckets(
             seen.add(id(p))
             own.setdefault(id(owners[0]), (owners[0], []))[1].append(p)
         for opt, params in own.values():
-            buckets.append((opt, Bucket(mod_name or type(model).__name__, params)))
+            buckets.append((opt, Bucket(mod_name or type(model).__name__, params,
+                                        *(() if settings is None else (settings,)))))
     buckets.reverse()
     return buckets
 
@@ -131,13 +132,17 @@ class Attachment:
 
     Attributes:
         buckets: the layer buckets, in the order gradients usually land.
+        settings: what ``attach`` was given for this model (bucket cap, per-bucket
+            clipping); another model attached to the same optimizer has its own.
     """
 
     def __init__(
         self,
         model: nn.Module,
         optimizers: list[InBackwardOptimizer],
+        settings: Settings | None = None,
     ) -> None:
+        self.settings = Settings() if settings is None else settings
         self._model = weakref.ref(model)
         self._optimizers = [weakref.ref(o) for o in optimizers]
         self._handles: list[Any] = []
@@ -173,7 +178,7 @@ class Attachment:
         self._owned = [p for _, p in self.named if any(o.owns(p) for o in optimizers)]
         self._trainable = tuple(p.requires_grad for p in self._owned)
         self.stale = False
-        pairs = layer_buckets(model, optimizers)
+        pairs = layer_buckets(model, optimizers, self.settings)
         names = {id(p): n for n, p in self.named}
         for _, b in reversed(pairs):  # (model order: the first parameter is named)
             for p in b.params:
@@ -188,7 +193,7 @@ class Attachment:
                         "attach() returned) before attaching it to another optimizer."
                     )
         for opt in optimizers:  # (also one none of whose parameters trains yet: rule 7)
-            opt._lo_engine.attachments[self] = None  # the engine keeps its attachments
+            opt._lo_engine.add_attachment(self)  # the engine keeps its attachments
         for opt, b in pairs:
             engine = opt._lo_engine
             for i, p in enumerate(b.params):
@@ -272,7 +277,7 @@ class Attachment:
         if not self._removed:
             self._release()
             for opt in self.optimizers:
-                opt._lo_engine.attachments.pop(self, None)
+                opt._lo_engine.remove_attachment(self)
             self._removed = True
 
     def __enter__(self) -> Attachment:
@@ -349,10 +354,18 @@ def attach(
         An :class:`Attachment`; call ``.remove()`` (or use it as a context
         manager) to go back to plain ``backward(); step()`` behaviour.
 
+    The settings (``bucket_cap_mb``, ``clip_value``, ``bucket_max_norm``,
+    ``norm_type``) belong to this attachment: a second model attached to the
+    same optimizer has its own. Attaching the same model to the same
+    optimizers again returns the same handle, re-hooked, with the new call's
+    settings (so removing either detaches both).
+
     Raises:
         AttachError: the optimizer is not a layeropt optimizer, owns none of
-            the model's parameters, a parameter is owned twice, already
-            attached, not a leaf, or has sparse gradients.
+            the model's parameters, a parameter is owned twice, attached to
+            another optimizer already, not a leaf, or has sparse gradients.
+        ValueError: a negative ``bucket_cap_mb``, ``clip_value`` or
+            ``bucket_max_norm``.
 
     Example:
         >>> import torch, layeropt
@@ -378,10 +391,7 @@ def attach(
                                      clip_value=clip_value)
             return wrapped  # type: ignore[no-any-return]
     check_fsdp2_offload(model)  # FSDP2 + CPUOffloadPolicy: refused where torch races
-    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("clip_value", clip_value),
-                        ("bucket_max_norm", bucket_max_norm)):
-        if value is not None and not value >= 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
+    settings = Settings(bucket_cap_mb, clip_value, bucket_max_norm, norm_type)  # (checked)
     optimizers = resolve_owners(model, optimizer)
     if len({id(o) for o in optimizers}) != len(optimizers):
         raise AttachError("the same optimizer was given twice; pass it once.")
@@ -393,8 +403,11 @@ def attach(
         )
     handle = _attached_before(model, optimizers)
     if handle is None:
-        handle = Attachment(model, optimizers)
-    else:  # attaching again to the same optimizers: that handle, following the model now
+        handle = Attachment(model, optimizers, settings)
+    else:  # attaching again to the same optimizers: that handle, following the model now,
+        # with this call's settings
+        handle.settings.configure(bucket_cap_mb=bucket_cap_mb, clip_value=clip_value,
+                                  bucket_max_norm=bucket_max_norm, norm_type=norm_type)
         handle.sync()
     if not handle.buckets:
         warn(
@@ -403,9 +416,4 @@ def attach(
             "are picked up at the next backward). Check requires_grad, or that the "
             "optimizer was built from this model's parameters."
         )
-    for opt in optimizers:
-        engine = opt._lo_engine
-        engine.cap_bytes = int(bucket_cap_mb * 2**20)
-        engine.clip_value, engine.bucket_max_norm = clip_value, bucket_max_norm
-        engine.norm_type = float(norm_type)
     return handle

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .distributed import two_passes
 from .errors import LayeroptError
-from ._transforms import _norm, prepare_grads
+from ._transforms import Transform, prepare_grads, reduce_grad
 from .optim import InBackwardOptimizer, live_optimizers, no_step_all, optimizer_list
 
 __all__ = ["backward"]
@@ -149,16 +149,18 @@ def backward(
         for attachment in list(e.attachments):
             attachment.sync()
 
-    parameters = _as_attached(optimizers, _parameters(optimizers) if parameters is None
-                              else list(parameters))
-    # Trainable parameters no attached optimizer steps (trained by another optimizer, or
-    # not at all): torch's clip_grad_norm_ measures and clips them too. Each pass
-    # accumulates into their .grad, so pass 1's is measured and set aside.
-    unowned = _Unowned(parameters, optimizers)
-    if unowned and scaler is not None and max_norm is not None:
+    given = parameters is not None  # clip_grad_norm_(parameters): only those are clipped
+    parameters = _as_attached(optimizers, list(parameters) if given
+                              else _parameters(optimizers))
+    clipped = frozenset(map(id, parameters)) if given else None
+    # Trainable parameters no attached hook steps: torch's recipe measures, unscales and
+    # clips them too. Each pass accumulates into their .grad, so pass 1's is measured
+    # and set aside.
+    unhooked = _Unhooked(parameters, optimizers)
+    if unhooked.foreign and scaler is not None and max_norm is not None:
         raise LayeroptError(
-            f"layeropt.backward(max_norm=..., scaler=...): {len(unowned)} trainable "
-            f"parameter(s) (the first of shape {tuple(unowned.params[0].shape)}) are not "
+            f"layeropt.backward(max_norm=..., scaler=...): {len(unhooked.foreign)} trainable "
+            f"parameter(s) (the first of shape {tuple(unhooked.foreign[0].shape)}) are not "
             "owned by an attached layeropt optimizer, so another optimizer unscales them "
             "and the global norm cannot be taken here. Give them to the layeropt "
             "optimizer (or freeze them), or pass parameters= without them. Nothing was "
@@ -181,11 +183,11 @@ def backward(
     # as the single backward of plain training does; kept if pass 2 does not run.
     measured: dict[Tensor, Tensor] = {}
     buffers = _BufferSnapshot(engines)
-    unowned.set_aside()
+    unhooked.set_aside()
 
     def undo_pass_1() -> None:
         buffers.restore()
-        unowned.restore()
+        unhooked.restore()
 
     ddp = two_passes(engines)  # DDP models: average before measuring, and again in pass 2
     norm = norm_type if max_norm is not None else None
@@ -198,7 +200,7 @@ def backward(
         finally:
             for e in engines:
                 e.finish_measure()
-        unowned.measure(measured, norm)
+        unhooked.measure(measured, norm, inv_scale, found, clipped)
     except BaseException:
         undo_pass_1()
         raise
@@ -225,8 +227,8 @@ def backward(
         coef = None if total is None else torch.clamp(max_norm / (total + 1e-6), max=1.0)
         ddp.arm(loss)
         with no_step_all(o for o in optimizers if o._lo_engine in skipped):
-            _attached_backward(loss, engines, retain_graph, (inv_scale, coef))
-        unowned.clip(coef)
+            _attached_backward(loss, engines, retain_graph, Transform(inv_scale, coef, clipped))
+        unhooked.prepare(Transform(inv_scale, coef, clipped))
     for o in optimizers:  # their step is skipped: nothing of theirs changes
         if o._lo_engine in skipped:
             o._lo_engine.discard_held()
@@ -238,25 +240,59 @@ def backward(
     return total
 
 
-class _Unowned:
-    """Trainable ``parameters`` that no attached optimizer owns (see :func:`backward`)."""
+class _Unhooked:
+    """Trainable parameters that no attached hook steps, which torch's recipe still
+    measures, unscales or clips (see :func:`backward`):
+
+    * ``owned``: parameters of these optimizers outside every attached model (a
+      learnable loss weight, a head kept as its own module). ``scaler.unscale_(opt)``
+      unscales and checks them with the rest of ``opt``'s gradients, and
+      ``opt.step()`` updates them;
+    * ``foreign``: parameters in ``parameters`` that another optimizer trains (or
+      none): measured and clipped only.
+
+    Each pass accumulates into their ``.grad``; pass 1's is measured, then set aside.
+    """
 
     def __init__(self, parameters: list[Tensor], optimizers: list[Any]) -> None:
-        self.params = [p for p in parameters if p.requires_grad
-                       and not any(o.owns(p) for o in optimizers)]
+        attachments = [a for o in optimizers for a in list(o._lo_engine.attachments)]
+        candidates = {id(p): p for p in parameters}
+        for o in optimizers:
+            for g in o.param_groups:
+                for p in g["params"]:
+                    candidates.setdefault(id(p), p)
+        self.owner: dict[int, Any] = {}  # id(param) -> the engine of its optimizer
+        self.owned: list[Tensor] = []
+        self.foreign: list[Tensor] = []
+        for p in candidates.values():
+            if not p.requires_grad or any(a.hooks(p) for a in attachments):
+                continue
+            opt = next((o for o in optimizers if o.owns(p)), None)
+            if opt is None:
+                self.foreign.append(p)
+            else:
+                self.owner[id(p)] = opt._lo_engine
+                self.owned.append(p)
         self.before: dict[Tensor, Tensor | None] = {}
 
-    def __len__(self) -> int:
-        return len(self.params)
-
-    def measure(self, measured: dict[Tensor, Tensor], norm_type: float | None) -> None:
-        """After pass 1: their norms (their .grad now holds what torch would clip)."""
-        for p in self.params:
-            if p.grad is not None and norm_type is not None:
-                measured[p] = _norm(p.grad, norm_type)
+    def measure(self, measured: dict[Tensor, Tensor], norm_type: float | None,
+                inv_scale: Tensor | None, found: dict[Any, Tensor],
+                clipped: frozenset[int] | None) -> None:
+        """After pass 1: their norms and inf/NaN flags (their .grad holds what torch
+        would unscale and clip)."""
+        for p in self.owned + self.foreign:
+            if p.grad is None:
+                continue
+            engine = self.owner.get(id(p))
+            unscale = inv_scale is not None and engine is not None
+            norm = reduce_grad(p.grad.clone() if unscale else p.grad, norm_type,
+                               inv_scale if unscale else None, found.get(engine))
+            if norm is not None and (clipped is None or id(p) in clipped):
+                measured[p] = norm
 
     def set_aside(self) -> None:
-        self.before = {p: None if p.grad is None else p.grad.clone() for p in self.params}
+        self.before = {p: None if p.grad is None else p.grad.clone()
+                       for p in self.owned + self.foreign}
 
     def restore(self) -> None:
         """Before pass 2: their .grad as before pass 1 (pass 2 accumulates it again)."""
@@ -264,11 +300,15 @@ class _Unowned:
             p.grad = grad
         self.before = {}
 
-    def clip(self, coef: Tensor | None) -> None:
-        """After pass 2: clipped as clip_grad_norm_ would (their optimizer steps later)."""
-        grads = [p for p in self.params if p.grad is not None]
-        if coef is not None and grads:
-            prepare_grads(grads, (None, coef), None, None, 2.0)
+    def prepare(self, transform: Transform) -> None:
+        """After pass 2: unscaled (their optimizer's) and clipped as torch's recipe does
+        (their optimizer steps them later)."""
+        owned = [p for p in self.owned if p.grad is not None]
+        foreign = [p for p in self.foreign if p.grad is not None]
+        if owned:
+            prepare_grads(owned, transform, None)
+        if foreign:
+            prepare_grads(foreign, transform._replace(inv_scale=None), None)
 
 
 class _BufferSnapshot:

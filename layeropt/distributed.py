@@ -32,6 +32,7 @@ from ._ddp_hook import _allreduce_then_step, _Copied, _HookState
 from ._registry import allow_local_updates, check_local_hooks_allowed, hooked_by
 from .attaching import Attachment, layer_buckets, register_wrapper, resolve_owners
 from .errors import AttachError
+from .landing import Settings
 
 __all__ = [
     "DDPAttachment",
@@ -109,10 +110,11 @@ class DDPAttachment(Attachment):
         params: the DDP-managed parameters stepped in backward.
     """
 
-    def __init__(self, ddp: nn.Module, optimizers: list[Any], state: _HookState) -> None:
+    def __init__(self, ddp: nn.Module, optimizers: list[Any], state: _HookState,
+                 settings: Settings) -> None:
         self._state = state
         self.params: list[Tensor] = []
-        super().__init__(ddp, optimizers)
+        super().__init__(ddp, optimizers, settings)
 
     def _hook_all(self) -> None:
         ddp = self.model
@@ -130,12 +132,18 @@ class DDPAttachment(Attachment):
                 "from ddp_model.parameters() before attaching."
             )
         self.params = list(owner)
+        self.named = [(n, p) for n, p in ddp.named_parameters() if p in owner]
         for opt in self.optimizers:
-            opt._lo_engine.attachments[self] = None  # opt.attached; add_param_group -> _rebuild
+            opt._lo_engine.add_attachment(self)  # opt.attached; add_param_group -> _rebuild
         with self._state.lock:
             self._state.owner = {p: weakref.ref(o) for p, o in owner.items()}
+            self._state.settings = self.settings
             self._state.active = True
             self._state.fresh = True  # (attached between a forward and its backward)
+
+    def hooks(self, param: Tensor) -> bool:
+        """Whether ``param`` is stepped through this DDP model's communication hook."""
+        return any(p is param for p in self.params)
 
     def _release(self) -> None:
         with self._state.lock:
@@ -241,9 +249,7 @@ def attach_ddp(
             f"attach_ddp() needs a DistributedDataParallel model, got "
             f"{type(ddp_model).__name__}; use layeropt.attach for other models."
         )
-    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("clip_value", clip_value)):
-        if value is not None and not value >= 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
+    settings = Settings(bucket_cap_mb, clip_value)  # (checked)
     optimizers = resolve_owners(ddp_model.module, optimizer)
     _check_ddp(ddp_model)
     state = _DDP_STATES.get(ddp_model)
@@ -268,10 +274,7 @@ def attach_ddp(
         ddp_model.reducer._set_optimizer_in_backward()
         _DDP_STATES[ddp_model] = state
     state.overlap = overlap
-    for opt in optimizers:
-        opt._lo_engine.cap_bytes = int(bucket_cap_mb * 2**20)
-        opt._lo_engine.clip_value = clip_value
-    return DDPAttachment(ddp_model, optimizers, state)
+    return DDPAttachment(ddp_model, optimizers, state, settings)
 
 
 register_wrapper(torch.nn.parallel.DistributedDataParallel, attach_ddp)  # layeropt.attach(ddp)

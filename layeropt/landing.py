@@ -21,7 +21,9 @@ through :meth:`Engine.on_grad`. From there:
    after any post-accumulate-grad hook registered later than layeropt's on the
    parameter that completed the queue, as torch's ``step()`` comes after them;
 4. when the backward ends (an autograd engine callback queued at the first
-   arrival), the queue, buckets that only partly arrived - some parameters
+   arrival, which queues itself once more when it runs: so it runs after the
+   callbacks queued since, such as FSDP2's final reduce-scatter of a second
+   root module), the queue, buckets that only partly arrived - some parameters
    got no gradient this time - and gradients held from ``no_step()`` are
    stepped together, and freed;
 5. activation checkpointing (``layeropt/checkpointing.py``) keeps this exact:
@@ -42,13 +44,17 @@ through :meth:`Engine.on_grad`. From there:
    torch's recipe checks or changes before the update is *held* (as under
    ``no_step()``) and stepped by ``step()``: a backward through a
    ``GradScaler``-scaled loss (``layeropt/_watch.py``), and one inside
-   ``optimizer.step(closure)`` (the caller may clip); one with
-   ``create_graph=True`` is held as under ``no_step()`` (a gradient penalty's
-   backward follows). Once the loop has called
+   ``optimizer.step(closure)`` (the caller may clip); one that keeps its
+   graph (``create_graph=True``, ``retain_graph=True``) is held as under
+   ``no_step()`` (a gradient penalty's backward, or another backward over the
+   same graph, may follow). Once the loop has called
    ``step()`` or ``zero_grad()``, a second attached backward before the next
    call is torch-style accumulation, which in-backward updates would turn
    into several steps: it is refused before anything of it is applied;
-   ``step()``/``zero_grad()`` after two such backwards raise too. Each
+   ``step()``/``zero_grad()`` after two such backwards raise too; and once it
+   has called ``step()``, a ``zero_grad()`` (the optimizer's or a module's)
+   that discards what a backward already applied is refused
+   (:meth:`Engine.check_discard`). Each
    training step is one transaction of ``layeropt/_subset.py``;
 7. parameters unfrozen (``requires_grad_(True)``) after ``attach`` are picked
    up at the next backward: that backward steps every gradient it left when
@@ -77,7 +83,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 import torch
@@ -86,11 +92,11 @@ from torch import Tensor
 from . import _between, _watch
 from . import _nesting as nesting
 from ._nesting import TaskEnd, _graph_task_id, watch_torch_checkpoint
-from ._transforms import Measure, prepare_grads
+from ._transforms import Measure, Transform, prepare_grads
 from ._registry import check_local_hooks_allowed, world_size
 from .errors import IN_A_TRAINER, AttachError, BackwardStateError, warn
 
-__all__ = ["Bucket", "Engine"]
+__all__ = ["Bucket", "Engine", "Settings"]
 
 _IDLE = -2  # no backward in progress
 
@@ -103,11 +109,28 @@ SPARSE_ERROR = (
 
 ACCUMULATION_ERROR = (
     "{what} before optimizer.step() or zero_grad(): torch would sum these "
-    "gradients into one step (gradient accumulation, or backward twice with "
-    "retain_graph=True), but layeropt applies each attached backward at once, so "
-    "the result would differ. {outcome} Run all but the last micro-batch inside "
+    "gradients into one step (gradient accumulation), but layeropt applies each "
+    "attached backward at once, so the result would differ. {outcome} Run all but the last micro-batch inside "
     "`with opt.no_step():` (or use layeropt.LoopAccumulator); if every backward is "
     "meant to be a full step, call opt.step() after each one; " + IN_A_TRAINER
+)
+DISCARD_ERROR = (
+    "{where} discards gradients that an attached backward since the last step() has "
+    "already applied to {n} parameter(s) (the first: {name}): torch would drop them "
+    "here, but layeropt updated the parameters in that backward, so the results "
+    "differ from here on (a GAN's generator loss backpropagating into the "
+    "discriminator, an actor's loss into the critic). That update was applied; "
+    "nothing more is. Keep such a backward from updating these parameters: freeze "
+    "them during it (model.requires_grad_(False), then requires_grad_(True) after "
+    "it), or run it inside `with opt.no_step():` so that its gradients wait in .grad "
+    "and zero_grad() drops them as torch does."
+)
+RETAIN_HOLD_WARNING = (
+    "this backward keeps its graph (retain_graph=True), so more backwards over it may "
+    "follow before the update: layeropt holds its gradients in .grad, and the next "
+    "backward that does not keep its graph, or step(), applies their sum, exactly as "
+    "torch does - nothing is saved in this step. If no second backward over this graph "
+    "follows, drop retain_graph=True to update each layer during backward."
 )
 SCALER_HOLD_WARNING = (
     "this backward runs through a GradScaler-scaled loss (scaler.scale(loss).backward()), "
@@ -210,19 +233,68 @@ def _all_dense(groups: list[list[Tensor]]) -> bool:
     return True
 
 
+class Settings:
+    """What one ``attach(...)`` call was given; its attachment's buckets share it.
+
+    Settings belong to the attachment they were given to: attaching a second
+    model to the same optimizer leaves the first one's as they were.
+    """
+
+    __slots__ = ("cap_bytes", "clip_value", "bucket_max_norm", "norm_type")
+
+    def __init__(self, bucket_cap_mb: float = 1.0, clip_value: float | None = None,
+                 bucket_max_norm: float | None = None, norm_type: float = 2.0) -> None:
+        self.cap_bytes = 0  # complete buckets wait, in arrival order, up to this size
+        self.clip_value: float | None = None
+        self.bucket_max_norm: float | None = None
+        self.norm_type = 2.0  # of bucket_max_norm
+        self.configure(bucket_cap_mb=bucket_cap_mb, clip_value=clip_value,
+                       bucket_max_norm=bucket_max_norm, norm_type=norm_type)
+
+    def configure(self, **values: Any) -> None:
+        """Set the given values (``attach``'s argument names), checked first."""
+        for name, value in values.items():
+            if name not in ("bucket_cap_mb", "clip_value", "bucket_max_norm", "norm_type"):
+                raise TypeError(f"configure() got an unexpected keyword argument {name!r}")
+            if name != "norm_type" and value is not None and not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        for name, value in values.items():
+            if name == "bucket_cap_mb":
+                self.cap_bytes = int(value * 2**20)
+            elif name == "norm_type":
+                self.norm_type = float(value)
+            else:
+                setattr(self, name, value)
+
+    @property
+    def clips(self) -> bool:
+        """Whether each bucket's gradients are clipped before its step."""
+        return self.clip_value is not None or self.bucket_max_norm is not None
+
+    def __repr__(self) -> str:
+        return (f"Settings(cap_bytes={self.cap_bytes}, clip_value={self.clip_value}, "
+                f"bucket_max_norm={self.bucket_max_norm}, norm_type={self.norm_type})")
+
+
+_DEFAULT = Settings()
+
+
 class Bucket:
     """Parameters that are stepped together once all of their gradients landed.
 
     Attributes:
         name: the module (or modules) the parameters belong to, for messages.
         params: the parameters, in module registration order.
+        settings: the :class:`Settings` of the attachment the bucket belongs to.
     """
 
-    __slots__ = ("name", "params", "nbytes", "full", "arrived", "serial", "__weakref__")
+    __slots__ = ("name", "params", "settings", "nbytes", "full", "arrived", "serial",
+                 "__weakref__")
 
-    def __init__(self, name: str, params: list[Tensor]) -> None:
+    def __init__(self, name: str, params: list[Tensor], settings: Settings = _DEFAULT) -> None:
         self.name = name
         self.params = params
+        self.settings = settings
         self.nbytes = sum(p.numel() * p.element_size() for p in params)  # its gradients
         self.full = (1 << len(params)) - 1  # ``arrived`` once every gradient landed
         self.arrived = 0  # bit i: params[i]'s gradient landed in backward ``serial``
@@ -241,12 +313,13 @@ class Engine:
         self.no_step_depth = 0  # open optimizer.no_step() contexts (> 0: hold gradients)
         # gradients accumulated under no_step(), with their bucket
         self.held: dict[Tensor, Bucket | None] = {}
-        self.cap_bytes = 0  # complete buckets are stepped together up to this size
         self._ready: list[list[Tensor]] = []  # complete buckets not yet stepped
         self._ready_bytes = 0
         self.hook_count = 0  # parameters with this engine's post-accumulate-grad hook
         self.attachments: dict[Any, None] = {}  # in the order they were attached (kept alive:
-        # the hooks reach them only weakly)
+        # the hooks reach them only weakly); changed by add/remove_attachment
+        # id(param) -> (its attachment's Settings, its layer bucket's key), made when needed
+        self._places: dict[int, tuple[Settings, tuple[int, str]]] | None = None
         self._partial: list[Bucket] = []  # buckets whose first gradient landed incomplete
         self._incomplete = 0  # how many of them are still incomplete
         self._active_task = _IDLE  # autograd graph task of the backward in progress
@@ -255,13 +328,10 @@ class Engine:
         self._counted = False  # the latest backward is counted in _stepped_backwards
         self._distributed = False  # several processes in this backward (checked per backward)
         self.stepped: list[Tensor] = []  # parameters updated in the latest backward
-        # Clipping / scaling (set by attach(...) and layeropt.backward).
-        self.norm_type = 2.0
-        self.clip_value: float | None = None
-        self.bucket_max_norm: float | None = None
+        # layeropt.backward (clipping per bucket is the attachments' Settings)
         self.entered = False  # inside layeropt.backward
         self.measure: Measure | None = None  # the measure pass of layeropt.backward
-        self.transform: tuple[Tensor | None, Tensor | None] | None = None  # (inv_scale, coef)
+        self.transform: Transform | None = None  # its step pass: unscale, global clip
         # Checkpointing (rule 5): gradients waiting for a pin, or deferred to the end.
         self._gated: dict[Tensor, tuple[Bucket, int]] = {}
         self._defer = False
@@ -269,7 +339,7 @@ class Engine:
         # Steps torch would take as one (rule 6): gradients held for step(), and the
         # backwards since the last step()/zero_grad() that stepped or held.
         self._hold = False  # this backward's gradients wait for step()
-        self._graph = False  # backward(create_graph=True): held as under no_step()
+        self._graph = False  # backward(create_graph= or retain_graph=True): held as no_step()
         self._sweep = False  # requires_grad changed: step every gradient left at the end
         self._orphaned = False  # the optimizer was deleted: detach when this backward ends
         self._unchecked = False  # rule 6's check waits for this backward's first gradient
@@ -278,8 +348,10 @@ class Engine:
         self.txn = 0  # the training step (transaction) step calls belong to
         self._open_txn = self._zeroed_txn = 0  # txn of the latest backward / zero_grad()
         # A loop that never calls step() steps every backward; once it calls step() or
-        # zero_grad(), a second stepping backward before the next call is refused.
-        self._bounded = False
+        # zero_grad() (the calls it made: _calls), a second stepping backward before the
+        # next call is refused, and so is a zero_grad() that discards gradients a
+        # backward applied, once the loop steps with step().
+        self._calls: set[str] = set()
         self._stepped_backwards = 0
         self._held_backwards = 0
         # zero_grad(set_to_none=False): ids of the parameters whose .grad torch would
@@ -430,7 +502,7 @@ class Engine:
                 self.held.pop(p, None)  # its accumulated gradient is in the bucket now
         self._ready.append(bucket.params)
         self._ready_bytes += bucket.nbytes
-        if self._ready_bytes >= self.cap_bytes and _hooked_last(param):
+        if self._ready_bytes >= bucket.settings.cap_bytes and _hooked_last(param):
             self._flush_ready()
 
     def _second_gradient(self, bucket: Bucket, index: int) -> NoReturn:
@@ -492,7 +564,8 @@ class Engine:
             segments and any(map(torch._C._will_engine_execute_node, list(segments)))
         )
         self.route()
-        _queue_callback(TaskEnd(self._end, functools.partial(self._dropped, self._serial)))
+        dropped = functools.partial(self._dropped, self._serial)
+        _queue_callback(TaskEnd(functools.partial(self._end_last, dropped), dropped))
         if defer:
             self._unchecked = True
         else:
@@ -532,10 +605,13 @@ class Engine:
         """Rules 6 and 7 for a backward that reaches this engine's parameters."""
         self._unchecked = False
         # backward(create_graph=True): the gradients' graph is for something the loop
-        # does before the update (a gradient penalty's backward)
-        self._graph = torch.is_grad_enabled()
+        # does before the update (a gradient penalty's backward); retain_graph=True: more
+        # backwards over this graph may follow before it (truncated BPTT's next time step)
+        created = torch.is_grad_enabled()
+        kept = self.measure is None and not self.entered and _watch.graph_kept()
+        self._graph = created or kept
         plain = self.measure is None and not self.no_step_depth
-        if plain and self._bounded and self._stepped_backwards:
+        if plain and self._calls and self._stepped_backwards:
             raise BackwardStateError(ACCUMULATION_ERROR.format(
                 what="a second backward after an attached backward that updated the parameters",
                 outcome="Nothing of this second backward was applied.",
@@ -553,9 +629,17 @@ class Engine:
             elif self._scaled:
                 self._hold = True
                 warn(SCALER_HOLD_WARNING)
+            elif kept and not created:
+                warn(RETAIN_HOLD_WARNING)
         self.route()
         if self._defer:
             warn(nesting.DEFER_WARNING)
+
+    def _end_last(self, dropped: Callable[[], None]) -> None:
+        """The backward's callbacks run: end it after those queued since it began (FSDP2
+        queues a root's final reduce-scatter when backward reaches that root's output,
+        after the first gradient of an earlier root landed here)."""
+        _queue_callback(TaskEnd(self._end, dropped))
 
     def _dropped(self, serial: int) -> None:
         if serial == self._serial and self._active_task != _IDLE:
@@ -664,10 +748,11 @@ class Engine:
         if not groups or optimizer is None:
             return
         groups = self._dense(groups)
-        clip = (self.transform, self.clip_value, self.bucket_max_norm)
-        if clip != (None, None, None):
-            for group in groups:  # unscaling and clipping are per bucket
-                prepare_grads(group, *clip, self.norm_type)
+        if self.transform is not None or self.clips:
+            places = self._placed()
+            for group in groups:  # unscaling and clipping are per bucket (one attachment's)
+                place = places.get(id(group[0]))
+                prepare_grads(group, self.transform, None if place is None else place[0])
         params = groups[0] if len(groups) == 1 else [p for g in groups for p in g]
         try:
             optimizer._step_params(params)
@@ -757,16 +842,42 @@ class Engine:
         self._step([params])
 
     def _by_bucket(self, params: list[Tensor]) -> list[list[Tensor]]:
-        """``params`` grouped as their layer buckets are - one module's own parameters -
-        for per-bucket clipping (rule 3); also those not hooked yet (unfrozen late)."""
-        if not params or self.bucket_max_norm is None:
+        """``params`` grouped as their layer buckets are - one module's own parameters of
+        one attachment - for per-bucket clipping (rule 3); also those not hooked yet
+        (unfrozen late). Parameters outside every attached model are never clipped."""
+        if not params or not self.clips:
             return [params] if params else []
-        module = {id(p): name.rpartition(".")[0]
-                  for attachment in list(self.attachments) for name, p in attachment.named}
+        places = self._placed()
         groups: dict[Any, list[Tensor]] = {}
         for p in params:
-            groups.setdefault(module.get(id(p), id(p)), []).append(p)
+            place = places.get(id(p))
+            groups.setdefault(id(p) if place is None else place[1], []).append(p)
         return list(groups.values())
+
+    # -- attachments and their settings ---------------------------------------
+    def add_attachment(self, attachment: Any) -> None:
+        """``attachment`` steps some of this optimizer's parameters (kept alive here:
+        the hooks reach it only weakly); called again when it re-hooks."""
+        self.attachments[attachment] = None
+        self._places = None
+
+    def remove_attachment(self, attachment: Any) -> None:
+        self.attachments.pop(attachment, None)
+        self._places = None
+
+    @property
+    def clips(self) -> bool:
+        """Whether an attachment clips each bucket (``clip_value``/``bucket_max_norm``)."""
+        return any(a.settings.clips for a in self.attachments)
+
+    def _placed(self) -> dict[int, tuple[Settings, tuple[int, str]]]:
+        """``id(param) -> (Settings, bucket key)`` for every attached model's parameters."""
+        if self._places is None:
+            self._places = {
+                id(p): (a.settings, (id(a), name.rpartition(".")[0]))
+                for a in list(self.attachments) for name, p in a.named
+            }
+        return self._places
 
     def flush_leftovers(self) -> None:
         """Step and free every gradient the hooks did not consume (``step()``)."""
@@ -780,14 +891,13 @@ class Engine:
         ]
         if params and self._stepped_backwards:  # set after backward (layeropt/_between.py)
             _between.refuse_second_update(self.stepped, params)
-        if params and getattr(optimizer, "grad_scale", None) is not None and (
-                self.clip_value is not None or self.bucket_max_norm is not None):
+        if params and getattr(optimizer, "grad_scale", None) is not None and self.clips:
             raise BackwardStateError(SCALED_CLIP_ERROR)
         steps = self._steps  # (stepped_in_backward counts the backward's updates only)
         self._step(self._by_bucket(params))
         self._steps = steps
         self.held.clear()
-        self.boundary()
+        self.boundary("step()")
         if params:  # gradients no hook took: layers unfrozen (or hooks lost) since
             for attachment in list(self.attachments):
                 attachment.sync()
@@ -834,12 +944,39 @@ class Engine:
                 outcome="Each of those was applied as its own step; nothing more is.",
             ))
 
-    def boundary(self) -> None:
-        """``step()`` or ``zero_grad()`` ended a training step."""
+    def boundary(self, where: str) -> None:
+        """``step()`` or ``zero_grad()`` (``where``) ended a training step."""
         self.hyper = None  # (updates step() itself made read the values of that moment)
         self._stepped_backwards = self._held_backwards = 0
-        self._bounded = True
+        self._calls.add(where)
         self.txn += 1
+
+    def check_discard(self, params: Callable[[], Iterable[Tensor]] | None, where: str) -> None:
+        """Refuse a ``zero_grad`` (``where``: the optimizer's, or ``model.zero_grad()``
+        over ``params()``) that discards gradients an attached backward has already
+        applied: once the loop calls ``step()``, a backward whose updates no ``step()``
+        followed is one whose gradients torch would drop here (a GAN's generator loss
+        reaching the discriminator, an actor's loss the critic)."""
+        if (self._stepped_backwards != 1 or self._held_backwards or "step()" not in self._calls
+                or not self.stepped):
+            return
+        stepped = self.stepped
+        if params is not None:
+            ids = {id(p) for p in params()}
+            stepped = [p for p in stepped if id(p) in ids]
+            if not stepped:
+                return
+        self._stepped_backwards = 0  # said once: the loop may go on
+        raise BackwardStateError(DISCARD_ERROR.format(
+            where=where, n=len(stepped), name=self.name_of(stepped[0])))
+
+    def name_of(self, param: Tensor) -> str:
+        """``param``'s name in its attached model, for messages."""
+        for attachment in list(self.attachments):
+            for name, p in attachment.named:
+                if p is param:
+                    return repr(name)
+        return f"of shape {tuple(param.shape)}"
 
     def on_param_groups_changed(self) -> None:
         for attachment in list(self.attachments):

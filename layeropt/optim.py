@@ -212,11 +212,12 @@ class InBackwardOptimizer(Optimizer):
         engine = self._lo_engine
         if self.attached:
             engine.check_boundary("zero_grad()")
+            engine.check_discard(None, "optimizer.zero_grad()")
         super().zero_grad(set_to_none)
         engine.held.clear()
         engine.zero_grad_called(set_to_none)
         if self.attached:
-            engine.boundary()
+            engine.boundary("zero_grad()")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Torch's ``add_param_group``; attached models hook the new parameters."""

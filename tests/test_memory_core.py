@@ -29,7 +29,7 @@ def _most_held(handle, opt):
     """The most gradient bytes waiting to be stepped: complete buckets queue until they
     reach the cap (``bucket_cap_mb``), so below the cap plus one (the largest) bucket."""
     largest = max(b.nbytes for b in handle.buckets)
-    return largest + opt._lo_engine.cap_bytes
+    return largest + handle.settings.cap_bytes
 
 
 def _step_peak(model, opt, x):

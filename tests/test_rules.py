@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.utils import clip_grad_norm_ as imported_clip_grad_norm_  # as most scripts do
 
 import layeropt
@@ -129,6 +130,128 @@ def _head_by_plain_sgd(m, opt, x, lo, ctx):
     ctx["head_opt"].zero_grad()
 
 
+# -- loops that reach past the attached model ------------------------------------
+def _weighted(max_norm: float | None, scaled: bool = False) -> Callable[..., None]:
+    """Uncertainty weighting (a learnable loss weight outside the model, owned by the
+    same optimizer), clipped over the model and the weight, optionally with a scaler."""
+    def loop(m, opt, x, lo, ctx):
+        w = ctx["w"]
+        loss = (torch.exp(-w) * m(x).pow(2).mean() + w).sum()
+        scaler = ctx["scaler"] if scaled else None
+        if scaler is not None:
+            loss = scaler.scale(loss)
+        if lo:
+            norm = layeropt.backward(loss, max_norm=max_norm, scaler=scaler)
+            ctx["norms"].append(norm) if max_norm is not None else None
+        else:
+            loss.backward()
+            if scaler is not None:
+                scaler.unscale_(opt)
+            if max_norm is not None:
+                ctx["norms"].append(torch.nn.utils.clip_grad_norm_([*m.parameters(), w], max_norm))
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+    return loop
+
+
+def _clip_subset(m, opt, x, lo, ctx):
+    """clip_grad_norm_ over the last layer only: the others are not clipped."""
+    inner = m.module if hasattr(m, "module") else m
+    subset = list(inner[4].parameters())  # (before forward: FSDP2 swaps the root's in it)
+    loss = m(x).pow(2).mean()
+    if lo:
+        ctx["norms"].append(layeropt.backward(loss, max_norm=0.05, parameters=subset))
+    else:
+        loss.backward()
+        ctx["norms"].append(torch.nn.utils.clip_grad_norm_(subset, 0.05))
+    opt.step()
+    opt.zero_grad()
+
+
+def _second_attach(m, opt, x, lo, ctx):
+    """attach(model, opt, clip_value=0.01), then attach(head, opt): the model's clipping
+    stays the model's (torch: clip_grad_value_ over the model's parameters)."""
+    ctx["head"](m(x)).pow(2).mean().backward()
+    if not lo:
+        torch.nn.utils.clip_grad_value_(m.parameters(), 0.01)
+    opt.step()
+    opt.zero_grad()
+
+
+def _gan(fix: str | None) -> Callable[..., None]:
+    """The DCGAN tutorial's loop (D: the model; its two losses accumulated, the first
+    under no_step() as the accumulation rule says); the generator's loss reaches D."""
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+
+    def loop(D, optD, x, lo, ctx):
+        G, optG = ctx["G"], ctx["optG"]
+        D.zero_grad()  # netD.zero_grad(), as the tutorial: the module's
+        G.zero_grad()  # (the tutorial's comes after G's forward, where FSDP2's root
+        # module lists its unsharded parameters: it would zero nothing there)
+        with optD.no_step() if lo else contextlib.nullcontext():
+            bce(D(x).mean(1), torch.ones(4)).backward()
+        fake = G(x[:, :4])
+        bce(D(fake.detach()).mean(1), torch.zeros(4)).backward()
+        optD.step()
+        if fix == "freeze":
+            D.requires_grad_(False)
+        with optD.no_step() if lo and fix == "no_step" else contextlib.nullcontext():
+            bce(D(fake).mean(1), torch.ones(4)).backward()
+        D.requires_grad_(True)
+        optG.step()
+    return loop
+
+
+def _ddpg(fix: str | None) -> Callable[..., None]:
+    """CleanRL's DDPG update (the critic: the model, zeroed by its optimizer); the
+    actor's loss backpropagates through the critic."""
+    def loop(qf, q_opt, x, lo, ctx):
+        actor, actor_opt = ctx["G"], ctx["optG"]
+        obs, act, target = x[:, :4], x[:, 4:], x[:, :1].sin()
+        q_loss = (qf(torch.cat([obs, act], 1)).mean(1, keepdim=True) - target).pow(2).mean()
+        q_opt.zero_grad()
+        q_loss.backward()
+        q_opt.step()
+        if fix == "freeze":
+            qf.requires_grad_(False)
+        actor_loss = -qf(torch.cat([obs, torch.tanh(actor(obs))], 1)).mean()
+        actor_opt.zero_grad()
+        actor_loss.backward()
+        qf.requires_grad_(True)
+        actor_opt.step()
+    return loop
+
+
+def _shared_with_plain(fix: bool) -> Callable[..., None]:
+    """Actor-critic with a shared trunk (the model's first layer), the critic's plain
+    torch optimizer owning it too: only the actor's optimizer was made layeropt."""
+    def loop(m, opt, x, lo, ctx):
+        critic, critic_opt = ctx["critic"], ctx["critic_opt"]
+        h = m(x)
+        loss = h.pow(2).mean() + critic(h).pow(2).mean()
+        with opt.no_step() if lo and fix else contextlib.nullcontext():
+            loss.backward()
+        critic_opt.step()
+        opt.step()
+        critic_opt.zero_grad()
+        opt.zero_grad()
+    return loop
+
+
+def _tbptt(m, opt, x, lo, ctx):
+    """Truncated BPTT, a backward per time step (retain_graph=True), a step per chunk."""
+    h = torch.zeros(x.shape[0], 3)
+    for t in range(3):
+        h = torch.tanh(m(torch.cat([x[:, :3] * (t + 1), h], 1)))
+        h.pow(2).mean().backward(retain_graph=True)
+    opt.step()
+    opt.zero_grad()
+
+
 # loop -> (expected, error class, words the message must contain)
 RULES: dict[str, tuple[Callable[..., None], str, type | None, str]] = {
     "plain": (_plain, EXACT, None, ""),
@@ -149,7 +272,33 @@ RULES: dict[str, tuple[Callable[..., None], str, type | None, str]] = {
     "layeropt.backward(max_norm)": (_layeropt_clip, EXACT, None, ""),
     "layeropt.backward(max_norm, scaler)": (_layeropt_scaler, EXACT, None, ""),
     "head trained by a plain optimizer, clipped": (_head_by_plain_sgd, EXACT, None, ""),
+    # loops that reach past the attached model
+    "loss weight outside the model, layeropt.backward(max_norm)": (
+        _weighted(0.05), EXACT, None, ""),
+    "loss weight outside the model, layeropt.backward(max_norm, scaler)": (
+        _weighted(0.05, scaled=True), EXACT, None, ""),
+    "loss weight outside the model, GradScaler only": (
+        _weighted(None, scaled=True), EXACT, None, ""),
+    "loss weight outside the model, norm logged (max_norm=inf)": (
+        _weighted(float("inf")), EXACT, None, ""),
+    "layeropt.backward(parameters=subset) clips the subset": (_clip_subset, EXACT, None, ""),
+    "second attach keeps the first's clip_value": (_second_attach, EXACT, None, ""),
+    "GAN as the DCGAN tutorial writes it": (_gan(None), "loud", layeropt.BackwardStateError,
+                                            "requires_grad_(False)"),
+    "GAN, D frozen during G's backward": (_gan("freeze"), EXACT, None, ""),
+    "GAN, G's backward inside optD.no_step()": (_gan("no_step"), EXACT, None, ""),
+    "DDPG as CleanRL writes it": (_ddpg(None), "loud", layeropt.BackwardStateError, "no_step()"),
+    "DDPG, critic frozen during the actor's backward": (_ddpg("freeze"), EXACT, None, ""),
+    "shared trunk also owned by a plain optimizer": (
+        _shared_with_plain(False), "loud", layeropt.BackwardStateError, "no_step()"),
+    "shared trunk, backward inside no_step()": (_shared_with_plain(True), EXACT, None, ""),
+    "truncated BPTT, a backward per time step": (_tbptt, EXACT, None, ""),
 }
+# Loud rows whose loop differs only from a later step on (the zero_grad that would
+# discard what a backward applied comes at the top of the next iteration).
+LATE = {"GAN as the DCGAN tutorial writes it": 1, "DDPG as CleanRL writes it": 1}
+# Rows whose loop torch itself cannot run on some kinds (KINDS without them).
+NOT_ON: dict[str, tuple[str, ...]] = {}
 KINDS = ["plain", "ddp", pytest.param("fsdp2", marks=pytest.mark.skipif(
     not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8"))]
 
@@ -173,14 +322,59 @@ def _wrap(kind: str, m: torch.nn.Module) -> torch.nn.Module:
 
 def _local(x: Any) -> Any:
     """Tensors as plain tensors (FSDP2's DTensors on one process hold everything)."""
-    if isinstance(x, torch.Tensor):
+    if isinstance(x, torch.Tensor):  # (full_tensor() of one process may be its shard itself)
         x = x.detach()
-        return x.full_tensor() if hasattr(x, "full_tensor") else x.clone()
+        return (x.full_tensor() if hasattr(x, "full_tensor") else x).clone()
     if isinstance(x, dict):
         return {k: _local(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return type(x)(_local(v) for v in x)
     return x
+
+
+def _wrap_other(kind: str, m: torch.nn.Module) -> torch.nn.Module:
+    """A second model of the loop (a generator, an actor, a head), wrapped as the first."""
+    if kind == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(m)
+    if kind == "fsdp2":
+        fully_shard(m)
+    return m
+
+
+def _averaged(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    dist.all_reduce(grad)
+    return grad / dist.get_world_size()
+
+
+def _others(kind: str, rule: str, lo: bool, ctx: dict[str, Any]) -> list[torch.Tensor]:
+    """The loop's other models and parameters (in ``ctx``); returns the parameters the
+    model's optimizer owns besides the model's own. Seeded: both runs build the same."""
+    torch.manual_seed(1)
+    lib = layeropt if lo else torch.optim
+    if rule.startswith("loss weight"):
+        ctx["w"] = torch.nn.Parameter(torch.zeros(1))
+        if kind != "plain" and dist.get_world_size() > 1:  # outside DDP/FSDP2: averaged
+            ctx["w"].register_hook(_averaged)  # by hand, as a loop must (in both passes)
+        ctx["compare"] = [ctx["w"]]
+        return [ctx["w"]]
+    if rule.startswith("second attach"):
+        ctx["head"] = _wrap_other(kind, torch.nn.Linear(3, 3))
+        ctx["compare"] = list(ctx["head"].parameters())
+        return list(ctx["head"].parameters())
+    if rule.startswith(("GAN", "DDPG")):
+        G = _wrap_other(kind, torch.nn.Linear(4, 6) if rule.startswith("GAN")
+                        else torch.nn.Linear(4, 2))
+        ctx["G"], ctx["optG"] = G, lib.Adam(G.parameters(), lr=0.01)
+        ctx["compare"], ctx["opts"] = list(G.parameters()), [ctx["optG"]]
+        ctx["grads_kept"] = "no_step" in rule  # (D's held gradients wait for zero_grad)
+    if rule.startswith("shared trunk"):
+        critic = _wrap_other(kind, torch.nn.Linear(3, 1))
+        trunk = _layers(ctx["model"], 0)
+        ctx["critic"] = critic
+        ctx["critic_opt"] = torch.optim.SGD([*trunk, *critic.parameters()], lr=0.1)
+        ctx["compare"], ctx["opts"] = list(critic.parameters()), [ctx["critic_opt"]]
+    return []
 
 
 def _build(kind: str, rule: str, lo: bool, cap: float | None = None,
@@ -189,29 +383,43 @@ def _build(kind: str, rule: str, lo: bool, cap: float | None = None,
     inner = model.module if kind == "ddp" else model
     head = list(inner[4].parameters()) if "head" in rule else []
     body = [p for p in model.parameters() if all(p is not h for h in head)]
-    opt = (layeropt.Adam if lo else torch.optim.Adam)(body, lr=0.01)
-    ctx: dict[str, Any] = {"norms": []}
+    ctx: dict[str, Any] = {"norms": [], "model": model}
+    others = _others(kind, rule, lo, ctx)
+    opt = (layeropt.Adam if lo else torch.optim.Adam)(body + others, lr=0.01)
     if head:
         ctx["head_opt"] = torch.optim.SGD(head, lr=0.1)
     if "caler" in rule:
         ctx["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     if lo:
         caps = {} if cap is None else {"bucket_cap_mb": cap}
-        ctx["handle"] = layeropt.attach(model, opt, **caps)
+        clip = {"clip_value": 0.01} if rule.startswith("second attach") else {}
+        ctx["handle"] = layeropt.attach(model, opt, **caps, **clip)
+        if "G" in ctx:
+            ctx["handles"] = [layeropt.attach(ctx["G"], ctx["optG"], **caps)]
+        if "head" in ctx:
+            ctx["handles"] = [layeropt.attach(ctx["head"], opt, **caps)]
     return model, opt, ctx
 
 
 def run_rule(kind: str, rule: str, rank: int = 0, cap: float | None = None) -> dict[str, Any]:
     """Train ``rule``'s loop with torch.optim and with layeropt (this process's batches).
 
-    Returns, per step, both runs' parameters, optimizer states and clipping norms,
-    and the error the layeropt run raised, if any (``(class name, message, step)``).
+    Returns, per step, both runs' parameters (the model's, then the loop's other
+    models'), optimizer states and clipping norms, and the error the layeropt run
+    raised, if any (``(class name, message, step)``).
     """
     loop, expected, _, _ = RULES[rule]
     gen = [torch.Generator().manual_seed(100 * rank + i) for i in range(STEPS)]
     batches = [torch.randn(4, 6, generator=g) for g in gen]
     ref, ref_opt, ref_ctx = _build(kind, rule, lo=False)
     model, opt, ctx = _build(kind, rule, lo=True, cap=cap)
+
+    def params(m: torch.nn.Module, c: dict[str, Any]) -> list[torch.Tensor]:
+        return _local([*m.parameters(), *c.get("compare", [])])
+
+    def states(o: Any, c: dict[str, Any]) -> list[Any]:
+        return _local([o.state_dict(), *(x.state_dict() for x in c.get("opts", []))])
+
     out: dict[str, Any] = {"steps": [], "error": None}
     for step, x in enumerate(batches):
         loop(ref, ref_opt, x, False, ref_ctx)
@@ -223,17 +431,19 @@ def run_rule(kind: str, rule: str, rank: int = 0, cap: float | None = None) -> d
             out["error"] = (type(e).__name__, str(e), step)
             break
         out["steps"].append({
-            "grads_none": all(p.grad is None for p in model.parameters()) or "head" in rule,
-            "params": (_local(list(model.parameters())), _local(list(ref.parameters()))),
-            "state": (_local(opt.state_dict()), _local(ref_opt.state_dict())),
+            "grads_none": all(p.grad is None for p in model.parameters()) or "head" in rule
+            or ctx.get("grads_kept", False),
+            "params": (params(model, ctx), params(ref, ref_ctx)),
+            "state": (states(opt, ctx), states(ref_opt, ref_ctx)),
             "norms": (_local(ctx["norms"]), _local(ref_ctx["norms"])),
         })
-    ctx.get("handle") and ctx["handle"].remove()
+    for handle in [ctx.get("handle"), *ctx.get("handles", [])]:
+        handle and handle.remove()
     return out
 
 
 def check_rule(rule: str, out: dict[str, Any]) -> None:
-    """Exact after every step, or loud in the first, naming the fix."""
+    """Exact after every step, or loud in the first whose numbers differ, naming the fix."""
     _, expected, error, fix = RULES[rule]
     if expected == EXACT:
         assert out["error"] is None, out["error"]
@@ -244,7 +454,7 @@ def check_rule(rule: str, out: dict[str, Any]) -> None:
     else:
         assert out["error"] is not None, "not refused"
         name, message, step = out["error"]
-        assert (name, step) == (error.__name__, 0), out["error"]
+        assert (name, step) == (error.__name__, LATE.get(rule, 0)), out["error"]
         assert fix in message, message
 
 
@@ -255,6 +465,8 @@ def compare(kind: str, rule: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rule", list(RULES))
 def test_rule(process_group, kind, rule):
+    if kind in NOT_ON.get(rule, ()):
+        pytest.skip(f"torch itself cannot run this loop on {kind}")
     compare(kind, rule)
 
 

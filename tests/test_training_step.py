@@ -56,16 +56,28 @@ def test_step_after_several_stepping_backwards_is_refused():
     opt.zero_grad()  # the counts were reset by the error: the loop can go on
 
 
-def test_retain_graph_double_backward_is_refused():
-    """(Autograd's version check catches it too where backward reads an updated weight.)"""
-    model = torch.nn.Linear(4, 1)
-    opt = layeropt.SGD(model.parameters(), lr=0.1)
-    layeropt.attach(model, opt)
-    opt.zero_grad()
-    loss = model(torch.randn(3, 4)).sum()
-    loss.backward(retain_graph=True)
-    with pytest.raises(layeropt.BackwardStateError, match="retain_graph"):
+def test_retain_graph_double_backward_sums_as_torch():
+    """A backward that keeps its graph is held (warned once: nothing saved); the next
+    backward over that graph applies the sum, as torch's step() after both would."""
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair(
+        "mlp", "SGD", dict(lr=0.1, momentum=0.9), attach={})
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        data = batch_fn(gen)
+        loss, ref_loss = loss_fn(model, data), loss_fn(ref, data)
+        with pytest.warns(UserWarning, match="retain_graph=True"):
+            loss.backward(retain_graph=True)
+        assert opt.stepped_in_backward == 0 and all(
+            p.grad is not None for p in model.parameters())
         loss.backward()
+        ref_loss.backward(retain_graph=True)
+        ref_loss.backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
 
 
 @pytest.mark.parametrize("cap", [0.0, None])

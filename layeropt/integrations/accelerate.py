@@ -225,8 +225,8 @@ class LayeroptAccelerator(Accelerator):
 
     def _apply_clip_value(self) -> None:
         value = None if self._lo_value is _UNSET else self._lo_value
-        for o in self.layeropt_optimizers:
-            o._lo_engine.clip_value = value
+        for handle in self._lo_handles.values():  # (the attachments this accelerator made)
+            handle.settings.configure(clip_value=value)
 
     def _learning_now(self) -> bool:
         return self._lo_learning is not None
