@@ -622,7 +622,8 @@ def test_cli_recommendation_and_why_agree(tiny_config, capsys):
 
 
 def test_plan_md_table_states_what_the_code_recommends():
-    """Each bold cell of docs/plan.md's table is Plan.choice for that GPU; yes/no is fits."""
+    """Each bold cell of docs/plan.md's table is Plan.choice for that GPU; yes/no is fits;
+    a configuration layeropt has not run on a GPU says so, as the command line does."""
     labels = {}
     for opt in OPTIMIZERS:
         for impl in ("fused", "foreach"):
@@ -645,7 +646,9 @@ def test_plan_md_table_states_what_the_code_recommends():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if cells[0]:
             model = cells[0]
-        models.setdefault(model, []).append((labels[cells[1]], float(cells[2]), cells[first:]))
+        label = cells[1].removesuffix(" (not yet run on a GPU)")
+        assert (label != cells[1]) == (not labels[label].run_on_a_gpu), cells[1]
+        models.setdefault(model, []).append((labels[label], float(cells[2]), cells[first:]))
     assert len(models) == 3
     for model, table in models.items():
         rows = [Measurement(v, int(gib * 2**30), 0, 0, {"parameters": int(gib * 2**30)},

@@ -1,4 +1,4 @@
-"""Will a training step fit, and with which settings: answered on a laptop, for any size.
+"""Will a training step fit, and with which settings: answered on the CPU, for any size.
 
 ``layeropt.plan`` *executes* one steady-state training step on fake tensors
 (``FakeTensorMode``: shapes and dtypes, no memory) under a dispatcher-level
@@ -8,9 +8,9 @@ activation checkpointing, a chunked LM loss, low-bit optimizer states. Each
 row gives the step's peak, what is alive at the peak (parameters, optimizer
 state, gradients, activations, other), where in the step it falls, and
 whether it fits a GPU's memory with a stated margin, and which one to use
-(:attr:`Plan.choice`). A 7B model plans in about 30 s of CPU time and about
-400 MiB of RAM (measured on a 2-core x86-64 Linux machine, torch 2.13 CPU:
-``docs/plan.md``). A configuration that layeropt has not run on a GPU
+(:attr:`Plan.choice`). A 7B model took 28 s to 163 s of CPU time and about
+420 MiB of RAM per process on the 2-core Linux machines of ``docs/plan.md``
+(torch 2.13 CPU, 2026-12-01 and 2026-12-02). A configuration that layeropt has not run on a GPU
 (:attr:`Variant.run_on_a_gpu`) says so where the plan says it fits.
 
 On CPU the planned peak equals the live tensor bytes of the real run to the
