@@ -41,6 +41,7 @@ NEEDS = {name: needs for name, (needs, _) in FOUND.items() if needs}
 
 #: Optional tools a block may import -> the extra of pyproject.toml that installs it.
 EXTRAS = {"lightning": "lightning", "accelerate": "hf", "transformers": "hf",
+          "tokenizers": "hf", "trl": "hf", "datasets": "hf",
           "matplotlib": "plot", "schedulefree": "optimizers", "bitsandbytes": "optimizers",
           "torchao": "optimizers", "prodigyopt": "optimizers", "dadaptation": "optimizers"}
 #: layeropt's integrations import their tool (the Trainer needs accelerate too).
@@ -156,6 +157,7 @@ def test_blocks_of_optional_tools_are_skipped_where_the_tool_is_missing(monkeypa
     assert any(n.startswith("integrations.md") for n in by_tool["lightning"])
     assert any(n.startswith("integrations.md") for n in by_tool["accelerate"])
     assert any(n.startswith("recipes.md") for n in by_tool["transformers"])
+    assert any(n.startswith("integrations.md") for n in by_tool["trl"])
     assert tools("from layeropt.integrations.hf import LayeroptTrainer") == [
         "transformers", "accelerate"]
     assert tools("import torch\nimport layeropt\nfrom layeropt.memory import PeakMemory") == []
