@@ -185,8 +185,9 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 def _not_found(text: str) -> PlanError:
     """What was tried, the nearest built-in shape, and only commands that can work."""
-    looks_like_path = text.startswith((".", "/", "~")) or os.sep in text.strip("/") and \
-        not _REPO_ID.fullmatch(text)
+    looks_like_path = text.startswith((".", "/", "~")) or (
+        os.sep in text and not _REPO_ID.fullmatch(text)
+    )
     if looks_like_path:
         return PlanError(
             f"{text!r}: no such file or directory; pass the path of a config.json, or of "
