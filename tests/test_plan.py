@@ -359,6 +359,7 @@ def test_cli_json_for_a_config_file(tmp_path, capsys):
         assert row["fits"] is True
         v = Variant(row["optimizer"], row["implementation"], row["checkpointing"],
                     row["chunked_loss"], row["offload"])  # fmt: skip
+        assert row["run_on_a_gpu"] is (not v.offload)  # (layeropt.AdamW rows only here)
         start, peak = real_for(v, build, make_batch, chunked if v.chunked_loss else loss,
                                checkpoint)  # fmt: skip
         assert row["start_bytes"] == start

@@ -393,8 +393,10 @@ class Plan:
             ``implementation``, ``checkpointing``, ``chunked_loss``,
             ``offload``, ``in_backward``, ``label``, ``peak_bytes``,
             ``start_bytes``, ``at_peak`` (bytes per category), ``phase``,
-            ``phase_progress``, ``fits`` (``None`` without ``gpu_memory``) and
-            ``host_bytes`` (host memory of offloaded state).
+            ``phase_progress``, ``fits`` (``None`` without ``gpu_memory``),
+            ``run_on_a_gpu`` (whether layeropt has run the configuration on a
+            GPU: :attr:`Variant.run_on_a_gpu`) and ``host_bytes`` (host memory
+            of offloaded state).
         """
         choice = self.choice
         return {
@@ -422,6 +424,7 @@ class Plan:
                     "phase": r.phase,
                     "phase_progress": round(r.phase_progress, 4),
                     "fits": self.fits(r),
+                    "run_on_a_gpu": r.variant.run_on_a_gpu,
                     "host_bytes": r.host_bytes,
                 }
                 for r in self.rows
