@@ -14,10 +14,9 @@ Example:
 
 from . import distributed
 from .attaching import Attachment, attach
-from .backward_pass import backward
+from .backward_pass import backward, two_pass_compile
 from .checkpointing import CheckpointHandle, checkpoint, checkpoint_modules
 from .errors import AttachError, BackwardStateError, LayeroptError
-from .integrations import two_pass_compile
 from .landing import Bucket
 from .loop import LoopAccumulator, LoopStateError, loop_recurrent, loop_stack
 from .optim import (

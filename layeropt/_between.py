@@ -28,24 +28,10 @@ from typing import Any
 
 from torch import Tensor
 
-from .errors import BackwardStateError
-
-HYPERPARAMETER_ERROR = (
-    "param_groups[{index}][{key!r}] changed from {old} to {new} after an attached "
-    "backward had already updated the parameters with {old}; torch, which reads it "
-    "in {where}, would have used {new} for this step. Set hyperparameters before "
-    "backward: a learning-rate schedule at the top of the iteration, or "
-    "scheduler.step() after optimizer.step() (its documented place)."
-)
-SECOND_UPDATE_ERROR = (
-    "step() found a gradient on {n} parameter(s) (the first of shape {shape}) that "
-    "the attached backward already updated in this training step: code between "
-    "backward() and step() set or changed .grad (per-sample clipping and noise as in "
-    "Opacus, gradient surgery). torch would apply one update with that gradient; "
-    "layeropt applied the backward's and drops this one. Change gradients before "
-    "they are applied - in a tensor hook (param.register_hook) or with "
-    "layeropt.backward's clipping - or run that backward inside `with opt.no_step():` "
-    "so that step() applies the final gradient once."
+from .errors import (
+    BackwardStateError,
+    HYPERPARAMETER_ERROR,
+    SECOND_UPDATE_ERROR,
 )
 
 
@@ -55,8 +41,16 @@ def _key(value: Any) -> Any:
 
 
 def snapshot(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The groups' values (all but ``params``), as the next comparison needs them."""
-    return [{k: _key(v) for k, v in g.items() if k != "params"} for g in param_groups]
+    """The groups' values (all but ``params``), as the next comparison needs them (taken
+    in the first step call of each training step: loops, no calls per value)."""
+    out = []
+    for g in param_groups:
+        values = {}
+        for k, v in g.items():
+            if k != "params":
+                values[k] = (id(v), v._version) if isinstance(v, Tensor) else v
+        out.append(values)
+    return out
 
 
 def check_unchanged(before: list[dict[str, Any]], param_groups: list[dict[str, Any]],

@@ -34,7 +34,11 @@ from torch import Tensor, nn
 from torch.autograd import Variable
 
 from ._nesting import TaskEnd, _graph_task_id
-from .errors import AttachError
+from .errors import (
+    AttachError,
+    DDP_JOIN_ERROR,
+    DDP_UNUSED_ERROR,
+)
 
 
 class _HookState:
@@ -88,7 +92,7 @@ class _HookState:
             return
         ddp = self.ddp()
         if ddp is not None and getattr(getattr(ddp, "_join_config", None), "enable", False):
-            raise AttachError(_JOIN)  # on every process: no all-reduce of this backward ran
+            raise AttachError(DDP_JOIN_ERROR)  # on every process: no all-reduce of this backward ran
         with self.lock:
             refs = {id(r): r for r in self.owner.values()} if self.active else {}
             optimizers = [o for o in (r() for r in refs.values()) if o is not None]
@@ -128,10 +132,10 @@ class _HookState:
                     waiting.setdefault(opt, []).extend(params)
                     held[opt] = held.get(opt, 0) + sum(p.grad.nbytes for p in params)
                     if held[opt] >= self.settings.cap_bytes:
-                        opt._lo_engine.step_averaged(waiting.pop(opt))
+                        opt._lo_engine.step_averaged(waiting.pop(opt), self.settings)
                         del held[opt]
             for opt, params in waiting.items():
-                opt._lo_engine.step_averaged(params)
+                opt._lo_engine.step_averaged(params, self.settings)
 
     def _used_anywhere(self, landings: list[_Landing]) -> set[int] | None:
         """``find_unused_parameters``: ids of these buckets' parameters some process used.
@@ -192,21 +196,6 @@ def _write_back(p: Tensor, view: Tensor, bucket_view: bool | None = None) -> Non
         p.grad.copy_(view)
 
 
-_JOIN = (
-    "DDP's join() (uneven inputs) is not supported with in-backward updates: a "
-    "process that ran out of data would all-reduce zero buckets through layeropt's "
-    "hook without any gradient of its own. Give every process the same number of "
-    "batches (DistributedSampler with drop_last=True), or call .remove() on the "
-    "attachment for a loop that needs join()."
-)
-_UNUSED = (
-    "a parameter DDP synchronises got no gradient in this backward (an unused "
-    "parameter under static_graph=True); layeropt cannot tell whether other "
-    "processes used it, so it would step on a wrong gradient. Use every parameter "
-    "in every forward, or leave the unused ones to a plain torch.optim optimizer."
-)
-
-
 def _allreduce_then_step(state, bucket):  # no annotations: DDP inspects them
     """DDP comm hook: sort the bucket's parameters (:class:`_Landing`), average the
     bucket as DDP's reducer does, bit for bit; step them once the average lands."""
@@ -265,7 +254,7 @@ class _Landing:
             if mode is _WRITE_BACK:
                 self.write_back.append((p, view))
             elif p.grad is None and not state.find_unused:
-                raise AttachError(_UNUSED)
+                raise AttachError(DDP_UNUSED_ERROR)
             elif type(mode) is list:
                 mode.append((p, view))
                 if state.find_unused and p.grad is not None and id(p) not in state.fired:
@@ -279,7 +268,7 @@ class _Landing:
         buffer = fut.value()[0]  # re-raises a failed all-reduce
         with _stepping(self.state):
             for opt, params in self.apply().items():
-                opt._lo_engine.step_averaged(params)
+                opt._lo_engine.step_averaged(params, self.state.settings)
         return buffer
 
     def apply(self, used: set[int] | None = None) -> dict[Any, list[Tensor]]:

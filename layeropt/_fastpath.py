@@ -410,8 +410,17 @@ class FastPath:
         grad_mode = torch.is_grad_enabled()
         if grad_mode:  # torch's step updates under no_grad (torch.no_grad() costs more)
             _set_grad_enabled(False)
+        kind = self.kind
         try:
-            self._run(optimizer, entry, key)
+            for c in entry.chunks:
+                grads = list(map(_GRAD, c.params))
+                if c.device is not None:  # a fused group that is one (device, dtype) group
+                    kind.fused(optimizer, c.group, c.params, grads, c.lists, c.device)  # type: ignore[misc]
+                    continue
+                lists = list(map(list, c.lists))  # the functional may write into them
+                kind.call(optimizer, c.group, c.params, grads, lists, c.flags)
+                if kind.writeback is not None and c.group["momentum"] != 0:
+                    self._write_back(optimizer, c, lists, key)
         finally:
             if grad_mode:
                 _set_grad_enabled(True)
@@ -437,24 +446,17 @@ class FastPath:
         self.dropped += 1
         return False
 
-    def _run(self, optimizer: Any, entry: _Entry, key: tuple[int, ...]) -> None:
-        kind = self.kind
-        for c in entry.chunks:
-            grads = list(map(_GRAD, c.params))
-            if c.device is not None:  # a fused group that is one (device, dtype) group
-                kind.fused(optimizer, c.group, c.params, grads, c.lists, c.device)  # type: ignore[misc]
-                continue
-            lists = [list(values) for values in c.lists]  # the functional may write into them
-            kind.call(optimizer, c.group, c.params, grads, lists, c.flags)
-            wb = kind.writeback
-            if wb is not None and c.group["momentum"] != 0:
-                index, skey = wb
-                new, old = lists[index], c.lists[index]
-                if not all(map(is_, new, old)):  # as step: store what the functional made
-                    state = optimizer.state
-                    for p, value in zip(c.params, new):
-                        state[p][skey] = value
-                    self._entries.pop(key, None)
+    def _write_back(self, optimizer: Any, c: _Chunk, lists: list[list[Any]],
+                    key: tuple[int, ...]) -> None:
+        """As ``step``: store into the state what the functional made (SGD's momentum
+        buffers, made at its first call with momentum)."""
+        index, skey = self.kind.writeback  # type: ignore[misc]
+        new, old = lists[index], c.lists[index]
+        if not all(map(is_, new, old)):
+            state = optimizer.state
+            for p, value in zip(c.params, new):
+                state[p][skey] = value
+            self._entries.pop(key, None)
 
     def learn(
         self, optimizer: Any, params: list[Tensor], order: list[int], members: list[list[Tensor]]

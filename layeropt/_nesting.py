@@ -6,7 +6,7 @@ parameter's hook fire before its gradient (or its use) is complete:
 * a non-reentrant ``layeropt.checkpoint`` segment will *recompute* with the
   weight later in this backward: the segment's parameters are pinned
   (:class:`Pin`) until the recompute ran, and a gradient that lands while
-  pinned waits (``Engine._gated``);
+  pinned waits (``BackwardRecord.gated``);
 * ``torch.utils.checkpoint(use_reentrant=True)`` runs a nested backward per
   segment: its segments are watched from forward on, and a backward that will
   run one defers every step to its end;
@@ -24,6 +24,10 @@ import torch
 from torch import Tensor
 
 from ._registry import ENGINES
+from .errors import (
+    DEFER_WARNING,
+    NESTED_ERROR,
+)
 
 __all__ = ["Pin", "watch_torch_checkpoint"]
 
@@ -35,14 +39,21 @@ class TaskEnd:
 
     ``end()`` runs when the task ends. If the backward raises, autograd drops
     the task with the callback uncalled, and releasing it runs ``dropped()``.
+    ``last``: when first called, it queues itself once more, so ``end()`` runs
+    after the callbacks queued since it was (autograd runs callbacks queued by
+    callbacks after those already queued).
     """
 
-    __slots__ = ("end", "dropped", "called")
+    __slots__ = ("end", "dropped", "called", "last")
 
-    def __init__(self, end: Any, dropped: Any) -> None:
-        self.end, self.dropped, self.called = end, dropped, False
+    def __init__(self, end: Any, dropped: Any, last: bool = False) -> None:
+        self.end, self.dropped, self.called, self.last = end, dropped, False, last
 
     def __call__(self) -> None:
+        if self.last:
+            self.last = False
+            torch.autograd.Variable._execution_engine.queue_callback(self)
+            return
         self.called = True
         self.end()
 
@@ -96,8 +107,7 @@ def _unpin(params: list[Tensor], done: set[int]) -> None:
 
 def _ungate_all() -> None:
     for engine in list(ENGINES):
-        if engine._gated:
-            engine._ungate()
+        engine.pins_released()
 
 
 def watch_torch_checkpoint() -> None:
@@ -125,24 +135,19 @@ def watch_torch_checkpoint() -> None:
     cls.forward = staticmethod(forward)
 
 
-class _Depth:
-    """How many torch reentrant segments run their nested backward right now."""
-
-    value = 0
-
-
-segment_depth = _Depth()
+# How many torch reentrant segments run their nested backward right now.
+segment_depth = [0]
 
 
 def _segment_enter(grad_outputs: Any) -> None:
-    segment_depth.value += 1
+    segment_depth[0] += 1
     task = _graph_task_id()
     for engine in list(ENGINES):
-        engine._enter_torch_segment(task)
+        engine.enter_torch_segment(task)
 
 
 def _segment_exit(grad_inputs: Any, grad_outputs: Any) -> None:
-    segment_depth.value = max(0, segment_depth.value - 1)
+    segment_depth[0] = max(0, segment_depth[0] - 1)
 
 
 _FUNCTION_BACKWARD_CODES = {
@@ -169,18 +174,3 @@ def nested_in_function_backward() -> bool:
     return False
 
 
-NESTED_ERROR = (
-    "a gradient landed in a backward nested inside the backward of an autograd "
-    "Function (a reentrant activation checkpoint other than torch's, e.g. DeepSpeed's "
-    "or a custom one), so parameters would be stepped on partial gradients. Use "
-    "layeropt.checkpoint(fn, *args) or torch.utils.checkpoint.checkpoint("
-    "fn, *args, use_reentrant=False) instead."
-)
-DEFER_WARNING = (
-    "torch.utils.checkpoint(..., use_reentrant=True) runs a nested backward per "
-    "segment; to stay exact, layeropt holds every gradient of this backward and steps "
-    "them all when it ends, so in-backward updates save no memory here. Use "
-    "layeropt.checkpoint(fn, *args) or use_reentrant=False (Hugging Face: "
-    "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
-    "False})) to update layers during backward again."
-)

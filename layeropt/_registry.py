@@ -50,9 +50,6 @@ class WeakOrderedSet(weakref.WeakKeyDictionary):
     def add(self, item: Any) -> None:
         self[item] = None
 
-    def discard(self, item: Any) -> None:
-        self.pop(item, None)
-
 
 # The engine of every live layeropt optimizer, in the order they were made: what
 # attach(model) looks owners up in, and what the watchers of torch's checkpoint and

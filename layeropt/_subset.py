@@ -45,7 +45,11 @@ import torch
 from torch import Tensor
 
 from ._fastpath import fast_path_for
-from .errors import BackwardStateError
+from .errors import (
+    BackwardStateError,
+    GLOBAL_ESTIMATE_ERROR,
+    LATE_MOVE_ERROR,
+)
 
 __all__ = ["SubsetStepper", "narrowable"]
 
@@ -56,22 +60,6 @@ def narrowable(step: Callable[..., Any]) -> bool:
 
 
 _MISSING = object()
-
-GLOBAL_ESTIMATE_ERROR = (
-    "{name} keeps state outside its per-parameter state (param-group values or "
-    "attributes of the optimizer: {keys}) that depends on the gradients of all its "
-    "parameters together (a global estimate, as in D-Adaptation or Prodigy), so it "
-    "cannot update one layer at a time during backward. {outcome} "
-    "Use it as a plain optimizer (without layeropt.attach), or an optimizer whose "
-    "state is per parameter."
-)
-LATE_MOVE_ERROR = (
-    "{name} changed values it keeps outside its per-parameter state ({keys}) in a "
-    "step call although earlier "
-    "calls of the same training step did not, so its layers would be stepped with "
-    "different group state. {outcome} Use it as a plain optimizer (without "
-    "layeropt.attach)."
-)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -235,8 +223,12 @@ class SubsetStepper:
 
     def __call__(self, optimizer: Any, params: list[Tensor], key: object) -> None:
         """Update exactly ``params`` (each holds a ``.grad``) within transaction ``key``."""
-        self.open(key)
+        if key != self._key:
+            self.open(key)
         if self.narrow:
+            fast = self.fast
+            if fast is not None and fast is not _MISSING and fast.step(optimizer, params):
+                return  # torch's functional on the lists step would build (_fastpath.py)
             self._narrowed(optimizer, params)
             return
         order = sorted(params, key=lambda p: p.numel()) if self._probing else params
@@ -287,11 +279,11 @@ class SubsetStepper:
 
     # -- the two ways to call step ----------------------------------------
     def _narrowed(self, optimizer: Any, params: list[Tensor]) -> None:
-        fast = self.fast
+        fast = self.fast  # (the fast path was tried: it has no lists for these yet)
         if fast is _MISSING:
             fast = self.fast = fast_path_for(optimizer)
-        if fast is not None and fast.step(optimizer, params):
-            return  # torch's functional on the lists step would build (layeropt/_fastpath.py)
+            if fast is not None and fast.step(optimizer, params):
+                return
         groups = optimizer.param_groups
         if len(groups) == 1:
             order, members = [0], [params]

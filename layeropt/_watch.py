@@ -42,21 +42,20 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._registry import ENGINES
-from .errors import IN_A_TRAINER, BackwardStateError, LayeroptError, warn
+from .errors import (
+    BackwardStateError,
+    CLIP_AFTER_BACKWARD,
+    IN_A_TRAINER,
+    LayeroptError,
+    SHARED_PARAMETER_ERROR,
+    warn,
+)
 
 __all__ = ["watch", "scaled_backward", "graph_kept", "CLIP_AFTER_BACKWARD"]
 
 _SCALED: list[weakref.ref] = []  # outputs of GradScaler.scale still alive
 _CALLING: list[str] = []  # guarded clipping functions running now (the outermost checks)
 _KEPT: list[bool] = []  # retain_graph of the torch.autograd.backward calls running now
-
-CLIP_AFTER_BACKWARD = (
-    "{fn} was called on parameters that an attached backward has already updated, "
-    "so their gradients are gone and nothing would be clipped ({result}). Clip inside "
-    "backward instead: layeropt.backward(loss, max_norm=...) for the global norm, or "
-    "layeropt.attach(model, opt, clip_value=... / bucket_max_norm=...) per layer; "
-    + IN_A_TRAINER
-)
 
 
 def _record_scaled(out: Any) -> None:
@@ -97,7 +96,7 @@ def _stepped_ids() -> set[int]:
     ids: set[int] = set()
     for engine in list(ENGINES):
         if engine.stepped_since_boundary:
-            ids.update(id(p) for p in engine.stepped)
+            ids.update(id(p) for p in engine.last.stepped)
     return ids
 
 
@@ -130,17 +129,6 @@ def _guard(fn: Callable[..., Any], by_norm: bool, name: str) -> Callable[..., An
     return guarded
 
 
-SHARED_PARAMETER_ERROR = (
-    "{optimizer}.step() is about to skip parameter {name}: it has no gradient because "
-    "the layeropt optimizer {owner}, which also owns it, updated it during the latest "
-    "attached backward and freed its gradient; torch would update it with both "
-    "optimizers. Give each "
-    "parameter to one optimizer, or run the backwards that reach the shared "
-    "parameters inside `with opt.no_step():` (opt: the layeropt optimizer) so that "
-    "their gradients stay in .grad for both optimizers' step(), as in torch."
-)
-
-
 def _before_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     """torch's global step pre-hook: refuse a step that would skip a parameter another
     optimizer's attached backward updated and freed (torch would update it twice)."""
@@ -150,9 +138,9 @@ def _before_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         inner = inner.optimizer
     own = getattr(inner, "_lo_engine", None)
     for engine in list(ENGINES):
-        if engine is own or not engine.stepped:
+        if engine is own or not engine.last.stepped:
             continue
-        stepped = {id(p) for p in engine.stepped}
+        stepped = {id(p) for p in engine.last.stepped}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None and id(p) in stepped:

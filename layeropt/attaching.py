@@ -16,22 +16,14 @@ from typing import Any
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ._ddp_hook import _allreduce_then_step, _Copied, _HookState
 from ._fsdp_offload import check_fsdp2_offload
 from ._registry import hooked_by, mark_hooked, unmark_hooked
 from .errors import AttachError, user_frame, warn
 from .landing import Bucket, Settings, drop_dead_hooks
 from .optim import InBackwardOptimizer, in_backward_spelling, live_optimizers, optimizer_list
 
-__all__ = ["attach", "Attachment"]
-
-# Model wrappers attached their own way (DistributedDataParallel: layeropt.distributed).
-_WRAPPERS: dict[type, Callable[..., Any]] = {}
-
-
-def register_wrapper(cls: type, attach_fn: Callable[..., Any]) -> None:
-    """``attach(model, opt, bucket_cap_mb=c, clip_value=v)`` on a ``cls`` instance
-    calls ``attach_fn(model, opt, bucket_cap_mb=c, clip_value=v)``."""
-    _WRAPPERS[cls] = attach_fn
+__all__ = ["attach", "Attachment", "DDPAttachment", "attach_ddp"]
 
 _SPARSE_MODULES = (nn.Embedding, nn.EmbeddingBag)
 
@@ -149,8 +141,6 @@ class Attachment:
         self._hooked_ids: set[int] = set()
         self._impls: list[int] = []
         self.buckets: list[Bucket] = []
-        self._engines: list[Any] = []  # the engine that steps each bucket (weakly: engines
-        # keep their attachments)
         self._owned: list[Tensor] = []  # the model's parameters the optimizers own
         self.named: list[tuple[str, Tensor]] = []
         self._trainable: tuple[bool, ...] = ()  # their requires_grad when hooked
@@ -201,9 +191,7 @@ class Attachment:
                 hook = engine.hook(b, i, self)
                 self._handles.append((p, p.register_post_accumulate_grad_hook(hook)))
                 mark_hooked(p, self)
-                engine.hook_count += 1
             self.buckets.append(b)
-            self._engines.append(weakref.ref(engine))
         self._hooked_ids = {id(p) for p, _ in self._handles}
         self._impls = [p._cdata for p, _ in self._handles]  # the C++ tensor behind each
 
@@ -244,14 +232,19 @@ class Attachment:
         """
         if self._removed:
             return False
-        swapped = [p for (p, _), impl in zip(self._handles, self._impls) if p._cdata != impl]
-        for p in swapped:
-            # swap_tensors moved the C++ side of p's hooks to the old tensor: putting the
-            # hook dict back registers it on the tensor p holds now (torch's own setter)
-            p._post_accumulate_grad_hooks = p._post_accumulate_grad_hooks
-        if not swapped and all(
-            p.requires_grad is t for p, t in zip(self._owned, self._trainable)
-        ):
+        changed = False  # (loops, not comprehensions: this runs at every backward's start)
+        for (p, _), impl in zip(self._handles, self._impls):
+            if p._cdata != impl:
+                # swap_tensors moved the C++ side of p's hooks to the old tensor: putting the
+                # hook dict back registers it on the tensor p holds now (torch's own setter)
+                p._post_accumulate_grad_hooks = p._post_accumulate_grad_hooks
+                changed = True
+        if not changed:
+            for p, trainable in zip(self._owned, self._trainable):
+                if p.requires_grad is not trainable:
+                    changed = True
+                    break
+        if not changed:
             return False
         if in_backward:
             self.stale = True
@@ -263,14 +256,9 @@ class Attachment:
         for p, h in self._handles:
             h.remove()
             unmark_hooked(p, self)
-        for ref, b in zip(self._engines, self.buckets):
-            engine = ref()
-            if engine is not None:
-                engine.hook_count -= len(b.params)
         self._handles.clear()
         self._hooked_ids = set()
         self.buckets.clear()
-        self._engines.clear()
 
     def remove(self) -> None:
         """Remove every hook; the optimizers behave like torch.optim again."""
@@ -379,17 +367,14 @@ def attach(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach() needs an nn.Module, got {type(model).__name__}")
-    for cls, attach_wrapper in _WRAPPERS.items():
-        if isinstance(model, cls):
-            if bucket_max_norm is not None:
-                raise AttachError(
-                    f"attach({cls.__name__}, ...) takes no bucket_max_norm: clip the "
-                    "global norm (and use a GradScaler) with layeropt.backward(loss, "
-                    "max_norm=..., scaler=...), which averages each bucket before measuring it."
-                )
-            wrapped = attach_wrapper(model, optimizer, bucket_cap_mb=bucket_cap_mb,
-                                     clip_value=clip_value)
-            return wrapped  # type: ignore[no-any-return]
+    if isinstance(model, nn.parallel.DistributedDataParallel):  # its comm hook steps buckets
+        if bucket_max_norm is not None:
+            raise AttachError(
+                "attach(DistributedDataParallel, ...) takes no bucket_max_norm: clip the "
+                "global norm (and use a GradScaler) with layeropt.backward(loss, "
+                "max_norm=..., scaler=...), which averages each bucket before measuring it."
+            )
+        return attach_ddp(model, optimizer, bucket_cap_mb=bucket_cap_mb, clip_value=clip_value)
     check_fsdp2_offload(model)  # FSDP2 + CPUOffloadPolicy: refused where torch races
     settings = Settings(bucket_cap_mb, clip_value, bucket_max_norm, norm_type)  # (checked)
     optimizers = resolve_owners(model, optimizer)
@@ -417,3 +402,189 @@ def attach(
             "optimizer was built from this model's parameters."
         )
     return handle
+
+
+# DDP instance -> its comm-hook state (DDP accepts one comm hook, for good).
+_DDP_STATES: "weakref.WeakKeyDictionary[nn.Module, _HookState]" = weakref.WeakKeyDictionary()
+
+
+class DDPAttachment(Attachment):
+    """Handle returned by :func:`attach_ddp`; ``remove()`` restores plain DDP.
+
+    An :class:`~layeropt.Attachment` whose gradients come from DDP's
+    communication hook (each bucket averaged) instead of per-parameter hooks.
+    DDP cannot unregister a communication hook, so after ``remove()`` the
+    hook stays and does exactly DDP's own job (average, leave the result in
+    ``.grad``); attaching the same DDP model again re-activates it. DDP fixes
+    the parameters it synchronises when it wraps, so there is nothing to
+    follow (:meth:`sync`).
+
+    Attributes:
+        params: the DDP-managed parameters stepped in backward.
+    """
+
+    def __init__(self, ddp: nn.Module, optimizers: list[Any], state: _HookState,
+                 settings: Settings) -> None:
+        self._state = state
+        self.params: list[Tensor] = []
+        super().__init__(ddp, optimizers, settings)
+
+    def _hook_all(self) -> None:
+        ddp = self.model
+        if ddp is None:
+            return
+        managed = {id(p) for p in ddp.parameters() if not hasattr(p, "_ddp_ignored")}
+        owner = {}
+        for opt, b in layer_buckets(ddp.module, self.optimizers):
+            for p in b.params:
+                if id(p) in managed:
+                    owner[p] = opt
+        if not owner:
+            raise AttachError(
+                "the optimizer owns none of the parameters DDP synchronises. Build it "
+                "from ddp_model.parameters() before attaching."
+            )
+        self.params = list(owner)
+        self.named = [(n, p) for n, p in ddp.named_parameters() if p in owner]
+        for opt in self.optimizers:
+            opt._lo_engine.add_attachment(self)  # opt.attached; add_param_group -> _rebuild
+        with self._state.lock:
+            self._state.owner = {p: weakref.ref(o) for p, o in owner.items()}
+            self._state.settings = self.settings
+            self._state.active = True
+            self._state.fresh = True  # (attached between a forward and its backward)
+
+    def hooks(self, param: Tensor) -> bool:
+        """Whether ``param`` is stepped through this DDP model's communication hook."""
+        return any(p is param for p in self.params)
+
+    def _release(self) -> None:
+        with self._state.lock:
+            self._state.owner = {}
+            self._state.active = False
+        self.params = []
+
+    def sync(self, in_backward: bool = False) -> bool:
+        """DDP fixes the set of synchronised parameters when wrapping: nothing to follow."""
+        return False
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else f"{len(self.params)} params"
+        return f"<layeropt.DDPAttachment {state}>"
+
+
+def _check_ddp(ddp: nn.Module) -> None:
+    problems = {
+        "mixed_precision": getattr(ddp, "mixed_precision", None) is not None,
+        "the Python reducer (compiled DDP)": getattr(ddp, "_use_python_reducer", False),
+        "delayed all-reduce of every parameter": getattr(
+            ddp, "_delay_all_reduce_all_params", False
+        ),
+    }
+    for what, bad in problems.items():
+        if bad:
+            raise AttachError(
+                f"layeropt cannot step in backward under DDP with {what}: a bucket's "
+                "parameters would be stepped without knowing their global gradient. "
+                "Construct DistributedDataParallel without it, or keep a plain "
+                "torch.optim optimizer for this model."
+            )
+    if any(hooked_by(p) is not None for p in ddp.parameters()):
+        raise AttachError(
+            "some parameters of this DDP model carry plain layeropt hooks (attached "
+            "before wrapping, or on ddp_model.module), which would step on local "
+            "gradients. Call .remove() on that attachment, then attach the DDP model."
+        )
+
+
+def attach_ddp(
+    ddp_model: nn.Module,
+    optimizer: Optimizer | Iterable[Optimizer] | None = None,
+    *,
+    bucket_cap_mb: float = 1.0,
+    overlap: bool = True,
+    clip_value: float | None = None,
+) -> DDPAttachment:
+    """Step a DistributedDataParallel model's buckets on their averaged gradients, in backward.
+
+    Registers a DDP communication hook that, per bucket, frees the parameters'
+    local ``.grad`` (DDP has copied them into the bucket) and averages the
+    bucket over the process group, scaled by ``1/world_size`` and summed
+    exactly as DDP's built-in reducer does; each parameter is then updated with
+    torch's own ``step`` on its averaged slice, and ``.grad`` is ``None`` again
+    when ``backward()`` returns. Results equal DDP + ``torch.optim`` bit for bit.
+
+    Where the updates run: CPU buckets (gloo) are stepped at the end of
+    backward, on the autograd thread, in bucket order (a communication thread
+    would compete for the cores backward runs on; the gradients live in DDP's
+    buckets either way). CUDA buckets are stepped in the all-reduce future's
+    ``.then()``, on a stream that waits for the all-reduce, while backward
+    computes earlier layers (``overlap=False``: at the end, as on CPU).
+
+    Args:
+        ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` instance,
+            without another comm hook. With ``find_unused_parameters=True``
+            one small all-reduce per backward tells which parameters some
+            process used (as DDP does); buckets then land at the end of
+            backward (no ``.then()`` overlap).
+        optimizer: a layeropt optimizer, several, or ``None`` for every live
+            layeropt optimizer owning some of the model's parameters.
+        bucket_cap_mb: at the end of backward, an optimizer's landed buckets
+            wait, in bucket order, until together they hold this many MiB, and
+            are then stepped with one call (as ``attach``'s option: fewer step
+            calls; ``0`` steps each DDP bucket alone). Buckets stepped in
+            ``.then()`` are stepped alone.
+        overlap: ``True`` (default) steps CUDA buckets in ``.then()``;
+            ``False`` steps every bucket at the end of backward.
+        clip_value: clip each averaged gradient element to
+            ``[-clip_value, clip_value]`` before its update (as
+            ``clip_grad_value_`` after DDP's backward). Global-norm clipping is
+            :func:`layeropt.backward`'s ``max_norm=``.
+
+    Returns:
+        A :class:`DDPAttachment`; ``.remove()`` returns to plain DDP behaviour.
+
+    Raises:
+        TypeError: ``ddp_model`` is not DistributedDataParallel.
+        AttachError: unsupported DDP option, another comm hook, parameters with
+            plain layeropt hooks, or no owned parameters (see the message).
+
+    Example:
+        >>> ddp = DistributedDataParallel(model)  # doctest: +SKIP
+        >>> opt = layeropt.Adam(ddp.parameters(), lr=1e-3)  # doctest: +SKIP
+        >>> handle = attach_ddp(ddp, opt)  # doctest: +SKIP
+        >>> loss_fn(ddp(x), y).backward()  # doctest: +SKIP
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            f"attach_ddp() needs a DistributedDataParallel model, got "
+            f"{type(ddp_model).__name__}; use layeropt.attach for other models."
+        )
+    settings = Settings(bucket_cap_mb, clip_value)  # (checked)
+    optimizers = resolve_owners(ddp_model.module, optimizer)
+    _check_ddp(ddp_model)
+    state = _DDP_STATES.get(ddp_model)
+    if state is not None and state.active:
+        raise AttachError(
+            "this DDP model is already attached; call .remove() on that handle first."
+        )
+    if state is None:
+        hooks = getattr(ddp_model, "_comm_hooks", None)
+        if hooks and all(type(st) is _Copied for _, st in hooks):
+            hooks.clear()  # a copy of an attached model: its reducer was built without them
+        if hooks:
+            raise AttachError(
+                "this DDP model already has a communication hook, and DDP accepts only "
+                "one. layeropt needs its own (it averages, then steps each bucket): "
+                "build the DDP model without register_comm_hook."
+            )
+        state = _HookState(ddp_model, overlap)
+        ddp_model.register_forward_pre_hook(state.forward)
+        ddp_model.register_comm_hook(state, _allreduce_then_step)
+        # The reducer must not copy buckets back into .grad after the hook.
+        ddp_model.reducer._set_optimizer_in_backward()
+        _DDP_STATES[ddp_model] = state
+    state.overlap = overlap
+    return DDPAttachment(ddp_model, optimizers, state, settings)

@@ -20,18 +20,19 @@ bucket_max_norm=...)``) needs no extra pass.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .distributed import two_passes
+from .distributed import TwoPasses
 from .errors import LayeroptError
 from ._transforms import Transform, prepare_grads, reduce_grad
 from .optim import InBackwardOptimizer, live_optimizers, no_step_all, optimizer_list
 
-__all__ = ["backward"]
+__all__ = ["backward", "two_pass_compile"]
 
 
 def _total_norm(norms: list[Tensor], norm_type: float) -> Tensor:
@@ -189,7 +190,7 @@ def backward(
         buffers.restore()
         unhooked.restore()
 
-    ddp = two_passes(engines)  # DDP models: average before measuring, and again in pass 2
+    ddp = TwoPasses(engines)  # DDP models: average before measuring, and again in pass 2
     norm = norm_type if max_norm is not None else None
     for e in engines:
         e.start_measure(measured, norm, inv_scale, found.get(e))
@@ -338,23 +339,14 @@ class _BufferSnapshot:
 
 
 def _attached_backward(
-    loss: Tensor, engines: list[Any], retain_graph: bool | None, transform: Any
+    loss: Tensor, engines: list[Any], retain_graph: bool | None, transform: Transform | None
 ) -> None:
-    """``loss.backward()`` with the engines told they run inside layeropt.backward."""
-    for e in engines:
-        e.transform = transform
-        e.entered = True
-        e.route()
-    try:
-        loss.backward(retain_graph=retain_graph)
-        if transform is not None:
-            for e in engines:
-                e.step_held()
-    finally:
+    """``loss.backward()`` with the engines told they run inside layeropt.backward (and
+    the held gradients that pass did not reach stepped with ``transform``)."""
+    with contextlib.ExitStack() as stack:
         for e in engines:
-            e.transform = None
-            e.entered = False
-            e.route()
+            stack.enter_context(e.backward_call(transform))
+        loss.backward(retain_graph=retain_graph)
 
 
 def _resolve(optimizer: Any) -> list[InBackwardOptimizer]:
@@ -384,3 +376,36 @@ def _record_for_scaler(scaler: Any, optimizers: list[Any], found: dict[Any, Tens
             )
         state["found_inf_per_device"] = {found_inf.device: found_inf}
         state["stage"] = OptState.UNSCALED
+
+
+def two_pass_compile() -> Any:
+    """A context in which ``torch.compile`` builds graphs that two backwards can run.
+
+    ``layeropt.backward`` with ``max_norm``/``clip_value``/``scaler`` runs a
+    measuring backward and then the stepping one over the same graph;
+    AOTAutograd's donated buffers refuse the second ("compiled with non-empty
+    donated buffers"). Inside this context they are off (a memory
+    optimisation of the compiled backward only; the numbers do not change).
+    Enter it before the model is compiled and keep it while training. On a
+    torch without donated buffers (2.4) it does nothing. The
+    integrations enter it for you while they train.
+
+    Returns:
+        A context manager.
+
+    Example:
+        >>> import torch, layeropt
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = layeropt.AdamW(model.parameters(), lr=1e-3)
+        >>> with layeropt.two_pass_compile():
+        ...     compiled = torch.compile(model, backend="aot_eager")
+        ...     with layeropt.attach(compiled, opt):
+        ...         norm = layeropt.backward(compiled(torch.randn(2, 4)).sum(), max_norm=1.0)
+    """
+    try:
+        from torch._functorch import config
+    except ImportError:  # pragma: no cover - a torch without functorch
+        return contextlib.nullcontext()
+    if not hasattr(config, "donated_buffer"):  # older torch: nothing donated
+        return contextlib.nullcontext()
+    return config.patch(donated_buffer=False)

@@ -24,6 +24,167 @@ IN_A_TRAINER = (
 )
 
 
+# -- the messages of layeropt's refusals and warnings, in one place ---------------------
+
+ACCUMULATION_ERROR = (
+    "{what} before optimizer.step() or zero_grad(): torch would sum these "
+    "gradients into one step (gradient accumulation), but layeropt applies each "
+    "attached backward at once, so the result would differ. {outcome} Run all but the last micro-batch inside "
+    "`with opt.no_step():` (or use layeropt.LoopAccumulator); if every backward is "
+    "meant to be a full step, call opt.step() after each one; " + IN_A_TRAINER
+)
+
+CLOSURE_HOLD_WARNING = (
+    "this backward runs inside optimizer.step(closure), whose caller may clip or "
+    "inspect the gradients before the update: layeropt holds them until the "
+    "closure returns, exactly as torch does, so nothing is saved in this step. In "
+    "Lightning use layeropt.integrations.lightning.LayeroptCallback; otherwise "
+    "call loss.backward() and then optimizer.step() without a closure."
+)
+
+DISCARD_ERROR = (
+    "{where} discards gradients that an attached backward since the last step() has "
+    "already applied to {n} parameter(s) (the first: {name}): torch would drop them "
+    "here, but layeropt updated the parameters in that backward, so the results "
+    "differ from here on (a GAN's generator loss backpropagating into the "
+    "discriminator, an actor's loss into the critic). That update was applied; "
+    "nothing more is. Keep such a backward from updating these parameters: freeze "
+    "them during it (model.requires_grad_(False), then requires_grad_(True) after "
+    "it), or run it inside `with opt.no_step():` so that its gradients wait in .grad "
+    "and zero_grad() drops them as torch does."
+)
+
+NO_GRAPH_TASK_ERROR = (
+    "a gradient landed outside any autograd graph task, so layeropt cannot tell "
+    "when this backward ends (torch's compiled autograd does this in some versions, "
+    "2.4 to 2.6 among them; nothing of this backward was applied). Turn "
+    "torch._dynamo.config.compiled_autograd off, or upgrade torch."
+)
+
+ORPHAN_WARNING = (
+    "the layeropt optimizer attached to these parameters was deleted, so this "
+    "backward does not update them: their gradients stay in .grad, as without "
+    "layeropt, and the hooks are removed. Keep a reference to the optimizer for as "
+    "long as you train (opt = layeropt.AdamW(...))."
+)
+
+RETAIN_HOLD_WARNING = (
+    "this backward keeps its graph (retain_graph=True), so more backwards over it may "
+    "follow before the update: layeropt holds its gradients in .grad, and the next "
+    "backward that does not keep its graph, or step(), applies their sum, exactly as "
+    "torch does - nothing is saved in this step. If no second backward over this graph "
+    "follows, drop retain_graph=True to update each layer during backward."
+)
+
+SCALED_CLIP_ERROR = (
+    "attach(clip_value=/bucket_max_norm=) clips each bucket's gradients before its "
+    "update, but GradScaler.step hands this fused optimizer its gradients still scaled "
+    "(the kernel unscales them), so they would be clipped at the wrong scale. Call "
+    "scaler.unscale_(opt) before scaler.step(opt), or use layeropt.backward("
+    "scaler.scale(loss), scaler=scaler). Nothing of this step was applied."
+)
+
+SCALER_HOLD_WARNING = (
+    "this backward runs through a GradScaler-scaled loss (scaler.scale(loss).backward()), "
+    "whose gradients must all be checked for inf/NaN before any update: layeropt "
+    "holds them until scaler.step(opt), exactly as torch does, so nothing is saved "
+    "in this step. Call layeropt.backward(scaler.scale(loss), scaler=scaler) instead "
+    "to update each layer during backward (or use bf16 autocast, which needs no scaler)."
+)
+
+SPARSE_ERROR = (
+    "a parameter got a sparse gradient; layeropt steps dense gradients only. Use a "
+    "dense embedding (sparse=False) or leave this parameter to a separate, plain "
+    "torch.optim optimizer."
+)
+
+HYPERPARAMETER_ERROR = (
+    "param_groups[{index}][{key!r}] changed from {old} to {new} after an attached "
+    "backward had already updated the parameters with {old}; torch, which reads it "
+    "in {where}, would have used {new} for this step. Set hyperparameters before "
+    "backward: a learning-rate schedule at the top of the iteration, or "
+    "scheduler.step() after optimizer.step() (its documented place)."
+)
+
+SECOND_UPDATE_ERROR = (
+    "step() found a gradient on {n} parameter(s) (the first of shape {shape}) that "
+    "the attached backward already updated in this training step: code between "
+    "backward() and step() set or changed .grad (per-sample clipping and noise as in "
+    "Opacus, gradient surgery). torch would apply one update with that gradient; "
+    "layeropt applied the backward's and drops this one. Change gradients before "
+    "they are applied - in a tensor hook (param.register_hook) or with "
+    "layeropt.backward's clipping - or run that backward inside `with opt.no_step():` "
+    "so that step() applies the final gradient once."
+)
+
+CLIP_AFTER_BACKWARD = (
+    "{fn} was called on parameters that an attached backward has already updated, "
+    "so their gradients are gone and nothing would be clipped ({result}). Clip inside "
+    "backward instead: layeropt.backward(loss, max_norm=...) for the global norm, or "
+    "layeropt.attach(model, opt, clip_value=... / bucket_max_norm=...) per layer; "
+    + IN_A_TRAINER
+)
+
+SHARED_PARAMETER_ERROR = (
+    "{optimizer}.step() is about to skip parameter {name}: it has no gradient because "
+    "the layeropt optimizer {owner}, which also owns it, updated it during the latest "
+    "attached backward and freed its gradient; torch would update it with both "
+    "optimizers. Give each "
+    "parameter to one optimizer, or run the backwards that reach the shared "
+    "parameters inside `with opt.no_step():` (opt: the layeropt optimizer) so that "
+    "their gradients stay in .grad for both optimizers' step(), as in torch."
+)
+
+DEFER_WARNING = (
+    "torch.utils.checkpoint(..., use_reentrant=True) runs a nested backward per "
+    "segment; to stay exact, layeropt holds every gradient of this backward and steps "
+    "them all when it ends, so in-backward updates save no memory here. Use "
+    "layeropt.checkpoint(fn, *args) or use_reentrant=False (Hugging Face: "
+    "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+    "False})) to update layers during backward again."
+)
+
+NESTED_ERROR = (
+    "a gradient landed in a backward nested inside the backward of an autograd "
+    "Function (a reentrant activation checkpoint other than torch's, e.g. DeepSpeed's "
+    "or a custom one), so parameters would be stepped on partial gradients. Use "
+    "layeropt.checkpoint(fn, *args) or torch.utils.checkpoint.checkpoint("
+    "fn, *args, use_reentrant=False) instead."
+)
+
+GLOBAL_ESTIMATE_ERROR = (
+    "{name} keeps state outside its per-parameter state (param-group values or "
+    "attributes of the optimizer: {keys}) that depends on the gradients of all its "
+    "parameters together (a global estimate, as in D-Adaptation or Prodigy), so it "
+    "cannot update one layer at a time during backward. {outcome} "
+    "Use it as a plain optimizer (without layeropt.attach), or an optimizer whose "
+    "state is per parameter."
+)
+
+LATE_MOVE_ERROR = (
+    "{name} changed values it keeps outside its per-parameter state ({keys}) in a "
+    "step call although earlier "
+    "calls of the same training step did not, so its layers would be stepped with "
+    "different group state. {outcome} Use it as a plain optimizer (without "
+    "layeropt.attach)."
+)
+
+DDP_JOIN_ERROR = (
+    "DDP's join() (uneven inputs) is not supported with in-backward updates: a "
+    "process that ran out of data would all-reduce zero buckets through layeropt's "
+    "hook without any gradient of its own. Give every process the same number of "
+    "batches (DistributedSampler with drop_last=True), or call .remove() on the "
+    "attachment for a loop that needs join()."
+)
+
+DDP_UNUSED_ERROR = (
+    "a parameter DDP synchronises got no gradient in this backward (an unused "
+    "parameter under static_graph=True); layeropt cannot tell whether other "
+    "processes used it, so it would step on a wrong gradient. Use every parameter "
+    "in every forward, or leave the unused ones to a plain torch.optim optimizer."
+)
+
+
 class LayeroptError(RuntimeError):
     """Base class of every error layeropt raises on its own."""
 

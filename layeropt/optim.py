@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ._between import snapshot
 from ._registry import ENGINES
 from ._subset import SubsetStepper, narrowable
 from .errors import LayeroptError
@@ -121,17 +120,13 @@ class InBackwardOptimizer(Optimizer):
         transaction; everything else (hyperparameters, lazily created state,
         foreach/fused dispatch) is torch's.
         """
-        engine = self._lo_engine
         place = self.__dict__.get("_lo_state_place")  # optimizer state kept elsewhere
         if place is None:
-            self._lo_stepper(self, params, engine.txn)
+            self._lo_stepper(self, params, self._lo_engine.txn)
         else:
             with place.stepping(self, params):  # their state on the device for this call
-                self._lo_stepper(self, params, engine.txn)
+                self._lo_stepper(self, params, self._lo_engine.txn)
         self._opt_called = True  # an LR scheduler sees that a step happened
-        if engine.hyper_txn != engine.txn:  # the training step's first update: what it read
-            engine.hyper_txn = engine.txn
-            engine.hyper = snapshot(self.param_groups)
 
     # ------------------------------------------------------------------
     # Public surface on top of torch's.
@@ -144,7 +139,7 @@ class InBackwardOptimizer(Optimizer):
     @property
     def stepped_in_backward(self) -> int:
         """Parameter updates made by hooks in the most recent attached backward."""
-        return self._lo_engine.last_backward_steps
+        return self._lo_engine.last.steps
 
     @property
     def stepped_params(self) -> list[Tensor]:
@@ -154,7 +149,7 @@ class InBackwardOptimizer(Optimizer):
         Function, a ``KeyboardInterrupt``), these were fully stepped - their
         optimizer state too - and every other parameter was not touched.
         """
-        return list(self._lo_engine.stepped)
+        return list(self._lo_engine.last.stepped)
 
     @contextlib.contextmanager
     def no_step(self) -> Iterator[None]:
@@ -173,14 +168,8 @@ class InBackwardOptimizer(Optimizer):
             ...     with ctx:
             ...         (model(batch).sum() / len(micro_batches)).backward()
         """
-        engine = self._lo_engine
-        engine.no_step_depth += 1
-        engine.route()
-        try:
+        with self._lo_engine.no_step():
             yield
-        finally:
-            engine.no_step_depth -= 1
-            engine.route()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Torch's ``step``; once attached, only for gradients the hooks left.
@@ -195,29 +184,11 @@ class InBackwardOptimizer(Optimizer):
         """
         if not self.attached:
             return type(self)._torch_step(self, closure)
-        engine = self._lo_engine
-        loss = None
-        if closure is not None:  # its backward is held: the caller may clip first
-            engine.closure_depth += 1
-            try:
-                with torch.enable_grad():
-                    loss = closure()
-            finally:
-                engine.closure_depth -= 1
-        engine.flush_leftovers()
-        return loss
+        return self._lo_engine.step_call(closure)  # (a closure's backward is held)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Torch's ``zero_grad``; also forgets gradients held by ``no_step()``."""
-        engine = self._lo_engine
-        if self.attached:
-            engine.check_boundary("zero_grad()")
-            engine.check_discard(None, "optimizer.zero_grad()")
-        super().zero_grad(set_to_none)
-        engine.held.clear()
-        engine.zero_grad_called(set_to_none)
-        if self.attached:
-            engine.boundary("zero_grad()")
+        self._lo_engine.zero_grad(set_to_none, super().zero_grad)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Torch's ``add_param_group``; attached models hook the new parameters."""

@@ -797,16 +797,17 @@ def _program(kind: str, i: int, rank: int) -> Any:
 # The two-rank job
 # ----------------------------------------------------------------------------
 def _wire_check() -> None:
-    """Call check_local_hooks_allowed from the hook, as proposed for landing.py."""
+    """Call check_local_hooks_allowed from the hook, as proposed for the engine."""
+    import layeropt._rules as rules
     import layeropt.landing as landing
 
-    if "check_local_hooks_allowed" in inspect.getsource(landing):
+    if any("check_local_hooks_allowed" in inspect.getsource(m) for m in (landing, rules)):
         return  # already wired by the library
     on_grad = landing.Engine.on_grad
 
     def checked(self, bucket, index, param):
         check_local_hooks_allowed(param)
-        on_grad(self, bucket, index, param)
+        return on_grad(self, bucket, index, param)
 
     landing.Engine.on_grad = checked
 

@@ -189,8 +189,8 @@ def test_long_run_has_no_growth():
     for step in range(1000):
         loss_fn(model, data).backward()
         if step == 9:
-            at_10 = (live_bytes(), len(engine.held), len(engine._partial), len(handle.buckets))
-    at_1000 = (live_bytes(), len(engine.held), len(engine._partial), len(handle.buckets))
+            at_10 = (live_bytes(), len(engine.train_step.held), engine.backward, len(handle.buckets))
+    at_1000 = (live_bytes(), len(engine.train_step.held), engine.backward, len(handle.buckets))
     assert at_10 == at_1000
     assert at_1000[0] == 0  # a step leaves no new live tensors behind
 
@@ -310,7 +310,7 @@ RESUME = textwrap.dedent(
         sched.load_state_dict(ck["sched"])
         for p, g in zip(model.parameters(), ck["grads"]):
             p.grad = g
-        opt._lo_engine.held.update(dict.fromkeys(p for p in model.parameters() if p.grad is not None))
+        opt._lo_engine.train_step.held.update(dict.fromkeys(p for p in model.parameters() if p.grad is not None))
         start = ck["i"]
     else:
         start = 0

@@ -67,3 +67,28 @@ def test_importing_layeropt_patches_nothing_in_torch():
     )
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def _engine_report():
+    """``benchmarks/engine_report.py`` (the measurements of the engine's shape)."""
+    import importlib.util
+
+    path = ROOT.parent / "benchmarks" / "engine_report.py"
+    spec = importlib.util.spec_from_file_location("engine_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_how_it_works_names_every_concept_of_the_core():
+    """Every core class and module-level state that changes has its line in
+    docs/how-it-works.md: a new one fails here until it is explained there."""
+    report = _engine_report()
+    missing = report.undocumented(ROOT, ROOT.parent / "docs" / "how-it-works.md")
+    assert not missing, f"not named in docs/how-it-works.md: {missing}"
+
+
+def test_only_the_engine_writes_its_state():
+    """No other core module assigns an engine's attributes or changes its containers."""
+    report = _engine_report()
+    assert report.outside_writes(ROOT, "landing.py") == []

@@ -1,0 +1,617 @@
+"""Beside the plain path: backwards, modes and training steps (``layeropt/landing.py``).
+
+The plain path steps each bucket once its gradients have landed. These are
+the rules around it, as methods of the engine (:class:`Rules`, the base of
+``landing.Engine``) and the two records they keep:
+
+* a :class:`BackwardRecord` is made when a backward reaches the engine (its
+  first gradient, :meth:`Rules.on_grad`) and dropped when it ends (an autograd
+  engine callback) or raises; ``engine.last`` keeps the latest one (what it
+  stepped). Nothing of a backward is reset by hand: the next gets a new record;
+* a :class:`StepRecord` is made at each training-step boundary (``step()``,
+  ``zero_grad()``): the backwards since then that stepped or held, the
+  gradients held for ``step()``, the param groups as the step's first update
+  read them.
+
+The rules, numbered as the docs number them:
+
+4. when a backward ends, complete buckets still queued, buckets that only
+   partly arrived (a parameter got no gradient this time) and gradients held
+   from ``no_step()`` are stepped together and freed (the end callback queues
+   itself once more when it first runs, so that it runs after callbacks
+   queued since, such as FSDP2's final reduce-scatter of a second root);
+5. activation checkpointing stays exact: a gradient a non-reentrant
+   ``layeropt.checkpoint`` segment *pins* waits until the segment was
+   recomputed; a backward that runs ``torch.utils.checkpoint(...,
+   use_reentrant=True)`` segments *defers* every gradient to its end (a warning
+   says nothing is saved); any other backward nested in an autograd
+   Function's backward is refused;
+6. one torch training step is one step. A backward whose gradients torch's
+   recipe checks or changes before the update is *held* (as under
+   ``no_step()``) and stepped by ``step()``: one through a
+   ``GradScaler``-scaled loss, one inside ``optimizer.step(closure)``, one that
+   keeps its graph (``retain_graph=True``, ``create_graph=True``). Once the
+   loop has called ``step()`` or ``zero_grad()``, a second stepping backward
+   before the next call is refused before anything of it is applied (and
+   ``step()``/``zero_grad()`` after two); once it has called ``step()``, a
+   ``zero_grad()`` that discards what a backward applied is refused
+   (:meth:`Rules.check_discard`). Each training step is one transaction
+   (``txn``) of ``layeropt/_subset.py``;
+7. parameters unfrozen after ``attach`` are picked up at the next backward,
+   which steps every gradient it left at its end (holds them, under
+   ``no_step()``); the hooks are rebuilt then (also at a ``step()`` that found
+   gradients no hook took);
+8. a DDP model's gradients come from its communication hook, averaged, a
+   bucket at a time: the first bucket of a training step makes the record
+   (:meth:`Rules.begin_averaged`, the same rules), and each averaged bucket is
+   stepped by the same ``Engine._step``. FSDP2 calls the hooks themselves.
+
+If a backward raises, autograd drops it; its end callback is then released
+without running, the gradients it left unstepped are freed and its record
+dropped, before the exception reaches the caller. Held gradients are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import _between, _watch
+from . import _nesting as nesting
+from ._nesting import TaskEnd, _graph_task_id, watch_torch_checkpoint
+from ._registry import check_local_hooks_allowed, world_size
+from ._transforms import Measure, Transform
+from .errors import (
+    ACCUMULATION_ERROR,
+    CLOSURE_HOLD_WARNING,
+    DEFER_WARNING,
+    DISCARD_ERROR,
+    NESTED_ERROR,
+    NO_GRAPH_TASK_ERROR,
+    RETAIN_HOLD_WARNING,
+    SCALED_CLIP_ERROR,
+    SCALER_HOLD_WARNING,
+    SPARSE_ERROR,
+    AttachError,
+    BackwardStateError,
+    warn,
+)
+
+__all__ = ["BackwardRecord", "StepRecord", "Rules", "Group", "hooked_last", "IDLE"]
+
+IDLE = -2  # Rules.plain_task when no gradient may take the plain path
+_SERIALS = itertools.count(1)  # one id per backward record (buckets compare it)
+_ENTERED = Transform(None, None)  # inside layeropt.backward, nothing to apply
+
+
+def hooked_last(param: Tensor) -> bool:
+    """Whether layeropt's hook is the last of ``param``'s post-accumulate-grad hooks. torch
+    runs them in registration order and ``step()`` after them all: one registered after
+    attach (noise, scaling, logging) must see, and may change, the gradient first."""
+    hooks = param._post_accumulate_grad_hooks  # (none left: the attachment was removed)
+    return not hooks or len(hooks) == 1 or hasattr(next(reversed(hooks.values())),
+                                                   "_lo_engine_ref")
+
+
+class Group(NamedTuple):
+    """Parameters stepped in one call, with the ``Settings`` that clip them: the part of
+    a bucket that landed, an averaged DDP bucket, one module's held gradients."""
+
+    params: list[Tensor]
+    settings: Any
+
+
+class BackwardRecord:
+    """What one backward did at one engine; made at its first gradient, dropped at its end.
+
+    Attributes:
+        task: the autograd graph task.
+        serial: this record's id (a bucket's arrivals belong to one serial).
+        ready: complete buckets queued, and their gradient bytes.
+        partial / incomplete: buckets whose first gradient landed, how many still
+            incomplete.
+        gated: gradients waiting for a checkpoint pin (``param -> (bucket, index)``).
+        deferred: gradients kept to the end (torch's reentrant segments; the measure
+            pass's, for hooks registered after layeropt's).
+        defer / hold / graph / sweep: the backward defers everything; holds for
+            ``step()`` (GradScaler, closure); keeps its graph; found layers
+            (un)frozen since attach.
+        unchecked: rule 6's decision waits for this engine's first gradient.
+        scaled / distributed: through a GradScaler-scaled loss; several processes.
+        stepped / steps / counted: what it updated, how many updates; counted as a
+            stepping backward of its training step.
+        zeroed: a ``zero_grad()`` came after it (its updates are not the next one's).
+    """
+
+    __slots__ = ("task", "serial", "ready", "ready_bytes", "partial", "incomplete", "gated",
+                 "deferred", "defer", "hold", "graph", "sweep", "unchecked", "scaled",
+                 "distributed", "stepped", "steps", "counted", "zeroed")
+
+    def __init__(self, task: int) -> None:
+        self.task = task
+        self.serial = next(_SERIALS)
+        self.ready: list[Any] = []
+        self.ready_bytes = 0
+        self.partial: list[Any] = []
+        self.incomplete = 0
+        self.gated: dict[Tensor, tuple[Any, int]] = {}
+        self.deferred: dict[Tensor, Any] = {}
+        self.defer = self.hold = self.graph = self.sweep = self.unchecked = False
+        self.scaled = self.distributed = False  # (set by whoever begins it)
+        self.stepped: list[Tensor] = []
+        self.steps = 0
+        self.counted = self.zeroed = False
+
+
+class StepRecord:
+    """One training step at one engine, from a ``step()``/``zero_grad()`` to the next.
+
+    Attributes:
+        stepped_backwards / held_backwards: its backwards that updated parameters,
+            or held every gradient for ``step()`` (the accumulation rule).
+        held: gradients kept in ``.grad`` for a later step (``no_step()`` and the
+            other holds), with their bucket (``None``: not hooked yet).
+        hyper / hyper_txn: the param groups as its first update read them, and
+            the transaction that update belonged to (``layeropt/_between.py``).
+    """
+
+    __slots__ = ("stepped_backwards", "held_backwards", "held", "hyper", "hyper_txn")
+
+    def __init__(self) -> None:
+        self.stepped_backwards = self.held_backwards = 0
+        self.held: dict[Tensor, Any] = {}
+        self.hyper: list[dict[str, Any]] | None = None
+        self.hyper_txn = -1
+
+
+class Rules:
+    """The engine's rules beside the plain path (see the module docstring)."""
+
+    attachments: dict[Any, None]
+    _optimizer: Callable[[], Any]
+
+    def __init__(self) -> None:
+        self.plain_task = IDLE  # the backward whose gradients take the plain path
+        self.backward: BackwardRecord | None = None  # the backward in progress
+        self.last = BackwardRecord(IDLE)  # the latest backward that reached the engine
+        self.train_step = StepRecord()  # the training step in progress
+        self.txn = 0  # its transaction, renewed at each backward and boundary
+        self.calls: set[str] = set()  # boundary calls the loop made ("step()", "zero_grad()")
+        # zero_grad(set_to_none=False): ids of the parameters whose .grad torch would
+        # keep as zeros - and step at every step(), used or not. None: set_to_none=True.
+        self.kept_grads: set[int] | None = None
+        self.no_step_depth = 0  # open optimizer.no_step() contexts (> 0: hold gradients)
+        self.closure_depth = 0  # inside optimizer.step(closure)
+        self.measure: Measure | None = None  # layeropt.backward's measure pass
+        self.transform: Transform | None = None  # layeropt.backward's step pass
+        watch_torch_checkpoint()
+        _watch.watch()
+
+    def _route(self) -> None:
+        """Which graph task takes the plain path: the backward's, unless a mode is on."""
+        rec = self.backward
+        self.plain_task = IDLE if (
+            rec is None or rec.distributed or rec.defer or rec.hold or rec.graph
+            or self.measure is not None or self.no_step_depth) else rec.task
+
+    # -- modes ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_step(self) -> Iterator[None]:
+        """Attached backwards hold their gradients in ``.grad`` (rule 6's accumulation)."""
+        self.no_step_depth += 1
+        self._route()
+        try:
+            yield
+        finally:
+            self.no_step_depth -= 1
+            self._route()
+
+    @contextlib.contextmanager
+    def closure(self) -> Iterator[None]:
+        """Inside ``optimizer.step(closure)``: its backward is held (the caller may clip)."""
+        self.closure_depth += 1
+        try:
+            yield
+        finally:
+            self.closure_depth -= 1
+
+    @contextlib.contextmanager
+    def backward_call(self, transform: Transform | None) -> Iterator[None]:
+        """Inside ``layeropt.backward``'s (step) pass: ``transform`` applies to every step."""
+        self.transform = _ENTERED if transform is None else transform
+        try:
+            yield
+            if transform is not None:
+                self.step_held()
+        finally:
+            self.transform = None
+
+    def start_measure(self, measured: dict[Tensor, Tensor], norm_type: float | None,
+                      inv_scale: Tensor | None, found_inf: Tensor | None) -> None:
+        """``layeropt.backward``'s measure pass begins: gradients are reduced, not stepped;
+        held gradients are set aside (restored by :meth:`finish_measure`)."""
+        self.measure = m = Measure(measured, norm_type, inv_scale, found_inf)
+        self._route()
+        # torch's reentrant segments deliver a gradient in several pieces, which torch
+        # adds to the accumulated one in turn ((held + a) + b): measured in place then,
+        # and restored from a copy; else set aside and added once (held + grad)
+        in_place = bool(nesting._TORCH_SEGMENTS)
+        for p in self.train_step.held:
+            if p.grad is not None:
+                m.stash[p] = p.grad.clone() if in_place else p.grad
+                if in_place:
+                    m.summed.add(id(p))
+                else:
+                    p.grad = None
+
+    def finish_measure(self) -> None:
+        """The measure pass ended (or raised): the held gradients back in ``.grad``."""
+        m, self.measure = self.measure, None
+        self._route()
+        for p, held in m.stash.items() if m is not None else ():
+            if id(p) not in m.seen:  # no gradient this pass: measure the held one
+                m.reduce(p, held.clone())
+            p.grad = held
+
+    # -- a backward reaches the engine -----------------------------------------
+    def on_grad(self, bucket: Any, index: int, param: Tensor) -> bool:
+        """``param``'s gradient has fully accumulated, off the plain path: a new backward,
+        a mode, or checkpoint pins. Returns whether it takes the plain path now."""
+        task = _graph_task_id()
+        rec = self.backward
+        if rec is None or task != rec.task and not nesting.segment_depth[0]:
+            # a new backward (else: the nested one of a torch reentrant segment, deferring)
+            try:
+                if nesting.nested_in_function_backward():
+                    raise BackwardStateError(NESTED_ERROR)
+                if rec is not None:
+                    self._abort(rec)  # the previous backward died without being finalized
+                rec = self._begin(task)
+            except BackwardStateError:
+                if param not in self.train_step.held:
+                    param.grad = None  # this backward is refused as a whole
+                raise
+        if rec.unchecked:
+            try:
+                self._decide(rec)
+            except BackwardStateError:
+                param.grad = None
+                raise
+        if rec.distributed:
+            check_local_hooks_allowed(param)  # never step a DDP replica's local gradient
+        grad = param.grad
+        if grad is None:  # another hook freed it; nothing to do
+            return False
+        if grad.is_sparse:
+            raise AttachError(SPARSE_ERROR)
+        if self.measure is not None:
+            if rec.defer or not hooked_last(param):  # (measured at the end)
+                rec.deferred[param] = bucket
+            else:
+                self.measure.take(param)
+            return False
+        if self.no_step_depth or rec.hold or rec.graph:
+            self.train_step.held[param] = bucket
+            return False
+        if rec.defer:
+            rec.deferred[param] = bucket
+            return False
+        if nesting._PINS and nesting.pinned(param):
+            rec.gated[param] = (bucket, index)
+            return False
+        return True
+
+    def enter_torch_segment(self, task: int) -> None:
+        """A torch reentrant segment is about to run its nested backward (rule 5)."""
+        rec = self.backward
+        if rec is None:
+            if self.attachments:
+                self._begin(task, defer=True)
+        elif not rec.defer:
+            rec.defer = True  # a segment recorded during this backward
+            self._route()
+            if not rec.unchecked:  # (else _decide warns, if a gradient of ours lands)
+                warn(DEFER_WARNING)
+
+    def _begin(self, task: int, defer: bool = False) -> BackwardRecord:
+        """A new backward reaches this engine: its record.
+
+        ``defer``: begun by a torch reentrant segment, which runs whether or
+        not this engine's parameters take part; what concerns only a
+        backward that reaches them (:meth:`_decide`) waits for the first
+        gradient that lands here.
+        """
+        if task == -1:  # before any state changes: nothing of this backward is applied
+            raise BackwardStateError(NO_GRAPH_TASK_ERROR)
+        if not defer:
+            nesting.segment_depth[0] = 0  # a first hook outside any segment: nothing is nested
+        self.last = self.backward = rec = BackwardRecord(task)
+        self.txn += 1  # a transaction of its own
+        rec.scaled = _watch.scaled_backward()
+        rec.distributed = world_size() > 1
+        segments = nesting._TORCH_SEGMENTS
+        rec.defer = defer or bool(
+            segments and any(map(torch._C._will_engine_execute_node, list(segments))))
+        self._route()
+        torch.autograd.Variable._execution_engine.queue_callback(
+            TaskEnd(functools.partial(self._end, rec), functools.partial(self._dropped, rec),
+                    last=True))
+        if defer:
+            rec.unchecked = True
+        else:
+            self._decide(rec)
+        return rec
+
+    def begin_averaged(self) -> bool:
+        """A DDP training step reaches this engine (its comm hook's first bucket).
+
+        The same record and the same rules as a plain backward (rules 6, 7);
+        its averaged gradients then come through ``Engine.step_averaged``.
+
+        Returns:
+            Whether this backward's gradients are held for ``step()``
+            (``no_step()``, a GradScaler-scaled loss, ``step(closure)``, a kept
+            graph): the comm hook then leaves them in ``.grad``, as DDP would.
+        """
+        self.last = rec = BackwardRecord(IDLE)  # (no end callback: not the current record)
+        self.txn += 1
+        rec.scaled = _watch.scaled_backward()
+        self._decide(rec)
+        if rec.hold:
+            self.train_step.held_backwards += 1
+        return rec.hold or rec.graph or bool(self.no_step_depth)
+
+    def _decide(self, rec: BackwardRecord) -> None:
+        """Rules 6 and 7 for a backward that reaches this engine's parameters."""
+        rec.unchecked = False
+        # backward(create_graph=True): the gradients' graph is for something the loop
+        # does before the update (a gradient penalty's backward); retain_graph=True: more
+        # backwards over this graph may follow before it (truncated BPTT's next time step)
+        created = torch.is_grad_enabled()
+        kept = self.measure is None and self.transform is None and _watch.graph_kept()
+        rec.graph = created or kept
+        plain = self.measure is None and not self.no_step_depth
+        if plain and self.calls and self.train_step.stepped_backwards:
+            raise BackwardStateError(ACCUMULATION_ERROR.format(
+                what="a second backward after an attached backward that updated the parameters",
+                outcome="Nothing of this second backward was applied.",
+            ))
+        for attachment in list(self.attachments):  # layers (un)frozen since attach (rule 7)
+            if attachment.sync(in_backward=True):
+                rec.sweep = True
+        if plain and self.transform is None:
+            if self.closure_depth:
+                rec.hold = True
+                warn(CLOSURE_HOLD_WARNING)
+            elif rec.scaled:
+                rec.hold = True
+                warn(SCALER_HOLD_WARNING)
+            elif kept and not created:
+                warn(RETAIN_HOLD_WARNING)
+        self._route()
+        if rec.defer:
+            warn(DEFER_WARNING)
+
+    # -- a backward ends --------------------------------------------------------
+    def _dropped(self, rec: BackwardRecord) -> None:
+        """The backward raised: autograd dropped its end callback uncalled."""
+        if self.backward is rec:
+            self._abort(rec)
+
+    def _end(self, rec: BackwardRecord) -> None:
+        if self.backward is not rec:
+            return
+        self.backward = None
+        held = self.train_step.held
+        try:
+            if self.measure is not None:
+                for p in rec.deferred:
+                    if p.grad is not None:
+                        self.measure.take(p)
+            elif rec.hold:
+                self.train_step.held_backwards += 1
+            elif self.no_step_depth or rec.graph:
+                if rec.sweep:  # unfrozen since attach: no hook held them (rule 7)
+                    for p in self._swept():
+                        held.setdefault(p, None)
+            else:
+                self._step(rec.ready + self._leftovers(rec))
+                held.clear()
+        finally:
+            self._route()
+            for attachment in list(self.attachments):
+                if attachment.stale:
+                    attachment._rebuild()
+
+    def _leftovers(self, rec: BackwardRecord) -> list[Any]:
+        """Gradients that landed but were not stepped, grouped as their buckets."""
+        held = self.train_step.held
+        if not (rec.incomplete or rec.gated or rec.deferred or held or rec.sweep):
+            return []
+        groups: dict[Any, list[Tensor]] = {}
+        settings: dict[Any, Any] = {}
+        if rec.sweep:  # parameters unfrozen since attach have no hook yet
+            swept = [p for p in self._swept() if p not in held]
+            for i, g in enumerate(self.placed(swept)):
+                groups[("swept", i)], settings[("swept", i)] = g.params, g.settings
+        for b in rec.partial if rec.incomplete else ():
+            if b.serial == rec.serial and b.arrived != b.full:
+                groups[id(b)] = [p for i, p in enumerate(b.params) if b.arrived >> i & 1]
+                settings[id(b)] = b.settings
+        for p, (b, _) in rec.gated.items():
+            groups.setdefault(id(b), []).append(p)
+            settings[id(b)] = b.settings
+        for source in (rec.deferred, held):
+            for p, b in source.items():
+                groups.setdefault(id(b), []).append(p)
+                settings.setdefault(id(b), None if b is None else b.settings)
+        # (a sweep also finds the complete buckets queued in ready: those are stepped there)
+        seen: set[int] = {id(p) for b in rec.ready for p in b.params} if rec.sweep else set()
+        out = []
+        for key, g in groups.items():
+            g = [p for p in g if p.grad is not None and id(p) not in seen and not seen.add(id(p))]
+            if g:
+                out.append(Group(g, settings[key]))
+        return out
+
+    def _swept(self) -> list[Tensor]:
+        """This optimizer's parameters of the attached models that hold a gradient."""
+        optimizer = self._optimizer()
+        if optimizer is None:
+            return []
+        return [p for attachment in list(self.attachments) for p in attachment.owned
+                if p.grad is not None and optimizer.owns(p)]
+
+    def _abort(self, rec: BackwardRecord) -> None:
+        """The backward raised: free the gradients it left unstepped, keep held ones."""
+        held = self.train_step.held
+        for group in rec.ready + self._leftovers(rec):
+            for p in group.params:
+                if p not in held:
+                    p.grad = None
+        nesting.segment_depth[0] = 0
+        if rec.counted:  # a backward that raised is not a step of its own
+            self.train_step.stepped_backwards -= 1
+            rec.counted = False
+        if self.backward is rec:
+            self.backward = None
+        self._route()
+
+    def pins_released(self) -> None:
+        """Pins were released: gradients no longer pinned enter the plain path (their hook
+        runs again)."""
+        rec = self.backward
+        if rec is None or not rec.gated:
+            return
+        for p in [p for p in rec.gated if not nesting.pinned(p)]:
+            bucket, index = rec.gated.pop(p)
+            if p.grad is not None:
+                bucket.hooks[index](p)
+
+    # -- held gradients ----------------------------------------------------------
+    def unhold(self, bucket: Any) -> None:
+        """``bucket`` completed: its accumulated gradients are stepped with it."""
+        for p in bucket.params:
+            self.train_step.held.pop(p, None)
+
+    def step_held(self) -> None:
+        """After ``layeropt.backward``'s step pass, with its transform still set: step
+        the held gradients of parameters that pass did not reach."""
+        held = self.train_step.held
+        if held and not self.no_step_depth:
+            self._step(self.placed([p for p in held if p.grad is not None]))
+            held.clear()
+
+    def discard_held(self) -> None:
+        """Drop the held gradients (their optimizer's step was skipped)."""
+        for p in self.train_step.held:
+            p.grad = None
+        self.train_step.held.clear()
+
+    # -- training-step boundaries (rule 6) ------------------------------------------
+    def step_call(self, closure: Callable[[], Any] | None) -> Any:
+        """``optimizer.step(closure)`` once attached: run the closure (its backward held),
+        then step and free every gradient the hooks did not consume."""
+        loss = None
+        if closure is not None:
+            with self.closure(), torch.enable_grad():
+                loss = closure()
+        optimizer = self._optimizer()
+        if optimizer is None:
+            return loss
+        self.check_boundary("step()")
+        for p in self.unused_kept(optimizer):  # torch steps them on a zero gradient
+            p.grad = torch.zeros_like(p)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if params and self.train_step.stepped_backwards:  # set after backward (_between.py)
+            _between.refuse_second_update(self.last.stepped, params)
+        if params and getattr(optimizer, "grad_scale", None) is not None and self.clips:
+            raise BackwardStateError(SCALED_CLIP_ERROR)
+        rec = self.last
+        steps = rec.steps  # (stepped_in_backward counts the backward's updates only)
+        self._step(self.placed(params))
+        rec.steps = steps
+        self.boundary("step()")
+        if params:  # gradients no hook took: layers unfrozen (or hooks lost) since
+            for attachment in list(self.attachments):
+                attachment.sync()
+        return loss
+
+    def zero_grad(self, set_to_none: bool, torch_zero_grad: Callable[[bool], None]) -> None:
+        """``optimizer.zero_grad()``: torch's, after the boundary checks; held gradients go."""
+        attached = bool(self.attachments)
+        if attached:
+            self.check_boundary("zero_grad()")
+            self.check_discard(None, "optimizer.zero_grad()")
+        torch_zero_grad(set_to_none)
+        self.train_step.held.clear()
+        self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, self._this_step(),
+                                                        set_to_none)
+        self.last.zeroed = True
+        if attached:
+            self.boundary("zero_grad()")
+
+    def unused_kept(self, optimizer: Any) -> list[Tensor]:
+        """Parameters torch would update on a kept zero gradient at this ``step()``."""
+        return _between.unused_kept(self.kept_grads, self._this_step(), optimizer.param_groups)
+
+    def _this_step(self) -> list[Tensor]:
+        """What the latest backward stepped, unless a ``zero_grad()`` came after it."""
+        return [] if self.last.zeroed else self.last.stepped
+
+    @property
+    def stepped_since_boundary(self) -> bool:
+        """Whether an attached backward updated parameters since the last step()/zero_grad()."""
+        return self.train_step.stepped_backwards > 0
+
+    def check_boundary(self, where: str) -> None:
+        """Refuse a step()/zero_grad() that ends what torch would take as one step of
+        several, or after the hyperparameters the updates used were changed."""
+        step = self.train_step
+        if step.hyper is not None:
+            before, step.hyper = step.hyper, None
+            optimizer = self._optimizer()
+            if optimizer is not None:
+                _between.check_unchanged(before, optimizer.param_groups, where)
+        stepped, held = step.stepped_backwards, step.held_backwards
+        if stepped >= 2 or (stepped and held):
+            step.stepped_backwards = step.held_backwards = 0
+            raise BackwardStateError(ACCUMULATION_ERROR.format(
+                what=f"{where} ends {stepped + held} backwards, {stepped} of which already "
+                "updated the parameters,",
+                outcome="Each of those was applied as its own step; nothing more is.",
+            ))
+
+    def boundary(self, where: str) -> None:
+        """``step()`` or ``zero_grad()`` (``where``) ended a training step."""
+        self.train_step = StepRecord()
+        self.calls.add(where)
+        self.txn += 1
+
+    def check_discard(self, params: Callable[[], Iterable[Tensor]] | None, where: str) -> None:
+        """Refuse a ``zero_grad`` (``where``: the optimizer's, or ``model.zero_grad()``
+        over ``params()``) that discards gradients an attached backward has already
+        applied: once the loop calls ``step()``, a backward whose updates no ``step()``
+        followed is one whose gradients torch would drop here (a GAN's generator loss
+        reaching the discriminator, an actor's loss the critic)."""
+        step = self.train_step
+        if (step.stepped_backwards != 1 or step.held_backwards or "step()" not in self.calls
+                or not self.last.stepped):
+            return
+        stepped = self.last.stepped
+        if params is not None:
+            ids = {id(p) for p in params()}
+            stepped = [p for p in stepped if id(p) in ids]
+            if not stepped:
+                return
+        step.stepped_backwards = 0  # said once: the loop may go on
+        raise BackwardStateError(DISCARD_ERROR.format(
+            where=where, n=len(stepped), name=self.name_of(stepped[0])))
+
+
