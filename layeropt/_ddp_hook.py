@@ -53,7 +53,6 @@ class _HookState:
         self.active = False
         self.lock = threading.Lock()  # bucket steps may land on comm threads
         self.fresh = True  # DDP ran a forward since the last training step began
-        self.holding: set[int] = set()  # id(optimizer): gradients held for step() this backward
         self.deferred: list[tuple[_Landing, Any]] = []  # to land at the end, in bucket order
         self.flush_task = _NONE  # graph task whose end lands ``deferred``
         self.flushes = 0  # flush callbacks queued so far (the latest may abort)
@@ -96,8 +95,8 @@ class _HookState:
         with self.lock:
             refs = {id(r): r for r in self.owner.values()} if self.active else {}
             optimizers = [o for o in (r() for r in refs.values()) if o is not None]
-            # the engine's rules, as for a plain backward (may refuse it: nothing ran yet)
-            self.holding = {id(opt) for opt in optimizers if opt._lo_engine.begin_averaged()}
+            for opt in optimizers:  # the engine's rules, as for a plain backward (may refuse
+                opt._lo_engine.begin_averaged()  # it: nothing ran yet)
             self.fresh = False
 
     def defer(self, landing: _Landing, fut: Any) -> None:
@@ -117,25 +116,20 @@ class _HookState:
             Variable._execution_engine.queue_callback(end)
 
     def flush(self) -> None:
-        """Land the deferred buckets. An optimizer's landed parameters wait, in
-        bucket order, until they hold the attachment's ``cap_bytes`` (attach's
-        ``bucket_cap_mb``), and are then stepped with one call."""
+        """Land the deferred buckets, in bucket order, in their engines' ready queue
+        (stepped as it reaches the attachment's ``bucket_cap_mb``; the rest at the end)."""
         deferred, self.deferred = self.deferred, []
         self.flush_task = _NONE
         used = self._used_anywhere([landing for landing, _ in deferred])
-        waiting: dict[Any, list[Tensor]] = {}  # optimizer -> landed parameters not yet stepped
-        held: dict[Any, int] = {}  # optimizer -> their gradient bytes
+        engines: dict[Any, None] = {}
         with _stepping(self):
             for landing, fut in deferred:
                 fut.wait()  # re-raises a failed all-reduce
                 for opt, params in landing.apply(used).items():
-                    waiting.setdefault(opt, []).extend(params)
-                    held[opt] = held.get(opt, 0) + sum(p.grad.nbytes for p in params)
-                    if held[opt] >= self.settings.cap_bytes:
-                        opt._lo_engine.step_averaged(waiting.pop(opt), self.settings)
-                        del held[opt]
-            for opt, params in waiting.items():
-                opt._lo_engine.step_averaged(params, self.settings)
+                    opt._lo_engine.land_averaged(params, self.settings)
+                    engines[opt._lo_engine] = None
+            for engine in engines:
+                engine.step_ready()
 
     def _used_anywhere(self, landings: list[_Landing]) -> set[int] | None:
         """``find_unused_parameters``: ids of these buckets' parameters some process used.
@@ -242,14 +236,15 @@ class _Landing:
             view = _grad_view(p, g)
             ref = owner.get(p)
             mode = modes.get(id(ref), _WRITE_BACK if ref is None else None)
-            if mode is None:  # the optimizer's first parameter in this bucket
-                opt = ref()  # type: ignore[misc]
-                if opt is None or id(opt) in state.holding or opt._lo_engine.no_step_depth:
+            if mode is None:  # the optimizer's first parameter in this bucket: its engine
+                opt = ref()  # type: ignore[misc]  # says where averaged gradients go now
+                route = None if opt is None else opt._lo_engine.averaged_route()
+                if route is None:  # held for step() (or no optimizer): as DDP would
                     mode = _WRITE_BACK
-                elif opt._lo_engine.measure is not None:  # layeropt.backward's first pass
-                    mode = opt._lo_engine.measure
-                else:
+                elif route is opt._lo_engine:
                     mode = self.steps.setdefault(opt, [])
+                else:  # layeropt.backward's measure pass
+                    mode = route
                 modes[id(ref)] = mode
             if mode is _WRITE_BACK:
                 self.write_back.append((p, view))
@@ -285,11 +280,9 @@ class _Landing:
                 _write_back(p, view, None if used is None else self.state.bucket_view)
         for measure, p, view in self.measures:
             if used is None or id(p) in used:
-                measure.reduce(p, view.clone())
-                measure.seen.add(id(p))
+                measure.take_copy(p, view)
             elif p.grad is not None:  # held, untouched by DDP: measured as it is
-                measure.reduce(p, p.grad.clone())
-                measure.seen.add(id(p))
+                measure.take_copy(p, p.grad)
         todo = {}
         for opt, owned in self.steps.items():
             if used is not None:  # no process used it: its held gradient, if any

@@ -348,16 +348,13 @@ class Rules:
             self._decide(rec)
         return rec
 
-    def begin_averaged(self) -> bool:
+    def begin_averaged(self) -> None:
         """A DDP training step reaches this engine (its comm hook's first bucket).
 
         The same record and the same rules as a plain backward (rules 6, 7);
-        its averaged gradients then come through ``Engine.step_averaged``.
-
-        Returns:
-            Whether this backward's gradients are held for ``step()``
-            (``no_step()``, a GradScaler-scaled loss, ``step(closure)``, a kept
-            graph): the comm hook then leaves them in ``.grad``, as DDP would.
+        each bucket then asks :meth:`averaged_route` where its averaged
+        gradients go, and those to step land in the record's ready queue
+        (``Engine.land_averaged``).
         """
         self.last = rec = BackwardRecord(IDLE)  # (no end callback: not the current record)
         self.txn += 1
@@ -365,7 +362,17 @@ class Rules:
         self._decide(rec)
         if rec.hold:
             self.train_step.held_backwards += 1
-        return rec.hold or rec.graph or bool(self.no_step_depth)
+
+    def averaged_route(self) -> Any:
+        """Where a DDP bucket's averaged gradients go, as :meth:`on_grad` routes a hook's:
+        the measure pass's ``Measure``; ``None``, held for ``step()`` (the comm hook
+        leaves them in ``.grad``, as DDP would); or this engine, to step them."""
+        if self.measure is not None:
+            return self.measure
+        rec = self.last
+        if self.no_step_depth or rec.hold or rec.graph:
+            return None
+        return self
 
     def _decide(self, rec: BackwardRecord) -> None:
         """Rules 6 and 7 for a backward that reaches this engine's parameters."""

@@ -46,6 +46,11 @@ class Measure:
         self.reduce(param, grad if held is None else held + grad)
         self.seen.add(id(param))
 
+    def take_copy(self, param: Tensor, grad: Tensor) -> None:
+        """Measure a copy of ``grad`` as ``param``'s (an averaged DDP bucket's slice)."""
+        self.reduce(param, grad.clone())
+        self.seen.add(id(param))
+
     def reduce(self, param: Tensor, grad: Tensor) -> None:
         norm = reduce_grad(grad, self.norm_type, self.inv_scale, self.found_inf)
         if norm is not None:

@@ -328,6 +328,22 @@ class Engine(Rules):
         bucket); unscaling and clipping apply as to any bucket."""
         self._step([Group(params, settings)])
 
+    def land_averaged(self, params: list[Tensor], settings: Settings) -> None:
+        """Averaged DDP gradients landed: queue them as a complete bucket, step the queue
+        at the cap (the rest by :meth:`step_ready`)."""
+        rec = self.last
+        rec.ready.append(Group(params, settings))
+        for p in params:
+            rec.ready_bytes += p.grad.nbytes
+        if rec.ready_bytes >= settings.cap_bytes:
+            self.step_ready()
+
+    def step_ready(self) -> None:
+        """Step the ready queue of the latest backward (a DDP backward's last buckets)."""
+        rec = self.last
+        ready, rec.ready, rec.ready_bytes = rec.ready, [], 0
+        self._step(ready)
+
     # -- attachments and their settings -------------------------------------
     def add_attachment(self, attachment: Any) -> None:
         """``attachment`` steps some of this optimizer's parameters (kept alive here:
