@@ -165,7 +165,7 @@ class LoopAccumulator:
         """
         for opt in self._deferred:
             engine = opt._lo_engine
-            if not engine.no_step_depth and any(p.grad is not None for p in engine.train_step.held):
+            if not engine.no_step_depth and engine.holds_gradients:
                 opt.step()  # attached: steps and frees exactly the leftover gradients
         self._deferred.clear()
 

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ._held import HostHeld
 from ._subset import _MISSING
 from .errors import LayeroptError
 from .optim import InBackwardOptimizer
@@ -86,13 +87,17 @@ class StateOffload:
     Attributes:
         device_bytes: bytes of state on the device now (working tensors).
         peak_device_bytes: the most there have been at once.
-        copied_bytes: bytes copied host->device and back so far.
+        copied_bytes: bytes of state copied host->device and back so far.
+        held: the held gradients in host memory (:class:`layeropt._held.HostHeld`;
+            ``None`` with ``held_grads=False``).
     """
 
-    def __init__(self, optimizer: InBackwardOptimizer, max_buckets: int, overlap: bool) -> None:
+    def __init__(self, optimizer: InBackwardOptimizer, max_buckets: int, overlap: bool,
+                 held_grads: bool = True) -> None:
         self._optimizer = weakref.ref(optimizer)  # (the optimizer keeps this handle)
         self.max_buckets = max_buckets
         self.overlap = overlap
+        self.held: HostHeld | None = HostHeld() if held_grads else None
         self.device_bytes = 0
         self.peak_device_bytes = 0
         self.copied_bytes = 0
@@ -298,9 +303,14 @@ class StateOffload:
 
     # -- the handle ------------------------------------------------------------
     def remove(self) -> None:
-        """Bring the state back to the parameters' devices and stop offloading."""
+        """Bring the state back to the parameters' devices and stop offloading; held
+        gradients in host memory go back into ``.grad`` (as without offload)."""
         self.synchronize()
         opt = self.optimizer
+        if self.held is not None:
+            self.held.flush()
+            self.held.up(list(self.held.host))
+            self.held = None
         if opt is None:
             return
         state = opt.state
@@ -326,11 +336,13 @@ class StateOffload:
                    if self._host(p, k, v))
 
 
-def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False) -> StateOffload:
+def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False,
+                  held_grads: bool = True) -> StateOffload:
     """Keep ``optimizer``'s state in host memory; each bucket's comes to the device to step.
 
     Exact: parameters and optimizer state equal the same loop without offload
-    bit for bit (copies only; torch's own ``step`` does the update).
+    bit for bit (copies only; torch's own ``step`` does the update; held
+    gradients are summed with autograd's additions).
 
     Args:
         optimizer: a layeropt optimizer (``layeropt.AdamW``, ``layeropt.in_backward(X)``).
@@ -338,6 +350,11 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
             at once (>= 1); without it, one bucket's is.
         overlap: copy each bucket's state back on a side stream while the next one
             steps (CUDA only).
+        held_grads: gradients held for a later step (``no_step()`` accumulation, a
+            ``retain_graph=True`` backward) wait in host memory too, each bucket's
+            moved as soon as it has landed and brought back for its step
+            (``layeropt/_held.py``); ``.grad`` is ``None`` meanwhile. ``False``
+            keeps them in ``.grad`` on the device.
 
     Returns:
         A :class:`StateOffload`; ``handle.remove()`` brings the state back.
@@ -376,7 +393,7 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
                 f"are on {', '.join(where) or 'no CUDA device'}. Use overlap=False (the "
                 "default): the same results, the copies in line with the steps."
             )
-    return _install(optimizer, StateOffload(optimizer, max_buckets, overlap))
+    return _install(optimizer, StateOffload(optimizer, max_buckets, overlap, held_grads))
 
 
 def _install(optimizer: Any, handle: StateOffload) -> StateOffload:

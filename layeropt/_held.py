@@ -1,0 +1,147 @@
+"""Held gradients in host memory: ``offload_state(opt)``'s ``held_grads=True`` (the default).
+
+A gradient *held* for a later step (``optimizer.no_step()``, a backward that
+keeps its graph with ``retain_graph=True``) would stay in ``.grad`` on the
+device, summed there by autograd across micro-batches: one more copy of the
+parameters. With the optimizer state offloaded, the engine
+(``layeropt/_rules.py``) gives it to a :class:`HostHeld` instead:
+
+1. **down**: in a backward that holds, once every parameter of a layer bucket
+   has landed, each gradient is copied to a host tensor (pinned on CUDA) and
+   its ``.grad`` freed. The first micro-batch's copy *is* the host sum; a
+   later one is added into it on the host, ``host + new`` in the gradient's
+   dtype - the one addition autograd makes, ``acc + new``, which IEEE
+   arithmetic rounds the same on either side (addition commutes bit for bit;
+   bf16 and fp16 sums computed in fp32 and rounded once more are still
+   correctly rounded). A backward that may deliver one gradient in several
+   pieces (torch's reentrant checkpoint) moves each piece as it lands, so
+   the sums associate as autograd's do. Buckets that only partly landed move
+   when the backward ends (or raises: what landed stays, as torch keeps it
+   in ``.grad``).
+2. **up**: just before the bucket is stepped - its gradients complete in the
+   stepping backward, or the end of that backward, ``layeropt.backward``'s
+   step pass or ``step()`` for a bucket the stepping backward did not reach -
+   the host sum is copied back and the new gradient added, ``held + new``,
+   as autograd would; ``.grad`` is then what it would have been on the device.
+3. what the loop reads between backward and ``step()`` stays in ``.grad``:
+   a GradScaler-scaled backward, ``step(closure)``'s and a
+   ``create_graph=True`` backward (its gradients carry a graph) bring the
+   host sum back as their gradients land, and hold on the device.
+
+Nothing of this is in ``state_dict()``: torch's optimizer state holds no
+gradients either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["HostHeld"]
+
+
+class HostHeld:
+    """One optimizer's held gradients, summed in host memory (see the module docstring).
+
+    Attributes:
+        down_bytes: bytes copied device -> host so far (each held micro-batch's gradient).
+        up_bytes: bytes copied host -> device so far (each sum, once, for its step).
+    """
+
+    def __init__(self) -> None:
+        self.host: dict[Tensor, Tensor] = {}  # parameter -> its held gradient, on the host
+        self._pending: dict[int, list[Tensor]] = {}  # id(bucket) -> landed, not moved yet
+        self._serial = -1  # the backward record the pending gradients landed in
+        self.down_bytes = 0
+        self.up_bytes = 0
+
+    def __contains__(self, param: Tensor) -> bool:
+        return param in self.host
+
+    def __len__(self) -> int:
+        return len(self.host)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of held gradients in host memory now."""
+        return sum(t.nbytes for t in self.host.values())
+
+    def _new_host(self, like: Tensor) -> Tensor:
+        """An empty host tensor for ``like`` (pinned when ``like`` is on CUDA)."""
+        return torch.empty_strided(like.size(), like.stride(), dtype=like.dtype, device="cpu",
+                                   pin_memory=like.device.type == "cuda")
+
+    # -- down: a holding backward ----------------------------------------------
+    def land(self, param: Tensor, bucket: Any, serial: int, at_once: bool) -> None:
+        """``param``'s gradient landed in a holding backward (record ``serial``): moved
+        with its bucket once the bucket has landed, or now (``at_once``: the backward
+        may deliver it again)."""
+        if at_once:
+            self.down([param])
+            return
+        if serial != self._serial:
+            self.flush()
+            self._serial = serial
+        landed = self._pending.setdefault(id(bucket), [])
+        landed.append(param)
+        if len(landed) == len(bucket.params):
+            del self._pending[id(bucket)]
+            self.down(landed)
+
+    def flush(self) -> None:
+        """Move what landed and waits for the rest of its bucket (a backward ended)."""
+        pending, self._pending = self._pending, {}
+        for landed in pending.values():
+            self.down(landed)
+
+    def down(self, params: list[Tensor]) -> None:
+        """Add each parameter's ``.grad`` into its host sum and free it."""
+        staged = []
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            buf = self._new_host(g)
+            buf.copy_(g, non_blocking=g.device.type == "cuda")
+            staged.append((p, buf, g.device))
+            p.grad = None
+            self.down_bytes += buf.nbytes
+        for device in {d for _, _, d in staged if d.type == "cuda"}:
+            torch.cuda.current_stream(device).synchronize()  # the copies have landed
+        for p, buf, _ in staged:
+            acc = self.host.get(p)
+            if acc is None:
+                self.host[p] = buf
+            else:
+                acc.add_(buf)  # acc + new: autograd's accumulation, on the host
+
+    # -- up: a step ---------------------------------------------------------------
+    def up(self, params: list[Tensor]) -> None:
+        """Each parameter's host sum back in ``.grad``, plus what landed there since
+        (``held + new``, autograd's order); the host tensor is dropped."""
+        for p in params:
+            if p not in self.host:
+                continue
+            work = self.fetch(p)
+            del self.host[p]
+            g = p.grad
+            if g is not None:
+                work = work + g if g.requires_grad else work.add_(g)  # (a graph: kept)
+            p.grad = work
+
+    def fetch(self, param: Tensor) -> Tensor:
+        """A device copy of ``param``'s host sum, which stays held
+        (``layeropt.backward``'s measure pass)."""
+        acc = self.host[param]
+        work = torch.empty_strided(acc.size(), acc.stride(), dtype=acc.dtype,
+                                   device=param.device)
+        work.copy_(acc, non_blocking=param.device.type == "cuda")
+        self.up_bytes += acc.nbytes
+        return work
+
+    def drop(self) -> None:
+        """Forget every held gradient (``zero_grad()``, a skipped step)."""
+        self.host.clear()
+        self._pending.clear()
