@@ -16,7 +16,7 @@ from . import distributed
 from .attaching import Attachment, attach
 from .backward_pass import backward, two_pass_compile
 from .checkpointing import CheckpointHandle, checkpoint, checkpoint_modules
-from .errors import AttachError, BackwardStateError, LayeroptError
+from .errors import AttachError, BackwardStateError, LayeroptError, VerifyError
 from .landing import Bucket
 from .loop import LoopAccumulator, LoopStateError, loop_recurrent, loop_stack
 from .optim import (
@@ -58,6 +58,7 @@ __all__ = [
     "LayeroptError",
     "AttachError",
     "BackwardStateError",
+    "VerifyError",
     "losses",
     "distributed",
     "memory",

@@ -97,6 +97,9 @@ class _HookState:
             optimizers = [o for o in (r() for r in refs.values()) if o is not None]
             for opt in optimizers:  # the engine's rules, as for a plain backward (may refuse
                 opt._lo_engine.begin_averaged()  # it: nothing ran yet)
+                engine = opt._lo_engine  # LAYEROPT_VERIFY: the local gradients a step uses
+                if engine.verifier is not None and engine.averaged_route() is engine:
+                    engine.verifier.check_zeroed([p for p, r in self.owner.items() if r() is opt])
             self.fresh = False
 
     def defer(self, landing: _Landing, fut: Any) -> None:

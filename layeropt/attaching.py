@@ -22,6 +22,7 @@ from ._registry import hooked_by, mark_hooked, unmark_hooked
 from .errors import AttachError, user_frame, warn
 from .landing import Bucket, Settings, drop_dead_hooks
 from .optim import InBackwardOptimizer, in_backward_spelling, live_optimizers, optimizer_list
+from .verify import verify_steps
 
 __all__ = ["attach", "Attachment", "DDPAttachment", "attach_ddp"]
 
@@ -279,6 +280,15 @@ class Attachment:
         return f"<layeropt.Attachment {state}>"
 
 
+def _start_verifying(optimizers: list[InBackwardOptimizer], verify: int | None) -> None:
+    """``attach(..., verify=n)`` / ``LAYEROPT_VERIFY=n`` (optimizers not stepped yet)."""
+    steps = verify_steps(verify)
+    for opt in optimizers:
+        engine = opt._lo_engine
+        if verify is not None or (steps and engine.verifier is None and not engine.calls):
+            engine.verify(steps)
+
+
 def _caller() -> str:
     """``file:line`` of the first frame outside layeropt (and torch)."""
     frame, _ = user_frame()
@@ -304,6 +314,7 @@ def attach(
     clip_value: float | None = None,
     bucket_max_norm: float | None = None,
     norm_type: float = 2.0,
+    verify: int | None = None,
 ) -> Attachment:
     """Update ``model``'s parameters during backward, as their gradients complete.
 
@@ -334,6 +345,12 @@ def attach(
         bucket_max_norm: clip each bucket's gradient norm
             (``clip_grad_norm_(bucket.params, bucket_max_norm)``). No extra cost.
         norm_type: the p-norm for ``bucket_max_norm``.
+        verify: run the optimizers' first ``verify`` training steps both ways - with
+            torch's semantics for real, and in-backward updating on a shadow - and
+            raise :class:`~layeropt.errors.VerifyError` at the first difference
+            (``layeropt/verify.py``; memory is torch's meanwhile). Default: the
+            ``LAYEROPT_VERIFY`` environment variable, for optimizers that have not
+            stepped yet (0 or unset: none).
 
         Global-norm clipping needs the norm before the first update:
         :func:`layeropt.backward` (``max_norm=``) takes it in two passes.
@@ -374,7 +391,8 @@ def attach(
                 "global norm (and use a GradScaler) with layeropt.backward(loss, "
                 "max_norm=..., scaler=...), which averages each bucket before measuring it."
             )
-        return attach_ddp(model, optimizer, bucket_cap_mb=bucket_cap_mb, clip_value=clip_value)
+        return attach_ddp(model, optimizer, bucket_cap_mb=bucket_cap_mb, clip_value=clip_value,
+                          verify=verify)
     check_fsdp2_offload(model)  # FSDP2 + CPUOffloadPolicy: refused where torch races
     settings = Settings(bucket_cap_mb, clip_value, bucket_max_norm, norm_type)  # (checked)
     optimizers = resolve_owners(model, optimizer)
@@ -386,6 +404,7 @@ def attach(
             "the optimizer owns none of this model's parameters. Build it from "
             "model.parameters() (or add them with add_param_group) before attaching."
         )
+    _start_verifying(optimizers, verify)  # (before hooks: a refusal leaves nothing behind)
     handle = _attached_before(model, optimizers)
     if handle is None:
         handle = Attachment(model, optimizers, settings)
@@ -504,6 +523,7 @@ def attach_ddp(
     bucket_cap_mb: float = 1.0,
     overlap: bool = True,
     clip_value: float | None = None,
+    verify: int | None = None,
 ) -> DDPAttachment:
     """Step a DistributedDataParallel model's buckets on their averaged gradients, in backward.
 
@@ -536,6 +556,7 @@ def attach_ddp(
             ``.then()`` are stepped alone.
         overlap: ``True`` (default) steps CUDA buckets in ``.then()``;
             ``False`` steps every bucket at the end of backward.
+        verify: as :func:`attach`'s (``LAYEROPT_VERIFY``).
         clip_value: clip each averaged gradient element to
             ``[-clip_value, clip_value]`` before its update (as
             ``clip_grad_value_`` after DDP's backward). Global-norm clipping is
@@ -565,6 +586,7 @@ def attach_ddp(
     settings = Settings(bucket_cap_mb, clip_value)  # (checked)
     optimizers = resolve_owners(ddp_model.module, optimizer)
     _check_ddp(ddp_model)
+    _start_verifying(optimizers, verify)
     state = _DDP_STATES.get(ddp_model)
     if state is not None and state.active:
         raise AttachError(

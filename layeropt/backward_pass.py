@@ -227,9 +227,14 @@ def backward(
         undo_pass_1()
         coef = None if total is None else torch.clamp(max_norm / (total + 1e-6), max=1.0)
         ddp.arm(loss)
+        transform = Transform(inv_scale, coef, clipped)
+        verifying = {e: set(e.verifier.shadows) for e in engines if e.verifier is not None}
         with no_step_all(o for o in optimizers if o._lo_engine in skipped):
-            _attached_backward(loss, engines, retain_graph, Transform(inv_scale, coef, clipped))
-        unhooked.prepare(Transform(inv_scale, coef, clipped))
+            _attached_backward(loss, engines, retain_graph, transform)
+        unhooked.prepare(transform)
+        for e, before in verifying.items():  # LAYEROPT_VERIFY: the real side, torch's recipe
+            e.verifier.transform_real([p for p in e.verifier.shadows if p not in before],
+                                      transform)
     for o in optimizers:  # their step is skipped: nothing of theirs changes
         if o._lo_engine in skipped:
             o._lo_engine.discard_held()

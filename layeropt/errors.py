@@ -16,7 +16,8 @@ import sys
 import warnings
 from typing import Any
 
-__all__ = ["LayeroptError", "AttachError", "BackwardStateError", "warn", "user_frame"]
+__all__ = ["LayeroptError", "AttachError", "BackwardStateError", "VerifyError", "warn",
+           "user_frame"]
 
 
 IN_A_TRAINER = (
@@ -185,6 +186,58 @@ DDP_UNUSED_ERROR = (
 )
 
 
+VERIFY_ERROR = (
+    "LAYEROPT_VERIFY: parameter {name} differs in training step {step} between the loop "
+    "as torch runs it and in-backward updating ({size}): {cause}"
+)
+VERIFY_CAUSES = {
+    "edited": (
+        "its gradient changed between backward and step() (an edit after backward - "
+        "clipping, scaling, noise -, a clip over other parameters, or another backward "
+        "added to it). In backward mode the update uses the gradient as it lands and .grad "
+        "is None afterwards, so that edit is silently lost. Change gradients before they "
+        "are applied: a post-accumulate-grad hook (param.register_post_accumulate_grad_hook), "
+        "layeropt.backward(loss, max_norm=..., scaler=...) for global clipping and "
+        "unscaling, attach(..., clip_value=/bucket_max_norm=) per layer; see docs/rules.md."
+    ),
+    "discarded": (
+        "its gradient was discarded before step() (set to None, or a zero_grad() the loop "
+        "makes before stepping), but in-backward updating would already have applied it. "
+        "Keep that backward from updating the parameter (requires_grad_(False) during it) or "
+        "run it inside `with opt.no_step():`; see docs/rules.md."
+    ),
+    "not zeroed": (
+        "its gradient was not zeroed since the last step(), so torch adds this step's "
+        "gradient to the last one's, while in-backward updating frees each gradient once "
+        "applied. Zero gradients between steps (optimizer.zero_grad()), or accumulate inside "
+        "`with opt.no_step():`."
+    ),
+    "moved": (
+        "the parameter itself changed between its gradient's landing and step() (another "
+        "optimizer, or code between backward and step(), wrote it), which in-backward "
+        "updating would have preceded. Give each parameter to one optimizer, and change "
+        "parameters before backward or after step()."
+    ),
+    "update": (
+        "with the same gradient, parameter and hyperparameters, the update differs: an "
+        "optimizer whose step() reads other parameters' gradients (a global-norm clip or "
+        "statistic inside step(); in backward it sees one bucket at a time) cannot be used "
+        "in backward - use it without layeropt.attach; if it is a torch.optim optimizer, "
+        "this is a layeropt bug: please report it."
+    ),
+}
+VERIFY_OFFLOAD_ERROR = (
+    "LAYEROPT_VERIFY (attach(..., verify=)) does not support an optimizer whose state is "
+    "in host memory (layeropt.offload.offload_state) yet: verify the same loop without "
+    "offload_state first, then train with it."
+)
+VERIFY_PASSED = (
+    "LAYEROPT_VERIFY: {n} training step(s) gave the same parameters and optimizer state "
+    "bit for bit with torch's semantics and with in-backward updating; updating in "
+    "backward from now on."
+)
+
+
 class LayeroptError(RuntimeError):
     """Base class of every error layeropt raises on its own."""
 
@@ -195,6 +248,11 @@ class AttachError(LayeroptError):
 
 class BackwardStateError(LayeroptError):
     """A gradient arrived in a way that cannot give an exact update."""
+
+
+class VerifyError(BackwardStateError):
+    """``LAYEROPT_VERIFY``: in-backward updating would have given other numbers than the
+    loop with torch's semantics (``layeropt/verify.py``)."""
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep

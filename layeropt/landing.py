@@ -48,6 +48,7 @@ from ._nesting import _graph_task_id
 from ._rules import IDLE, Group, Rules
 from ._transforms import prepare_grads
 from .errors import ORPHAN_WARNING, SPARSE_ERROR, AttachError, warn
+from .verify import Verifier
 
 __all__ = ["Bucket", "Engine", "Settings"]
 
@@ -189,7 +190,12 @@ class Engine(Rules):
         # the hooks reach them only weakly)
         # id(param) -> (its attachment's Settings, its layer bucket's key), made when needed
         self._places: dict[int, tuple[Settings, tuple[int, str]]] | None = None
+        self.verifier: Verifier | None = None  # LAYEROPT_VERIFY's first training steps
         Rules.__init__(self)
+
+    def verify(self, steps: int) -> None:
+        """Run the next ``steps`` training steps both ways (``layeropt/verify.py``); 0: stop."""
+        self.verifier = Verifier(self, steps) if steps > 0 else None
 
     # -- the hook ---------------------------------------------------------
     def hook(self, bucket: Bucket, index: int, attachment: Any) -> Callable[[Tensor], None]:
@@ -281,21 +287,24 @@ class Engine(Rules):
         t = self.transform
         if t is not None and t.inv_scale is None and t.coef is None:
             t = None  # (layeropt.backward without clipping or scaler)
-        for g in groups:  # unscaling and clipping are per bucket (one attachment's settings)
-            s = g.settings
-            if t is not None or (s is not None and (
-                    s.clip_value is not None or s.bucket_max_norm is not None)):
-                prepare_grads(g.params, t, s)
-        try:
-            optimizer._step_params(params)
-        except BaseException:
-            held = self.train_step.held
-            for p in params:  # refused or failed: drop these gradients, as an abort would
-                if p not in held:
-                    p.grad = None
-            raise
-        for p in params:
-            p.grad = None
+        if self.verifier is not None:  # LAYEROPT_VERIFY: on a shadow; .grad stays for step()
+            self.verifier.shadow(optimizer, groups, t)
+        else:
+            for g in groups:  # unscaling and clipping are per bucket (one attachment's)
+                s = g.settings
+                if t is not None or (s is not None and (
+                        s.clip_value is not None or s.bucket_max_norm is not None)):
+                    prepare_grads(g.params, t, s)
+            try:
+                optimizer._step_params(params)
+            except BaseException:
+                held = self.train_step.held
+                for p in params:  # refused or failed: drop these gradients, as an abort would
+                    if p not in held:
+                        p.grad = None
+                raise
+            for p in params:
+                p.grad = None
         step = self.train_step
         if step.held:
             for p in params:

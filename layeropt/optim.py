@@ -184,10 +184,16 @@ class InBackwardOptimizer(Optimizer):
         """
         if not self.attached:
             return type(self)._torch_step(self, closure)
+        verifier = self._lo_engine.verifier
+        if verifier is not None:  # LAYEROPT_VERIFY: torch's step for real, compared
+            return verifier.step(self, closure)
         return self._lo_engine.step_call(closure)  # (a closure's backward is held)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Torch's ``zero_grad``; also forgets gradients held by ``no_step()``."""
+        verifier = self._lo_engine.verifier
+        if verifier is not None:
+            verifier.zeroed(None)
         self._lo_engine.zero_grad(set_to_none, super().zero_grad)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

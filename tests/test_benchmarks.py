@@ -23,6 +23,7 @@ SMOKE = {
     "bench_overhead.py --tiny": "fused Adam",
     "loop_bench.py --tiny": "KiB",
     "bench_losses.py --tiny": "LM loss",
+    "bench_verify.py --tiny": "bit-identical in all three",
     "bench_ddp.py --tiny": "layeropt bit-identical to DDP + torch.optim on every rank; "
                            "replicas agree bit for bit",
     "bench_ddp.py --tiny --fsdp": "layeropt bit-identical to FSDP2 + torch.optim on every "

@@ -1,0 +1,244 @@
+"""Check it in your own loop: the first N training steps run both ways.
+
+``LAYEROPT_VERIFY=N python train.py`` (or ``layeropt.attach(model, opt,
+verify=N)``) makes an attached optimizer run its first ``N`` training steps
+with torch's own semantics, for real: gradients stay in ``.grad`` until
+``step()``, which applies them with the torch class's own ``step`` after
+whatever the loop did in between. Beside it, every update the hooks would
+have made during backward is computed on a *shadow* of its bucket - the
+bucket's parameters and optimizer state are saved, the in-backward update
+runs on copies of the gradients exactly as it would (the same grouping, the
+same unscaling and clipping, ``InBackwardOptimizer._step_params``), its
+result is fingerprinted, and everything is restored. Only fingerprints are
+kept (a 128-bit hash of the bytes, with the sum and the norm to say how
+large a difference is), one bucket's copies at a time.
+
+At each ``step()`` the real results are compared with the shadow's, bit for
+bit (``-0.0`` and ``0.0`` are one value, as ``torch.equal`` has it). The
+first difference raises :class:`~layeropt.errors.VerifyError`, naming the
+parameter, the training step, how large the difference is and its likely
+cause - a gradient edited or discarded after backward, gradients not zeroed
+between steps, a parameter changed after its update would have run, or an
+update that differs with the same inputs (an optimizer whose ``step()``
+reads other parameters' gradients; a bug in layeropt) - with the fix. The
+loop's own refusals (accumulation, clipping after backward, ...) are raised
+as usual: in-backward updating would refuse them too. After ``N`` equal
+steps a warning says so once, and the optimizer updates in backward from
+then on, at no further cost.
+
+Memory during verified steps is torch's: every gradient is kept until
+``step()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._registry import is_dtensor
+from ._subset import _restore, _Saved, _snapshot
+from ._transforms import prepare_grads
+from .errors import (
+    VERIFY_CAUSES,
+    VERIFY_ERROR,
+    VERIFY_OFFLOAD_ERROR,
+    VERIFY_PASSED,
+    LayeroptError,
+    VerifyError,
+    warn,
+)
+
+__all__ = ["Verifier", "verify_steps"]
+
+
+def verify_steps(verify: int | None) -> int:
+    """How many training steps to verify: ``verify`` if given, else ``LAYEROPT_VERIFY``."""
+    if verify is None:
+        text = os.environ.get("LAYEROPT_VERIFY", "").strip() or "0"
+        try:
+            verify = int(text)
+        except ValueError:
+            raise ValueError(
+                f"LAYEROPT_VERIFY={text!r}: give the number of training steps to verify, "
+                "e.g. LAYEROPT_VERIFY=3 (0 or unset: none)") from None
+    if verify < 0:
+        raise ValueError(f"verify must be >= 0 training steps, got {verify}")
+    return verify
+
+
+def _no_state_place(optimizer: Any) -> None:
+    if optimizer is not None and optimizer.__dict__.get("_lo_state_place") is not None:
+        raise LayeroptError(VERIFY_OFFLOAD_ERROR)
+
+
+class Print(NamedTuple):
+    """A tensor's fingerprint: its bytes' hash (``-0.0`` as ``0.0``), sum and norm."""
+
+    digest: bytes
+    total: float
+    norm: float
+
+
+def fingerprint(t: Tensor) -> Print:
+    if is_dtensor(t):
+        t = t.to_local()  # (each process checks its own shard)
+    t = t.detach()
+    if t.is_floating_point() or t.is_complex():
+        t = t + 0  # -0.0 + 0 is 0.0: the two zeros are one value, as torch.equal has it
+    data = t.contiguous().cpu().reshape(-1)  # (a 0-dim step counter too)
+    digest = hashlib.blake2b(data.view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
+    as_double = data.double() if not data.is_complex() else data.abs().double()
+    return Print(digest, float(as_double.sum()), float(as_double.norm()))
+
+
+class _Shadow(NamedTuple):
+    """What the in-backward update of one parameter would have done, and its inputs."""
+
+    grad: Print  # the gradient it would have applied (after unscaling and clipping)
+    param_before: Print
+    param_after: Print
+    state_after: dict[str, Print]
+    name: str
+
+
+class Verifier:
+    """The first ``steps`` training steps of one optimizer, run both ways (module docstring).
+
+    Args:
+        engine: the optimizer's engine (``layeropt/landing.py``).
+        steps: how many ``step()`` calls to verify.
+    """
+
+    def __init__(self, engine: Any, steps: int) -> None:
+        _no_state_place(engine._optimizer())
+        self.engine = engine
+        self.left = steps
+        self.done = 0  # training steps verified
+        self.shadows: dict[Tensor, _Shadow] = {}  # this training step's in-backward updates
+        self.unzeroed: dict[int, Tensor] = {}  # id(param) -> its .grad after the last step()
+
+    # -- the in-backward side ---------------------------------------------------
+    def shadow(self, optimizer: Any, groups: list[Any], transform: Any) -> None:
+        """The in-backward update of ``groups`` (Bucket / Group), on a shadow: computed,
+        fingerprinted, and undone; the real ``.grad`` stay for ``step()``."""
+        for g in groups:
+            params = [p for p in g.params if p not in self.shadows]  # (once per step)
+            if not params:
+                continue
+            self.check_zeroed(params)
+            saved, values = _Saved(optimizer, params), _snapshot(optimizer)
+            grads = [p.grad for p in params]
+            before = {p: (None, fingerprint(p)) for p in params}
+            try:
+                for p in params:
+                    p.grad = p.grad.clone()  # unscaling and clipping act on copies
+                s = g.settings
+                if transform is not None or (s is not None and s.clips):
+                    prepare_grads(params, transform, s)
+                used = {p: fingerprint(p.grad) for p in params}  # the gradient it applies
+                optimizer._step_params(params)
+                for p in params:
+                    state = optimizer.state.get(p, {})
+                    self.shadows[p] = _Shadow(
+                        used[p], before[p][1], fingerprint(p),
+                        {k: fingerprint(v) for k, v in state.items() if isinstance(v, Tensor)},
+                        self.engine.name_of(p))
+            finally:
+                for p, grad in zip(params, grads):
+                    # a DDP bucket's averaged slice: its own memory, as DDP's write-back
+                    p.grad = grad if grad._base is None else grad.clone()
+                saved.restore(optimizer)
+                _restore(optimizer, values)
+
+    def check_zeroed(self, params: list[Tensor]) -> None:
+        """Refuse gradients accumulated onto the last step's: autograd adds into the
+        ``.grad`` it finds, in place, so a gradient no ``zero_grad()`` (or ``p.grad =
+        None``) removed since ``step()`` is still the same tensor."""
+        for p in params:
+            kept = self.unzeroed.get(id(p))
+            if kept is not None and p.grad is kept:
+                self._fail(p, "not zeroed", self.engine.name_of(p), "")
+
+    def transform_real(self, params: list[Tensor], transform: Any) -> None:
+        """After ``layeropt.backward``'s step pass: its unscaling and clipping applied to
+        the real gradients it shadowed, as torch's recipe applies them before step()."""
+        grads = [p for p in params if p.grad is not None]
+        if grads and (transform.inv_scale is not None or transform.coef is not None):
+            prepare_grads(grads, transform, None)
+
+    def zeroed(self, params: Callable[[], Any] | None) -> None:
+        """``zero_grad()`` (the optimizer's: all; a module's: ``params()``)."""
+        if params is None:
+            self.unzeroed.clear()
+        else:
+            for p in params():
+                self.unzeroed.pop(id(p), None)
+
+    # -- the real side ----------------------------------------------------------
+    def step(self, optimizer: Any, closure: Callable[[], Any] | None) -> Any:
+        """``optimizer.step()``: the in-backward step's leftovers on the shadow, torch's
+        own step for real, then the comparison (raises :class:`VerifyError`)."""
+        engine = self.engine
+        _no_state_place(optimizer)
+        loss = None
+        if closure is not None:
+            with engine.closure(), torch.enable_grad():
+                loss = closure()
+        engine.check_boundary("step()")  # (what in-backward updating refuses, refused)
+        leftovers = [p for g in optimizer.param_groups for p in g["params"]
+                     if p.grad is not None and p not in self.shadows]
+        if leftovers:  # what step() itself updates in backward mode (held, set by hand)
+            self.shadow(optimizer, engine.placed(leftovers), None)
+        for g in engine.placed(list(self.shadows)):  # attach's clipping, as in backward
+            if g.settings is not None and g.settings.clips:
+                prepare_grads([p for p in g.params if p.grad is not None], None, g.settings)
+        grads = {p: None if p.grad is None else fingerprint(p.grad) for p in self.shadows}
+        moved = {p for p, shadow in self.shadows.items()
+                 if fingerprint(p).digest != shadow.param_before.digest}
+        type(optimizer)._torch_step(optimizer)  # torch's own step, on what the loop left
+        optimizer._opt_called = True
+        try:
+            for p, shadow in self.shadows.items():
+                self._compare(optimizer, p, shadow, grads[p], p in moved)
+        finally:
+            self.shadows = {}
+            self.unzeroed = {id(p): p.grad for g in optimizer.param_groups
+                             for p in g["params"] if p.grad is not None}
+        engine.boundary("step()")
+        self.done += 1
+        self.left -= 1
+        if self.left <= 0:
+            warn(VERIFY_PASSED.format(n=self.done))
+            engine.verify(0)  # in backward from the next backward on
+        return loss
+
+    def _compare(self, optimizer: Any, p: Tensor, shadow: _Shadow, grad: Print | None,
+                 moved: bool) -> None:
+        state = optimizer.state.get(p, {})
+        real = {k: fingerprint(v) for k, v in state.items() if isinstance(v, Tensor)}
+        after = fingerprint(p)
+        if after.digest == shadow.param_after.digest and {
+                k: v.digest for k, v in real.items()} == {
+                k: v.digest for k, v in shadow.state_after.items()}:
+            return
+        size = (f"the parameter's sum differs by {abs(after.total - shadow.param_after.total):.3g} "
+                f"and its norm by {abs(after.norm - shadow.param_after.norm):.3g}")
+        if grad is None:
+            cause = "discarded"
+        elif grad.digest != shadow.grad.digest:
+            cause = "edited"
+        elif moved:
+            cause = "moved"
+        else:
+            cause = "update"
+        self._fail(p, cause, shadow.name, size)
+
+    def _fail(self, p: Tensor, cause: str, name: str, size: str) -> None:
+        self.shadows = {}
+        raise VerifyError(VERIFY_ERROR.format(
+            name=name, step=self.done + 1, size=size or "-", cause=VERIFY_CAUSES[cause]))

@@ -1,0 +1,208 @@
+"""LAYEROPT_VERIFY: the first training steps run both ways, the first difference named.
+
+* Every exact loop of the rules table (tests/test_rules.py) passes verification on a
+  plain model, DDP and FSDP2 and stays bit-identical to torch.optim, through the
+  verified steps and the in-backward steps after them.
+* Each loop that differs from torch where layeropt cannot see it (docs/rules.md, "what
+  cannot be detected") raises VerifyError naming its cause, on every kind; so does a
+  deliberately wrong in-backward update (the comparison itself works).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import layeropt
+import test_rules
+from harness import process_group  # noqa: F401 - a fixture
+
+EXACT_RULES = [r for r, (_, expected, _, _) in test_rules.RULES.items()
+               if expected == test_rules.EXACT]
+
+
+@pytest.mark.parametrize("kind", test_rules.KINDS)
+@pytest.mark.parametrize("rule", EXACT_RULES)
+def test_exact_loops_pass_verification_and_stay_exact(process_group, monkeypatch, kind, rule):
+    """Two verified steps (torch's semantics for real), then one in backward: bit for bit
+    torch.optim's after each, no VerifyError."""
+    if kind in test_rules.NOT_ON.get(rule, ()):
+        pytest.skip(f"torch itself cannot run this loop on {kind}")
+    monkeypatch.setenv("LAYEROPT_VERIFY", "2")
+    out = test_rules.run_rule(kind, rule)
+    assert out["error"] is None, out["error"]
+    assert len(out["steps"]) == test_rules.STEPS
+    for step, s in enumerate(out["steps"]):  # (verified steps keep .grad until zero_grad)
+        for what in ("params", "state", "norms"):
+            test_rules.assert_same(*s[what], f"{what} after step {step}")
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 3))
+
+
+def _cancel_last_layer(m, opt, x):
+    """DINO's cancel_gradients_last_layer: edits .grad after backward, skipping None."""
+    m(x).pow(2).mean().backward()
+    inner = m.module if hasattr(m, "module") else m
+    for p in inner[2].parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+    opt.step()
+    opt.zero_grad()
+
+
+def _hand_scaling(m, opt, x):
+    """Loss scaling by hand: the gradients divided after backward."""
+    (m(x).pow(2).mean() * 64).backward()
+    for p in m.parameters():
+        if p.grad is not None:
+            p.grad /= 64
+    opt.step()
+    opt.zero_grad()
+
+
+def _never_zeroed(m, opt, x):
+    """A loop that never zeroes: torch adds each step's gradient to the next."""
+    m(x).pow(2).mean().backward()
+    opt.step()
+
+
+def _discarded(m, opt, x):
+    """Gradients dropped by hand before step() (a skipped update, as on a NaN loss)."""
+    m(x).pow(2).mean().backward()
+    for p in m.parameters():
+        p.grad = None
+    opt.step()
+    opt.zero_grad()
+
+
+class GlobalNormAdam(torch.optim.Adam):
+    """An optimizer whose step() reads every parameter's gradient (LAMB-like global norm)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        total = torch.stack([g.norm() for g in grads]).norm() if grads else None
+        for g in grads:  # (normalised by the norm of every gradient it was given)
+            g.div_(total)
+        return super().step(closure)
+
+
+def _plain(m, opt, x):
+    m(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+# case -> (loop, optimizer class name or class, wrong update injected, words of the cause)
+CASES: dict[str, tuple[Any, Any, bool, str]] = {
+    "gradient edited after backward (DINO)": (_cancel_last_layer, "AdamW", False,
+                                              "changed between backward and step()"),
+    "hand loss scaling": (_hand_scaling, "AdamW", False, "changed between backward and step()"),
+    "never zeroed": (_never_zeroed, "AdamW", False, "not zeroed"),
+    "gradients discarded before step()": (_discarded, "AdamW", False, "discarded"),
+    "step() reads other parameters' gradients": (_plain, GlobalNormAdam, False,
+                                                 "reads other parameters' gradients"),
+    "a wrong in-backward update (injected)": (_plain, "AdamW", True, "the update differs"),
+}
+
+
+@pytest.mark.parametrize("kind", test_rules.KINDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_what_cannot_be_detected_is_found_by_verification(process_group, kind, case):
+    loop, opt_name, inject, words = CASES[case]
+    model = test_rules._wrap(kind, _model())
+    cls = layeropt.in_backward(opt_name) if isinstance(opt_name, type) else getattr(
+        layeropt, opt_name)
+    opt = cls(model.parameters(), lr=0.01)
+    handle = layeropt.attach(model, opt, verify=3)
+    if inject:
+        original = opt._step_params
+
+        def wrong(params: list[torch.Tensor]) -> None:
+            original(params)
+            with torch.no_grad():
+                params[0].mul_(1.0 + 2.0**-10)
+
+        opt._step_params = wrong
+    try:
+        with pytest.raises(layeropt.VerifyError, match="LAYEROPT_VERIFY") as info:
+            for step in range(3):
+                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+                loop(model, opt, x)
+        assert words in str(info.value).replace("\n", " "), str(info.value)
+    finally:
+        handle.remove()
+
+
+def test_verification_ends_with_a_warning_and_training_goes_on_in_backward():
+    model = _model()
+    opt = layeropt.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    layeropt.attach(model, opt, verify=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+            model(x).pow(2).mean().backward()
+            kept = [p.grad is not None for p in model.parameters()]
+            assert all(kept) == (step < 2)  # verified: torch's semantics; then in backward
+            opt.step()
+            opt.zero_grad()
+    passed = [w for w in caught if "LAYEROPT_VERIFY: 2 training step(s)" in str(w.message)]
+    assert len(passed) == 1
+    assert opt._lo_engine.verifier is None
+
+
+def test_layeropt_verify_must_be_a_count(monkeypatch):
+    monkeypatch.setenv("LAYEROPT_VERIFY", "yes")
+    model = _model()
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="LAYEROPT_VERIFY='yes'"):
+        layeropt.attach(model, opt)
+
+
+@pytest.mark.parametrize("opts", [dict(ga=2, max_grad_norm=0.5), dict(ga=1)],
+                         ids=["accumulate-clip", "plain"])
+def test_hugging_face_trainer_under_layeropt_verify(tmp_path, monkeypatch, opts):
+    """The Trainer's layeropt integration attaches with layeropt.attach, which reads
+    LAYEROPT_VERIFY: the verified steps pass, and the run equals the Trainer with
+    torch.optim bit for bit."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import test_hf
+
+    ref_trainer, ref, _ = test_hf._trainer(tmp_path, "torch", **opts)
+    ref_trainer.train()
+    monkeypatch.setenv("LAYEROPT_VERIFY", "2")
+    trainer, model, _ = test_hf._trainer(tmp_path, "layeropt", **opts)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert any("LAYEROPT_VERIFY: 2 training step(s)" in str(w.message) for w in caught)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        test_rules.assert_same(p.detach(), q.detach(), name)
+
+
+def test_lightning_under_layeropt_verify(monkeypatch):
+    """Lightning's callback attaches with layeropt.attach (LAYEROPT_VERIFY read there)."""
+    pytest.importorskip("lightning.pytorch")
+    import test_lightning
+
+    setup = test_lightning._kw(test_lightning.SETUPS["accumulate-3-clip"])
+    ref = test_lightning.Net(torch.optim.AdamW, weight_decay=0.1)
+    test_lightning._fit(ref, steps=4, **setup)
+    monkeypatch.setenv("LAYEROPT_VERIFY", "2")
+    module = test_lightning.Net(layeropt.AdamW, weight_decay=0.1)
+    callback = test_lightning.LayeroptCallback(bucket_cap_mb=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        test_lightning._fit(module, [callback], steps=4, **setup)
+    assert any("LAYEROPT_VERIFY: 2 training step(s)" in str(w.message) for w in caught)
+    for p, q in zip(module.parameters(), ref.parameters()):
+        test_rules.assert_same(p.detach(), q.detach())
