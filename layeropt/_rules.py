@@ -155,8 +155,9 @@ class StepRecord:
     Attributes:
         stepped_backwards / held_backwards: its backwards that updated parameters,
             or held every gradient for ``step()`` (the accumulation rule).
-        held: gradients kept in ``.grad`` for a later step (``no_step()`` and the
-            other holds), with their bucket (``None``: not hooked yet).
+        held: gradients kept for a later step (``no_step()`` and the other holds),
+            with their bucket (``None``: not hooked yet); in ``.grad``, or in host
+            memory with ``offload_state`` (``layeropt/_held.py``).
         hyper / hyper_txn: the param groups as its first update read them, and
             the transaction that update belonged to (``layeropt/_between.py``).
     """
@@ -242,6 +243,9 @@ class Rules:
         # adds to the accumulated one in turn ((held + a) + b): measured in place then,
         # and restored from a copy; else set aside and added once (held + grad)
         in_place = bool(nesting._TORCH_SEGMENTS)
+        host = self._host_held() if in_place and self.train_step.held else None
+        if host:  # (the pieces add onto the held sum in .grad: brought back for good)
+            host.up(list(self.train_step.held))
         for p in self.train_step.held:
             if p.grad is not None:
                 m.stash[p] = p.grad.clone() if in_place else p.grad
@@ -254,6 +258,10 @@ class Rules:
         """The measure pass ended (or raised): the held gradients back in ``.grad``."""
         m, self.measure = self.measure, None
         self._route()
+        host = self._host_held() if m is not None and self.train_step.held else None
+        for p in list(self.train_step.held) if host else ():
+            if p in host and id(p) not in m.seen:  # held in host memory, no gradient now
+                m.reduce(p, host.fetch(p))
         for p, held in m.stash.items() if m is not None else ():
             if id(p) not in m.seen:  # no gradient this pass: measure the held one
                 m.reduce(p, held.clone())
@@ -294,12 +302,22 @@ class Rules:
             if rec.defer or not hooked_last(param):  # (measured at the end)
                 rec.deferred[param] = bucket
             else:
-                self.measure.take(param)
+                self._take(param)
             return False
         if self.no_step_depth or rec.hold or rec.graph:
             self.train_step.held[param] = bucket
+            host = self._host_held()
+            if host is not None:
+                if rec.hold or torch.is_grad_enabled():  # the loop reads .grad before step()
+                    host.up([param])
+                else:
+                    host.land(param, bucket, rec.serial, rec.defer)
             return False
         if rec.defer:
+            if self.train_step.held:  # the pieces add onto the held sum, as autograd's
+                host = self._host_held()
+                if host:
+                    host.up([param])
             rec.deferred[param] = bucket
             return False
         if nesting._PINS and nesting.pinned(param):
@@ -416,11 +434,14 @@ class Rules:
             return
         self.backward = None
         held = self.train_step.held
+        host = self._host_held() if held else None
         try:
+            if host is not None:
+                host.flush()  # buckets that only partly landed in a holding backward
             if self.measure is not None:
                 for p in rec.deferred:
                     if p.grad is not None:
-                        self.measure.take(p)
+                        self._take(p)
             elif rec.hold:
                 self.train_step.held_backwards += 1
             elif self.no_step_depth or rec.graph:
@@ -428,7 +449,11 @@ class Rules:
                     for p in self._swept():
                         held.setdefault(p, None)
             else:
+                if host:  # landed here but not stepped yet (partly landed buckets)
+                    host.up([p for p in held if p.grad is not None])
                 self._step(rec.ready + self._leftovers(rec))
+                if host:
+                    self._step_host_held(host)
                 held.clear()
         finally:
             self._route()
@@ -478,6 +503,9 @@ class Rules:
     def _abort(self, rec: BackwardRecord) -> None:
         """The backward raised: free the gradients it left unstepped, keep held ones."""
         held = self.train_step.held
+        host = self._host_held() if held else None
+        if host is not None:
+            host.flush()  # what landed stays held, as torch keeps it in .grad
         for group in rec.ready + self._leftovers(rec):
             for p in group.params:
                 if p not in held:
@@ -502,21 +530,77 @@ class Rules:
                 bucket.hooks[index](p)
 
     # -- held gradients ----------------------------------------------------------
+    def _host_held(self) -> Any:
+        """Where held gradients wait in host memory (``offload_state``'s
+        :class:`layeropt._held.HostHeld`), or ``None``."""
+        optimizer = self._optimizer()
+        place = None if optimizer is None else optimizer.__dict__.get("_lo_state_place")
+        return None if place is None else place.held
+
+    def _take(self, param: Tensor) -> None:
+        """The measure pass reduces ``param``'s gradient, plus its held one (in host
+        memory: a device copy for the moment)."""
+        m = self.measure
+        host = self._host_held() if self.train_step.held else None
+        if not host or param not in host or id(param) in m.summed:
+            m.take(param)
+            return
+        m.stash[param] = host.fetch(param)
+        try:
+            m.take(param)
+        finally:
+            del m.stash[param]
+
     def unhold(self, bucket: Any) -> None:
-        """``bucket`` completed: its accumulated gradients are stepped with it."""
+        """``bucket`` completed: its accumulated gradients are stepped with it (those in
+        host memory brought back now)."""
+        held = self.train_step.held
+        host = self._host_held()
+        if host:
+            host.up([p for p in bucket.params if p in held])
         for p in bucket.params:
-            self.train_step.held.pop(p, None)
+            held.pop(p, None)
+
+    def _step_host_held(self, host: Any) -> None:
+        """Step the held gradients still in host memory, a bucket at a time, each
+        brought back just before its step (the bucket's state comes with it)."""
+        buckets: dict[int, tuple[Any, list[Tensor]]] = {}
+        for p, b in self.train_step.held.items():
+            if p in host:
+                buckets.setdefault(id(b), (b, []))[1].append(p)
+        for b, params in buckets.values():
+            for g in self.placed(params) if b is None else [Group(params, b.settings)]:
+                host.up(g.params)
+                self._step([g])
+
+    @property
+    def holds_gradients(self) -> bool:
+        """Whether gradients wait for a later step (in ``.grad`` or in host memory)."""
+        held = self.train_step.held
+        host = self._host_held() if held else None
+        return any(p.grad is not None or (host is not None and p in host) for p in held)
+
+    def in_host_memory(self) -> list[Tensor]:
+        """Parameters whose held gradient is in host memory (``.grad`` is ``None``)."""
+        host = self._host_held() if self.train_step.held else None
+        return [p for p in self.train_step.held if p in host] if host else []
 
     def step_held(self) -> None:
         """After ``layeropt.backward``'s step pass, with its transform still set: step
         the held gradients of parameters that pass did not reach."""
         held = self.train_step.held
         if held and not self.no_step_depth:
+            host = self._host_held()
             self._step(self.placed([p for p in held if p.grad is not None]))
+            if host:
+                self._step_host_held(host)
             held.clear()
 
     def discard_held(self) -> None:
         """Drop the held gradients (their optimizer's step was skipped)."""
+        host = self._host_held() if self.train_step.held else None
+        if host is not None:
+            host.drop()
         for p in self.train_step.held:
             p.grad = None
         self.train_step.held.clear()
@@ -543,6 +627,9 @@ class Rules:
         rec = self.last
         steps = rec.steps  # (stepped_in_backward counts the backward's updates only)
         self._step(self.placed(params))
+        host = self._host_held() if self.train_step.held else None
+        if host:
+            self._step_host_held(host)
         rec.steps = steps
         self.boundary("step()")
         if params:  # gradients no hook took: layers unfrozen (or hooks lost) since
@@ -556,6 +643,12 @@ class Rules:
         if attached:
             self.check_boundary("zero_grad()")
             self.check_discard(None, "optimizer.zero_grad()")
+        host = self._host_held() if self.train_step.held else None
+        if host is not None:  # torch would zero (or drop) these .grad
+            if not set_to_none:
+                for p, acc in host.host.items():
+                    p.grad = torch.zeros_like(acc, device=p.device)
+            host.drop()
         torch_zero_grad(set_to_none)
         self.train_step.held.clear()
         self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, self._this_step(),

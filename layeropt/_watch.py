@@ -45,6 +45,7 @@ from ._registry import ENGINES
 from .errors import (
     BackwardStateError,
     CLIP_AFTER_BACKWARD,
+    CLIP_HELD_ON_HOST,
     IN_A_TRAINER,
     LayeroptError,
     SHARED_PARAMETER_ERROR,
@@ -119,6 +120,9 @@ def _guard(fn: Callable[..., Any], by_norm: bool, name: str) -> Callable[..., An
                 warn(message.replace("nothing would be clipped", "the norm is not measured"))
             else:
                 raise LayeroptError(message)
+        hidden = {id(p) for e in list(ENGINES) for p in e.in_host_memory()} if ENGINES else ()
+        if hidden and any(p.grad is None and id(p) in hidden for p in parameters):
+            raise LayeroptError(CLIP_HELD_ON_HOST.format(fn=f"torch.nn.utils.{name}"))
         _CALLING.append(name)
         try:
             return fn(parameters, *args, **kwargs)

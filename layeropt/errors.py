@@ -126,6 +126,15 @@ CLIP_AFTER_BACKWARD = (
     + IN_A_TRAINER
 )
 
+CLIP_HELD_ON_HOST = (
+    "{fn} was called on parameters whose held gradients wait in host memory "
+    "(layeropt.offload.offload_state moves gradients held by no_step() or "
+    "retain_graph=True there), so .grad is None and nothing would be clipped. Clip the "
+    "whole window's gradient in its last backward instead: layeropt.backward(loss, "
+    "max_norm=...) outside no_step(); or keep held gradients in .grad with "
+    "offload_state(opt, held_grads=False). Nothing was clipped or updated."
+)
+
 SHARED_PARAMETER_ERROR = (
     "{optimizer}.step() is about to skip parameter {name}: it has no gradient because "
     "the layeropt optimizer {owner}, which also owns it, updated it during the latest "
