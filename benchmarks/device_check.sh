@@ -11,9 +11,12 @@
 # 4. the step tables of gpu.sh, bf16 (23M GPT, many-small; ~1B GPT);
 # 5. plan's margin calibration (benchmarks/plan_calibrate.py);
 # 6. optimizer state offload (tests/test_cuda_offload.py: sync and overlap bit for bit,
-#    and FSDP2's CPUOffloadPolicy over NCCL: exact, or refused where torch races;
-#    benchmarks/offload_bench.py: 7B-shaped layers vs fused AdamW, and a profiler trace
-#    of an overlapped backward, offload-trace.json, to see copies beside the steps).
+#    held gradients in pinned host memory and prefetch in landing order over
+#    accumulation windows, and FSDP2's CPUOffloadPolicy over NCCL: exact, or refused
+#    where torch races; benchmarks/offload_bench.py: 7B-shaped layers, two micro-batches
+#    a step, torch fused AdamW vs layeropt, offload sync / held on GPU / overlap /
+#    overlap + prefetch, and a profiler trace of an overlapped backward,
+#    offload-trace.json, to see copies beside the steps).
 # Each part is capped by `timeout`, so a slow part is cut short, not the rest.
 # Copy the logs into docs/results/ with the date and the GPU's name.
 set -uo pipefail
@@ -47,5 +50,5 @@ part gpt23m-bf16 70 $BENCH --rounds 10
 part gpt1b-bf16 70 $BENCH --model gpt --size 1b --rounds 3 --contenders adam-fused layeropt floor
 part plan-calibrate 50 python benchmarks/plan_calibrate.py
 part offload-tests 60 python -m pytest tests/test_cuda_offload.py -q -p no:cacheprovider
-part offload-bench 90 python benchmarks/offload_bench.py --layers 4 --steps 4 --trace "$OUT/offload-trace.json"
+part offload-bench 90 python benchmarks/offload_bench.py --layers 4 --steps 3 --accumulate 2 --trace "$OUT/offload-trace.json"
 echo "logs in $OUT/"

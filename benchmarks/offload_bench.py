@@ -2,12 +2,17 @@
 
 Llama-2-7B-shaped blocks (d=4096, MLP 11008, bf16 parameters, AdamW states in
 bf16), batch 1 x 2048 tokens. Contenders: torch.optim.AdamW(fused) (if it
-fits), layeropt.AdamW(fused), the same with offload_state (sync) and with
-overlap=True. Prints per contender the median step time, the allocator's peak,
-the bytes copied per step and the PCIe rate they imply, and checks that the
-offloaded runs equal layeropt without offload bit for bit.
+fits), layeropt.AdamW(fused), the same with offload_state (sync), with
+overlap=True and with overlap=True + prefetch=True (in landing order). With
+``--accumulate N`` each step is a window of N micro-batches (torch sums them;
+layeropt holds all but the last in no_step(), the held gradients in pinned host
+memory by default, and, as one more contender, on the GPU: held_grads=False).
+Prints per contender the median step time, the allocator's peak, the bytes
+copied per step and the PCIe rate they imply, and checks that the offloaded
+runs equal layeropt without offload bit for bit.
 
     python benchmarks/offload_bench.py --layers 4 --steps 5 [--trace trace.json]
+    python benchmarks/offload_bench.py --layers 4 --steps 3 --accumulate 2
     python benchmarks/offload_bench.py --device cpu --tiny   # smoke run (tests), seconds
 """
 
@@ -43,7 +48,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | None) -> dict:
+def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | None,
+        accumulate: int = 1) -> dict:
     cuda = x.device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
@@ -56,12 +62,19 @@ def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | No
         layeropt.attach(model, opt)
     handle = None
     if name.startswith("offload"):
-        handle = offload_state(opt, overlap=name.endswith("overlap"))
+        handle = offload_state(opt, overlap="overlap" in name, prefetch="prefetch" in name,
+                               held_grads="held on GPU" not in name)
     times = []
     for _ in range(steps):
         _sync(x.device)
         t = time.perf_counter()
-        model(x).float().square().mean().backward()
+        for k in range(accumulate):
+            loss = model(x).float().square().mean() / accumulate
+            if in_backward and k < accumulate - 1:
+                with opt.no_step():
+                    loss.backward()
+            else:
+                loss.backward()
         opt.step()
         opt.zero_grad()
         _sync(x.device)
@@ -73,7 +86,10 @@ def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | No
             model(x).float().square().mean().backward()
             torch.cuda.synchronize()
         prof.export_chrome_trace(trace)
-    copied = handle.copied_bytes / steps if handle else 0
+    copied = 0
+    if handle:
+        held = handle.held
+        copied = (handle.copied_bytes + (held.down_bytes + held.up_bytes if held else 0)) / steps
     if handle:
         handle.synchronize()
     return dict(name=name, ms=statistics.median(times[1:] or times) * 1e3,
@@ -89,6 +105,7 @@ def main() -> None:
     ap.add_argument("--trace", default=None, help="chrome trace of one overlapped backward")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="small blocks: a smoke run")
+    ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     args = ap.parse_args()
     torch.manual_seed(0)
     d, ffn, seq = (64, 172, 16) if args.tiny else (4096, 11008, args.seq)
@@ -98,14 +115,17 @@ def main() -> None:
     n = sum(p.numel() for p in base.parameters())
     where = torch.cuda.get_device_name() if device.type == "cuda" else str(device)
     print(f"{args.layers} {'tiny' if args.tiny else 'Llama-2-7B-shaped'} blocks: {n / 1e9:.2f}B "
-          f"parameters, bf16, {where}, torch {torch.__version__}")
+          f"parameters, bf16, {where}, torch {torch.__version__}, "
+          f"{args.accumulate} micro-batch(es) per step")
     results = []
     names = ["torch fused", "layeropt fused", "offload sync"]
+    if args.accumulate > 1:
+        names.append("offload sync, held on GPU")
     if device.type == "cuda":
-        names.append("offload overlap")  # (a CUDA side stream)
+        names += ["offload overlap", "offload overlap prefetch"]  # (a CUDA side stream)
     for name in names:
         try:
-            results.append(run(name, base, x, args.steps, args.trace))
+            results.append(run(name, base, x, args.steps, args.trace, args.accumulate))
         except torch.OutOfMemoryError:
             print(f"{name}: out of memory")
     ref = next((r for r in results if r["name"] == "layeropt fused"), None)
@@ -117,7 +137,7 @@ def main() -> None:
         if r["copied"] and ref is not None:
             extra = (r["ms"] - ref["ms"]) / 1e3
             rate = f"  {r['copied'] / 2**30:.2f} GiB copied/step ({r['copied'] / max(extra, 1e-9) / 1e9:.1f} GB/s over layeropt's time)"
-        print(f"{r['name']:>16}: {r['ms']:8.1f} ms/step  peak {r['peak'] / 2**30:6.2f} GiB{rate}{same}")
+        print(f"{r['name']:>26}: {r['ms']:8.1f} ms/step  peak {r['peak'] / 2**30:6.2f} GiB{rate}{same}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ gradients either.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,6 +57,8 @@ class HostHeld:
         self._serial = -1  # the backward record the pending gradients landed in
         self.down_bytes = 0
         self.up_bytes = 0
+        # prefetch (layeropt/_prefetch.py): (param, host sum) -> its copy fetched ahead
+        self.ahead: Callable[[Tensor, Tensor], Tensor | None] | None = None
 
     def __contains__(self, param: Tensor) -> bool:
         return param in self.host
@@ -135,9 +138,11 @@ class HostHeld:
         """A device copy of ``param``'s host sum, which stays held
         (``layeropt.backward``'s measure pass)."""
         acc = self.host[param]
-        work = torch.empty_strided(acc.size(), acc.stride(), dtype=acc.dtype,
-                                   device=param.device)
-        work.copy_(acc, non_blocking=param.device.type == "cuda")
+        work = None if self.ahead is None else self.ahead(param, acc)
+        if work is None:
+            work = torch.empty_strided(acc.size(), acc.stride(), dtype=acc.dtype,
+                                       device=param.device)
+            work.copy_(acc, non_blocking=param.device.type == "cuda")
         self.up_bytes += acc.nbytes
         return work
 

@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._held import HostHeld
+from ._prefetch import LandingOrder
 from ._subset import _MISSING
 from .errors import LayeroptError
 from .optim import InBackwardOptimizer
@@ -55,6 +56,7 @@ __all__ = ["offload_state", "StateOffload"]
 
 # torch's rule for where a loaded state value goes (Optimizer.load_state_dict uses it)
 _POLICY = getattr(torch.optim.Optimizer, "_process_value_according_to_param_policy", None)
+_HELD = "held gradient"  # StateOffload._copies: a held gradient's sum fetched ahead
 
 
 def _offloadable(p: Tensor, v: Any) -> bool:
@@ -90,14 +92,26 @@ class StateOffload:
         copied_bytes: bytes of state copied host->device and back so far.
         held: the held gradients in host memory (:class:`layeropt._held.HostHeld`;
             ``None`` with ``held_grads=False``).
+        order: with ``prefetch``, the recorded landing order
+            (:class:`layeropt._prefetch.LandingOrder`); else ``None``.
+        prefetched_bytes / wasted_bytes: bytes fetched ahead, and of those the ones
+            dropped unused (out of order, stale).
     """
 
     def __init__(self, optimizer: InBackwardOptimizer, max_buckets: int, overlap: bool,
-                 held_grads: bool = True) -> None:
+                 held_grads: bool = True, prefetch: bool = False) -> None:
         self._optimizer = weakref.ref(optimizer)  # (the optimizer keeps this handle)
         self.max_buckets = max_buckets
         self.overlap = overlap
         self.held: HostHeld | None = HostHeld() if held_grads else None
+        self.order: LandingOrder | None = LandingOrder() if prefetch else None
+        self.prefetched_bytes = self.wasted_bytes = 0
+        self._calls: dict[tuple[int, ...], list[Tensor]] = {}  # step call key -> its params
+        self._ahead: dict[tuple[int, ...], list[tuple[int, Any]]] = {}  # key -> its copies
+        # (id(param), state key or _HELD) -> (host tensor, its version, device copy, event)
+        self._copies: dict[tuple[int, Any], tuple[Tensor, int, Tensor, Any]] = {}
+        if prefetch and self.held is not None:
+            self.held.ahead = self._take_held
         self.device_bytes = 0
         self.peak_device_bytes = 0
         self.copied_bytes = 0
@@ -154,17 +168,25 @@ class StateOffload:
             for s in streams.values():
                 for f in self._flights:
                     s.wait_event(f.event)
+        key = tuple(map(id, params)) if self.order is not None else ()
         try:
             for p in params:
                 s = state.get(p)
                 for k, v in list(s.items()) if s else ():
                     if self._host(p, k, v):
-                        s[k] = work = self._to_device(v, p.device)
+                        work = self._take(p, k, v) if self._copies else None
+                        if work is None:
+                            work = self._to_device(v, p.device)
+                            self._count(v.nbytes, copied=True)
+                        s[k] = work
                         working[(id(p), k)] = (v, work)
-                        self._count(v.nbytes, copied=True)
             yield
         finally:
             self._write_back(state, params, working)
+            if self.order is not None:
+                self._calls[key] = params
+                self.order.landed(key, optimizer._lo_engine.last.serial)
+                self._fetch_ahead(self.order.upcoming(self.max_buckets))
 
     def _to_device(self, host: Tensor, device: torch.device) -> Tensor:
         work = _empty_like(host, device)
@@ -206,6 +228,78 @@ class StateOffload:
         if copied:
             self.copied_bytes += nbytes
 
+    # -- prefetch in landing order ----------------------------------------------
+    def _fetch_ahead(self, keys: list[tuple[int, ...]]) -> None:
+        """Copy the state (and held gradient sums) of the step calls ``keys`` to the
+        device now (a side stream on CUDA); drop the copies of calls no longer expected."""
+        for old in [k for k in self._ahead if k not in keys]:
+            self._drop_ahead(old)
+        state = self.optimizer.state
+        for key in keys:
+            params = self._calls.get(key)
+            if key in self._ahead or params is None:
+                continue
+            entries = []
+            side = None
+            for p in params:
+                sources = [(k, v) for k, v in (state.get(p) or {}).items() if self._host(p, k, v)]
+                if self.held is not None and p in self.held.host:
+                    sources.append((_HELD, self.held.host[p]))
+                for k, v in sources:
+                    if side is None and p.device.type == "cuda":
+                        side = self._side_stream(p.device)
+                    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                        work = self._to_device(v, p.device)
+                    self._copies[(id(p), k)] = (v, v._version, work, None)
+                    entries.append((id(p), k))
+                    self._count(v.nbytes, copied=k is not _HELD)
+                    self.prefetched_bytes += v.nbytes
+            if side is not None:
+                event = torch.cuda.Event()
+                event.record(side)
+                for e in entries:
+                    self._copies[e] = (*self._copies[e][:3], event)
+            self._ahead[key] = entries
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+
+    def _side_stream(self, device: torch.device) -> Any:
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))  # (copies back it must follow)
+        return side
+
+    def _take(self, p: Tensor, k: Any, host: Tensor) -> Tensor | None:
+        """The copy fetched ahead of ``host`` (``state[p][k]`` or the held sum), if it is
+        still that tensor's value; else ``None`` (fetch it now)."""
+        entry = self._copies.pop((id(p), k), None)
+        if entry is None:
+            return None
+        source, version, work, event = entry
+        if source is not host or source._version != version:  # written since: stale
+            self.device_bytes -= work.nbytes
+            self.wasted_bytes += work.nbytes
+            return None
+        if event is not None:
+            current = torch.cuda.current_stream(work.device)
+            current.wait_event(event)
+            work.record_stream(current)
+        if k is _HELD:  # a gradient from now on, not state
+            self.device_bytes -= work.nbytes
+        return work
+
+    def _take_held(self, p: Tensor, acc: Tensor) -> Tensor | None:
+        return self._take(p, _HELD, acc) if self._copies else None
+
+    def _drop_ahead(self, key: tuple[int, ...] | None = None) -> None:
+        """Forget the copies fetched ahead for ``key`` (all: ``None``) not used yet."""
+        for k in list(self._ahead) if key is None else [key]:
+            for entry in self._ahead.pop(k, ()):
+                copy = self._copies.pop(entry, None)
+                if copy is not None:
+                    self.device_bytes -= copy[2].nbytes
+                    self.wasted_bytes += copy[2].nbytes
+
     # -- overlap (CUDA) ------------------------------------------------------
     def _copy_back_async(self, moves: list[Any], nbytes: int) -> None:
         if not moves:
@@ -236,6 +330,7 @@ class StateOffload:
     def synchronize(self) -> None:
         """Wait until every copy back has landed in host memory (``overlap=True``)."""
         self._retire(block_until=0)
+        self._drop_ahead()
 
     # -- optimizer hooks -------------------------------------------------------
     def _before_read(self, *args: Any) -> None:
@@ -337,7 +432,7 @@ class StateOffload:
 
 
 def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False,
-                  held_grads: bool = True) -> StateOffload:
+                  held_grads: bool = True, prefetch: bool = False) -> StateOffload:
     """Keep ``optimizer``'s state in host memory; each bucket's comes to the device to step.
 
     Exact: parameters and optimizer state equal the same loop without offload
@@ -355,6 +450,10 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
             moved as soon as it has landed and brought back for its step
             (``layeropt/_held.py``); ``.grad`` is ``None`` meanwhile. ``False``
             keeps them in ``.grad`` on the device.
+        prefetch: fetch the state (and held gradient sums) of the buckets expected
+            next, in the order they landed in the previous backward, while the
+            backward goes on, at most ``max_buckets`` ahead (``layeropt/_prefetch.py``;
+            CUDA only, off by default: not yet run on a GPU).
 
     Returns:
         A :class:`StateOffload`; ``handle.remove()`` brings the state back.
@@ -385,15 +484,16 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
             "(FSDP2's DTensor shards, or another tensor subclass). Use it on a model that "
             "is not sharded, or without offload."
         )
-    if overlap:
+    for name, on in (("overlap", overlap), ("prefetch", prefetch)):
         where = sorted({str(p.device) for p in params if p.device.type != "cuda"})
-        if where or not torch.cuda.is_available():
+        if on and (where or not torch.cuda.is_available()):
             raise LayeroptError(
-                "offload_state(overlap=True) copies on a CUDA side stream, but parameters "
-                f"are on {', '.join(where) or 'no CUDA device'}. Use overlap=False (the "
+                f"offload_state({name}=True) copies on a CUDA side stream, but parameters "
+                f"are on {', '.join(where) or 'no CUDA device'}. Use {name}=False (the "
                 "default): the same results, the copies in line with the steps."
             )
-    return _install(optimizer, StateOffload(optimizer, max_buckets, overlap, held_grads))
+    return _install(optimizer,
+                    StateOffload(optimizer, max_buckets, overlap, held_grads, prefetch))
 
 
 def _install(optimizer: Any, handle: StateOffload) -> StateOffload:

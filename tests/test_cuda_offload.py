@@ -1,4 +1,5 @@
-"""layeropt.offload on CUDA: pinned host state, synchronous and overlapped copies.
+"""layeropt.offload on CUDA: pinned host state, synchronous and overlapped copies, held
+gradients in pinned host memory, prefetch in landing order.
 
 Bit for bit against the same loop without offload and against torch.optim, on
 the GPU (skipped without CUDA; ``benchmarks/device_check.sh`` runs it). Also
@@ -76,6 +77,70 @@ def test_sync_and_overlap_match_no_offload_and_torch(opt_name, kw, cap):
                 if v.dim() > 0:
                     assert v.device.type == "cpu" and v.is_pinned(), k
         assert handle.device_bytes <= (handle.max_buckets - 1) * handle.peak_device_bytes
+
+
+def _window(runs, batch_fn, loss_fn, steps=3, micro=3):
+    """Accumulation windows: torch sums ``micro`` micro-batches; layeropt holds all but
+    the last with no_step() (in pinned host memory with offload's held_grads)."""
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        batches = []
+        for _ in range(micro):
+            data = batch_fn(gen)
+            batches.append(tuple(t.cuda() for t in data) if isinstance(data, tuple)
+                           else data.cuda())
+        for i, (m, o, handle) in enumerate(runs):
+            for k, data in enumerate(batches):
+                if i and k < micro - 1:
+                    with o.no_step():
+                        (loss_fn(m, data) / micro).backward()
+                    if handle is not None and handle.held is not None:
+                        assert all(t.is_pinned() for t in handle.held.host.values())
+                        assert all(p.grad is None for p in m.parameters())
+                else:
+                    (loss_fn(m, data) / micro).backward()
+            o.step()
+            o.zero_grad()
+
+
+@pytest.mark.parametrize("cap", [0.0, 1.0], ids=["cap0", "default-cap"])
+@pytest.mark.parametrize("opt_name,kw", CONFIGS, ids=[f"{n}{kw}" for n, kw in CONFIGS])
+def test_held_grads_and_prefetch_match_no_offload_and_torch(opt_name, kw, cap):
+    """Held gradients in pinned host memory and prefetch in landing order, bit for bit."""
+    offloads = [None, dict(), dict(held_grads=False), dict(prefetch=True),
+                dict(overlap=True, prefetch=True, max_buckets=1)]
+    runs, batch_fn, loss_fn = _runs(opt_name, kw, cap, offloads)
+    _window(runs, batch_fn, loss_fn, steps=2)
+    (m0, o0, _), *rest = runs
+    for m, o, handle in rest:
+        assert_models_equal(m0, m)
+        assert_same(o0.state_dict(), o.state_dict())
+        if handle is not None and handle.order is not None and cap == 0.0:
+            assert handle.prefetched_bytes > 0  # (the default cap: one step call, nothing next)
+
+
+def test_clipped_window_with_held_grads_on_host():
+    """layeropt.backward(max_norm=) ending a window whose held part is in host memory."""
+    runs, batch_fn, loss_fn = _runs("AdamW", dict(lr=0.01, fused=True), 0.0,
+                                    [None, dict(), dict(overlap=True, prefetch=True)])
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        batches = [batch_fn(gen).cuda() for _ in range(2)]
+        (ref, ref_opt, _), *ours = runs
+        for data in batches:
+            (loss_fn(ref, data) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for m, o, _ in ours:
+            with o.no_step():
+                (loss_fn(m, batches[0]) / 2).backward()
+            layeropt.backward(loss_fn(m, batches[1]) / 2, max_norm=0.05)
+            o.zero_grad()
+    (m0, o0, _), *rest = runs
+    for m, o, _ in rest:
+        assert_models_equal(m0, m)
+        assert_same(o0.state_dict(), o.state_dict())
 
 
 def test_device_memory_holds_one_bucket_of_state():

@@ -20,12 +20,14 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from harness import TORCH
 
 import layeropt
+import layeropt._held
 import layeropt.offload
 from layeropt.__main__ import main
 from layeropt.memory import PeakMemory
@@ -684,3 +686,90 @@ def test_plot_marks_the_recommendation(tmp_path, monkeypatch):
     assert box.x0 >= 0 and box.x1 <= fig.bbox.width  # the title is not cut off
     legend = fig.legends[0].get_window_extent()
     assert legend.y1 <= ax.get_window_extent().y0  # the legend is below the bars
+
+
+# -- gradient accumulation (--accumulate N) -----------------------------------------
+HELD = Variant("layeropt.AdamW", "fused", offload=True, held_on_host=True)
+
+
+class _NumpyHost(layeropt._held.HostHeld):
+    """Held gradients' host tensors outside torch's allocator: the profiler then counts
+    what the GPU would hold, as the plan does."""
+
+    def _new_host(self, like: torch.Tensor) -> torch.Tensor:
+        raw = np.empty(like.numel() * like.element_size(), dtype=np.uint8)
+        return torch.from_numpy(raw).view(like.dtype).view(like.shape)
+
+
+def real_window(variant: Variant, build, make_batch, loss_fn, n):
+    """``(start, peak above start, (to device, to host) bytes)`` of a real steady-state
+    window of ``n`` micro-batches: torch sums them, layeropt holds all but the last."""
+    torch.manual_seed(0)
+    with torch.backends.mkldnn.flags(enabled=False):
+        model = build()
+        batch = make_batch()
+        opt = REAL_OPTIMIZERS[f"{variant.optimizer}/{variant.implementation}"](
+            [p for p in model.parameters() if p.requires_grad])
+        handle = layeropt.attach(model, opt, bucket_cap_mb=0.0) if variant.in_backward else None
+        off = None
+        if variant.offload:
+            off = layeropt.offload.offload_state(opt, held_grads=variant.held_on_host)
+            if off.held is not None:
+                off.held.__class__ = _NumpyHost
+
+        def window() -> None:
+            for k in range(n):
+                loss = loss_fn(model, batch)
+                with opt.no_step() if variant.in_backward and k < n - 1 else _nothing():
+                    loss.backward()
+                del loss
+            opt.step()
+            opt.zero_grad()
+
+        window()
+        counted = (0, 0, 0) if off is None else (
+            off.copied_bytes, *((off.held.down_bytes, off.held.up_bytes) if off.held is not None else (0, 0)))
+        with PeakMemory() as mem:
+            window()
+        link = (0, 0)
+        if off is not None:
+            state = (off.copied_bytes - counted[0]) // 2
+            down = (off.held.down_bytes - counted[1]) if off.held is not None else 0
+            up = (off.held.up_bytes - counted[2]) if off.held is not None else 0
+            link = (state + up, state + down)
+        start = _live_bytes(list(model.parameters()), list(model.buffers()), batch,
+                            list(opt.state.values()))  # fmt: skip
+        if off is not None:
+            start -= off.host_bytes
+            off.remove()
+        if handle is not None:
+            handle.remove()
+    return start, mem.peak, link
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_accumulation_plan_equals_real_run(n):
+    """Every row of an accumulation window - held gradients on the device or in host
+    memory - to the byte against a real CPU window, and the bytes over the host link."""
+    cfg = hf_config("llama")
+    rows = [FUSED, LAYEROPT, OFFLOAD, HELD]
+    p = plan(cfg, seq=SEQ, batch=BATCH, dtype=torch.float32, device="cpu", variants=rows,
+             bucket_cap_mb=0.0, accumulate=n)  # fmt: skip
+    build, make_batch, loss, _, _ = hf_real(cfg, torch.float32)
+    grads = sum(q.numel() * q.element_size() for q in build().parameters())
+    for v in rows:
+        start, peak, link = real_window(v, build, make_batch, loss, n)
+        assert_matches(p.row(v), (start, peak))
+        assert (p.row(v).to_device_bytes, p.row(v).to_host_bytes) == link, v.label
+    held, off = p.row(HELD), p.row(OFFLOAD)
+    assert held.to_host_bytes - off.to_host_bytes == (n - 1) * grads  # each held micro-batch
+    assert held.to_device_bytes - off.to_device_bytes == grads  # the sum, once
+    assert held.host_bytes == off.host_bytes + grads
+    assert held.at_peak["gradients"] < off.at_peak["gradients"] == grads
+    assert "of %d micro-batches" % n in p.table()

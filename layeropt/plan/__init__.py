@@ -92,6 +92,8 @@ def plan(
     bucket_cap_mb: float | None = None,
     progress: Callable[[int, int, Variant], None] | None = None,
     jobs: int = 1,
+    accumulate: int = 1,
+    link_gbps: float = 25.0,
 ) -> Plan:
     """Plan one training step's memory under several configurations.
 
@@ -137,6 +139,13 @@ def plan(
         jobs: processes sharing the rows (forked workers, Linux only; the
             numbers do not depend on it). The command line uses one per core,
             up to 4.
+        accumulate: micro-batches per training step (gradient accumulation:
+            torch.optim sums them, layeropt holds all but the last with
+            ``no_step()``); above 1, state offload rows come twice, with the held
+            gradients on the GPU and in host memory.
+        link_gbps: the host link's speed each way in GB/s, for the step-time
+            floor of rows that copy state or gradients over it (default 25: a
+            PCIe 4.0 x16 link in practice; not measured here).
 
     Returns:
         The :class:`Plan`: ``.table()``, ``.to_dict()``, ``.plot(path)``,
@@ -178,10 +187,12 @@ def plan(
             workload = hf_workload(
                 model, seq=seq, batch=batch, dtype=torch_dtype, max_positions=max_positions
             )
-        rows = _variants(workload, variants, optimizers)
+        if not link_gbps > 0:
+            raise PlanError(f"link_gbps must be > 0 (GB/s), got {link_gbps!r}")
+        rows = _variants(workload, variants, optimizers, accumulate)
         n_params, measured = simulate(
             workload, rows, device=device, bucket_cap_mb=bucket_cap_mb, progress=progress,
-            jobs=jobs,
+            jobs=jobs, accumulate=accumulate,
         )  # fmt: skip
     return Plan(
         model=workload.name,
@@ -194,6 +205,8 @@ def plan(
         gpu_memory=gpu,
         margin=margin,
         notes=[note] if note else [],
+        accumulate=accumulate,
+        link_gbps=float(link_gbps),
     )
 
 
@@ -238,12 +251,13 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def _variants(
-    workload: Workload, variants: Iterable[Variant] | str | None, optimizers: Iterable[str] | None
+    workload: Workload, variants: Iterable[Variant] | str | None, optimizers: Iterable[str] | None,
+    accumulate: int = 1,
 ) -> list[Variant]:
     if variants is None or variants == "default":
-        rows = default_variants(workload, optimizers)
+        rows = default_variants(workload, optimizers, accumulate=accumulate)
     elif variants == "all":
-        rows = default_variants(workload, optimizers, every=True)
+        rows = default_variants(workload, optimizers, every=True, accumulate=accumulate)
     elif isinstance(variants, str):
         raise PlanError(f"variants must be 'default', 'all' or a list of Variant, got {variants!r}")
     else:

@@ -96,6 +96,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="layeropt.attach's bucket_cap_mb (default: the library's)",
     )  # fmt: skip
     p.add_argument(
+        "--accumulate", type=int, default=1, metavar="N",
+        help="micro-batches per training step (gradient accumulation; default 1): held "
+        "gradients planned on the GPU and in host memory as separate rows",
+    )  # fmt: skip
+    p.add_argument(
+        "--link-gbps", type=float, default=25.0, metavar="GB/S",
+        help="host link speed each way, for the step-time floor of rows that copy over it "
+        "(default 25: PCIe 4.0 x16 in practice)",
+    )  # fmt: skip
+    p.add_argument(
         "--jobs", type=int, default=None,
         help="worker processes (default: one per core, up to 4; Linux)",
     )  # fmt: skip
@@ -131,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
             bucket_cap_mb=args.bucket_cap_mb,
             progress=progress,
             jobs=args.jobs if args.jobs is not None else _cores(),
+            accumulate=args.accumulate,
+            link_gbps=args.link_gbps,
         )
         if progress is not None:
             print(file=sys.stderr)

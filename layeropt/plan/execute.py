@@ -64,7 +64,12 @@ class Measurement:
             to 1 (its last).
         peak_op: the operator at the peak.
         host_bytes: host memory the step keeps besides: the optimizer state
-            of a ``offload`` variant (not in ``peak_bytes``).
+            of a ``offload`` variant, and the held gradients' sums of a
+            ``held_on_host`` one (not in ``peak_bytes``).
+        to_device_bytes / to_host_bytes: bytes a training step copies over the
+            host link each way (offloaded state in and out; held gradients down
+            once per held micro-batch, their sums up once), counted as the
+            offload code copies them.
     """
 
     variant: Variant
@@ -76,6 +81,8 @@ class Measurement:
     phase_progress: float
     peak_op: str
     host_bytes: int = 0
+    to_device_bytes: int = 0
+    to_host_bytes: int = 0
 
 
 def simulate(
@@ -86,8 +93,15 @@ def simulate(
     bucket_cap_mb: float | None = None,
     progress: Callable[[int, int, Variant], None] | None = None,
     jobs: int = 1,
+    accumulate: int = 1,
 ) -> tuple[int, list[Measurement]]:
     """Measure one steady-state training step per variant, on fake tensors.
+
+    With ``accumulate`` > 1 the step is an accumulation window: torch.optim
+    sums every micro-batch's gradient, then steps; layeropt runs all but the
+    last inside ``no_step()``. Micro-batches 2 to N-1 repeat the same memory,
+    so at most three are run (the first, one of those, the last) and the bytes
+    moved per held micro-batch are counted N-1 times.
 
     Args:
         workload: the model, batch and loss.
@@ -98,6 +112,7 @@ def simulate(
         progress: called as ``progress(i, n, variant)`` before each variant.
         jobs: worker processes sharing the variants (forked, Linux only;
             each builds its own fake model; the numbers do not depend on it).
+        accumulate: micro-batches per training step (the same batch each time).
 
     Returns:
         ``(number of parameters, one Measurement per variant)``.
@@ -106,6 +121,9 @@ def simulate(
         PlanError: a variant does not apply to this workload.
     """
     tgt = target(device)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise PlanError(f"accumulate must be a whole number of micro-batches >= 1, got "
+                        f"{accumulate!r}")
     for v in variants:
         if v.checkpointing and workload.checkpoint is None:
             raise PlanError(
@@ -119,7 +137,8 @@ def simulate(
         from .parallel import can_fork, run_sharded
 
         if can_fork():
-            options = {"device": device, "bucket_cap_mb": bucket_cap_mb}
+            options = {"device": device, "bucket_cap_mb": bucket_cap_mb,
+                       "accumulate": accumulate}
             return run_sharded(simulate, workload, variants, units, jobs, progress, options)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -147,7 +166,7 @@ def simulate(
                 progress(done[0], len(variants), v)
             done[0] += 1
 
-        run = _Run(model, batch, trainable, workload, live, bucket_cap_mb, tick)
+        run = _Run(model, batch, trainable, workload, live, bucket_cap_mb, tick, accumulate)
         results: dict[Variant, Measurement] = {}
         for unit in units:
             if unit[0].in_backward:
@@ -219,6 +238,12 @@ class _Run:
     live: LiveBytes
     bucket_cap_mb: float | None
     tick: Callable[[Variant], None]
+    accumulate: int = 1
+
+    @property
+    def micro(self) -> int:
+        """Micro-batches run: the first, one of the middle ones, the last."""
+        return min(self.accumulate, 3)
 
 
 def _snapshot(live: LiveBytes) -> dict[str, Any]:
@@ -276,10 +301,11 @@ def _measure_plain(
     with _configured(run, checkpointing), _gc_paused():
         live.start()
         try:
-            live.phase = "forward"
-            loss = loss_fn(run.model, run.batch)  # type: ignore[misc]
-            live.phase = "backward"
-            loss.backward()
+            for _ in range(run.micro):  # (torch sums the micro-batches' gradients)
+                live.phase = "forward"
+                loss = loss_fn(run.model, run.batch)  # type: ignore[misc]
+                live.phase = "backward"
+                loss.backward()
         finally:
             live.phase = "idle"
         start, passes = live.start_bytes, _snapshot(live)
@@ -325,15 +351,16 @@ def _measure_in_backward(run: _Run, variant: Variant) -> Measurement:
             opt.step()
             opt.zero_grad(set_to_none=True)
             live.track(list(opt.state.values()), STATE)
-            offload = _offloaded(opt, live) if variant.offload else None
+            offload = _offloaded(opt, live, variant.held_on_host) if variant.offload else None
             cap = {} if run.bucket_cap_mb is None else {"bucket_cap_mb": run.bucket_cap_mb}
             handle = layeropt.attach(run.model, opt, **cap)
             with _gc_paused():
                 live.start()
-                _step(run.model, run.batch, loss_fn, opt, live)
+                _step(run.model, run.batch, loss_fn, opt, live, run.micro)
+            host, link = _link(offload, run)
             return Measurement(
                 variant, start_bytes=live.start_bytes, end_bytes=live.total, **_snapshot(live),
-                host_bytes=0 if offload is None else offload.host_bytes,
+                host_bytes=host, to_device_bytes=link[0], to_host_bytes=link[1],
             )
     finally:
         if handle is not None:
@@ -341,13 +368,40 @@ def _measure_in_backward(run: _Run, variant: Variant) -> Measurement:
         del opt
 
 
-def _offloaded(opt: Any, live: LiveBytes) -> Any:
+def _link(offload: Any, run: _Run) -> tuple[int, tuple[int, int]]:
+    """Host bytes, and ``(to device, to host)`` bytes per training step of ``run.accumulate``
+    micro-batches, from what the offload code copied in the ``run.micro`` it ran."""
+    if offload is None:
+        return 0, (0, 0)
+    state = offload.copied_bytes // 2  # in and out, once each per step
+    held = offload.held
+    if held is None or run.micro < 2:
+        return offload.host_bytes, (state, state)
+    per_micro = held.down_bytes // (run.micro - 1)  # each held micro-batch's gradient down
+    return (offload.host_bytes + per_micro,
+            (state + held.up_bytes, state + per_micro * (run.accumulate - 1)))
+
+
+def _offloaded(opt: Any, live: LiveBytes, held_on_host: bool = False) -> Any:
     """``layeropt.offload.offload_state(opt)``, its host tensors left out of the count.
 
     The real offload code runs: each bucket's state is copied into working
-    tensors (counted, as optimizer state) for its step and back to the host.
+    tensors (counted, as optimizer state) for its step and back to the host;
+    with ``held_on_host``, held gradients go to host tensors (not counted) and
+    their sums come back as gradients.
     """
+    from .._held import HostHeld
     from ..offload import StateOffload, _install
+
+    class PlannedHeld(HostHeld):
+        def _new_host(self, like: torch.Tensor) -> torch.Tensor:
+            with live.paused():  # host memory: not the device's
+                return super()._new_host(like)
+
+        def fetch(self, param: torch.Tensor) -> torch.Tensor:
+            work = super().fetch(param)
+            live.track(work, GRADIENTS)
+            return work
 
     class Planned(StateOffload):
         def _new_host(self, p: Any, key: Any, v: torch.Tensor) -> torch.Tensor:
@@ -359,12 +413,24 @@ def _offloaded(opt: Any, live: LiveBytes) -> Any:
             live.track(work, STATE)
             return work
 
-    return _install(opt, Planned(opt, max_buckets=2, overlap=False))
+    handle = Planned(opt, max_buckets=2, overlap=False, held_grads=False)
+    if held_on_host:
+        handle.held = PlannedHeld()
+    return _install(opt, handle)
 
 
-def _step(model: nn.Module, batch: Any, loss_fn: Any, opt: Any, live: LiveBytes) -> None:
-    """``loss = loss_fn(model, batch); loss.backward(); opt.step(); opt.zero_grad()``."""
+def _step(model: nn.Module, batch: Any, loss_fn: Any, opt: Any, live: LiveBytes,
+          micro: int = 1) -> None:
+    """``loss = loss_fn(model, batch); loss.backward(); opt.step(); opt.zero_grad()``,
+    the first ``micro - 1`` backwards inside ``opt.no_step()``."""
     try:
+        for _ in range(micro - 1):
+            live.phase = "forward"
+            loss = loss_fn(model, batch)
+            live.phase = "backward"
+            with opt.no_step():
+                loss.backward()
+            del loss
         live.phase = "forward"
         loss = loss_fn(model, batch)
         live.phase = "backward"

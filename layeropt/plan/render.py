@@ -151,6 +151,10 @@ _CHANGE_TEXT = {  # change -> (what it shrinks, its category, what it does)
     "state offload": ("optimizer state", STATE, "state offload keeps the optimizer state in "
                       "host memory ({host}), one bucket's on the GPU at a time (exact; "
                       "each step copies the state over PCIe and back)"),
+    "held grads offload": ("gradients", GRADIENTS, "held gradients wait in host memory "
+                           "between micro-batches, each bucket's copied down as it lands and "
+                           "its sum brought back once for its step (exact; {link} over the "
+                           "host link per step)"),
 }
 
 
@@ -169,6 +173,10 @@ class Plan:
         gpu_memory: the GPU's memory in bytes, or ``None``.
         margin: what fitting leaves free (:class:`Margin`).
         notes: lines for the header (how the GPU's memory was read).
+        accumulate: micro-batches per training step (gradient accumulation).
+        link_gbps: the host link's speed in GB/s (10^9 bytes), for the step-time
+            floor of the rows that copy over it (default: a PCIe 4.0 x16 link's
+            practical ~25 GB/s each way).
     """
 
     model: str
@@ -181,6 +189,8 @@ class Plan:
     gpu_memory: int | None = None
     margin: Margin = dataclasses.field(default_factory=Margin)
     notes: list[str] = dataclasses.field(default_factory=list)
+    accumulate: int = 1
+    link_gbps: float = 25.0
 
     def __post_init__(self) -> None:
         self.rows = sorted(self.rows, key=lambda r: (r.peak_bytes, len(r.variant.changes())))
@@ -288,6 +298,11 @@ class Plan:
             steps.append(" and ".join(_fix(c, row) for c in quiet) + " (no effect here)")
         return steps
 
+    def link_floor(self, row: Measurement) -> float:
+        """Seconds per step the host link needs at :attr:`link_gbps`: the larger
+        direction's bytes (the two directions run at once, on two copy engines)."""
+        return max(row.to_device_bytes, row.to_host_bytes) / (self.link_gbps * 1e9)
+
     # -- rendering ----------------------------------------------------------
     def header(self) -> str:
         """The model and step, how it was planned, and the fitting rule."""
@@ -296,9 +311,12 @@ class Plan:
             shape = f", batch {self.batch} x {self.seq} tokens"
         kernels = {"cuda": "a CUDA GPU's kernels modelled (flash attention); no GPU used",
                    "cpu": "torch's CPU kernels"}.get(self.device, f"{self.device}'s kernels")
+        step = "one steady-state training step"
+        if self.accumulate > 1:
+            step += f" of {self.accumulate} micro-batches (gradient accumulation)"
         lines = [
             f"layeropt plan: {self.model} ({_count(self.parameters)} parameters"
-            f"{', ' + self.dtype if self.dtype else ''}{shape}), one steady-state training step",
+            f"{', ' + self.dtype if self.dtype else ''}{shape}), {step}",
             f"run on fake tensors, with {kernels}",
         ]
         if self.gpu_memory is not None:
@@ -316,8 +334,10 @@ class Plan:
                  "gradients": "grads", "activations": "activations", "other": "other"}  # fmt: skip
         head = f"{'peak':>10}  " + "".join(f"{names[c]:>12}" for c in CATEGORIES)
         host = any(r.host_bytes for r in self.rows)
+        link = any(r.to_device_bytes or r.to_host_bytes for r in self.rows)
         head += f"  {'peak falls in':<22}" + ("fits  " if self.gpu_memory else "")
         head += f"{'host':>10}  " if host else ""
+        head += f"{'link/step':>10}{'floor':>8}  " if link else ""
         head += "configuration"
         lines = [self.header(), "", head]
         unit, scale = _unit(max(r.peak_bytes for r in self.rows))
@@ -327,14 +347,25 @@ class Plan:
             fit = {True: "yes   ", False: "no    ", None: ""}[self.fits(r)]
             kept = (f"{format_bytes(r.host_bytes) if r.host_bytes else '':>10}  " if host
                     else "")
+            if link:
+                moved = r.to_device_bytes + r.to_host_bytes
+                kept += (f"{format_bytes(moved):>10}{_seconds(self.link_floor(r)):>8}  "
+                         if moved else f"{'-':>10}{'-':>8}  ")
             mark = "  <- recommended" if r is choice else ""
             lines.append(
                 f"{format_bytes(r.peak_bytes):>10}  {cells}  {_where(r, short=True):<22}{fit}"
                 f"{kept}{self._named(r)}{mark}"
             )
         lines.append(f"(categories in {unit}, at the peak"
-                     + ("; host: host memory the offloaded optimizer state takes)" if host
-                        else ")"))
+                     + ("; host: host memory the offloaded optimizer state takes"
+                        + (" and the held gradients' sums" if self.accumulate > 1 else "")
+                        if host else "") + ")")
+        if link:
+            lines.append(
+                f"(link/step: bytes copied between host and GPU per training step, both "
+                f"directions; floor: the step time that copy sets at --link-gbps "
+                f"{self.link_gbps:g} GB/s each way, directions at once - arithmetic, not "
+                "measured on a GPU; '-': nothing crosses the link)")
         lines += ["", *self.answer()]
         return "\n".join(lines)
 
@@ -366,7 +397,10 @@ class Plan:
             )
             return _wrap(first, "") + self._why_lines(best)
         rule = "with the fewest changes"
-        if "state offload" in choice.variant.changes():
+        if "held grads offload" in choice.variant.changes():
+            rule += (" once the optimizer state and the held gradients are in host memory "
+                     "(exact AdamW; no row with either on the GPU fits)")
+        elif "state offload" in choice.variant.changes():
             rule += (" once the optimizer state is in host memory (exact AdamW; no row with "
                      "the state on the GPU fits)")
         elif "low-bit" in choice.variant.changes() and _bits(choice.variant) == 8:
@@ -395,8 +429,11 @@ class Plan:
             ``start_bytes``, ``at_peak`` (bytes per category), ``phase``,
             ``phase_progress``, ``fits`` (``None`` without ``gpu_memory``),
             ``run_on_a_gpu`` (whether layeropt has run the configuration on a
-            GPU: :attr:`Variant.run_on_a_gpu`) and ``host_bytes`` (host memory
-            of offloaded state).
+            GPU: :attr:`Variant.run_on_a_gpu`), ``host_bytes`` (host memory
+            of offloaded state and held gradients), ``held_on_host``,
+            ``to_device_bytes`` / ``to_host_bytes`` (per step over the host link)
+            and ``link_floor_seconds`` (:meth:`link_floor`); the plan has
+            ``accumulate`` and ``link_gbps``.
         """
         choice = self.choice
         return {
@@ -407,6 +444,8 @@ class Plan:
             "batch": self.batch,
             "device": self.device,
             "gpu_memory_bytes": self.gpu_memory,
+            "accumulate": self.accumulate,
+            "link_gbps": self.link_gbps,
             "budget_bytes": self.budget,
             "margin": {"fixed_bytes": self.margin.fixed, "fraction": self.margin.fraction},
             "variants": [
@@ -426,6 +465,10 @@ class Plan:
                     "fits": self.fits(r),
                     "run_on_a_gpu": r.variant.run_on_a_gpu,
                     "host_bytes": r.host_bytes,
+                    "held_on_host": r.variant.held_on_host,
+                    "to_device_bytes": r.to_device_bytes,
+                    "to_host_bytes": r.to_host_bytes,
+                    "link_floor_seconds": round(self.link_floor(r), 4),
                 }
                 for r in self.rows
             ],
@@ -506,18 +549,20 @@ def _bits(variant: Variant) -> int:
     return 4 if "4bit" in variant.base else 8
 
 
-def _invasiveness(row: Measurement) -> tuple[int, int, int, int]:
-    """Exact AdamW, then with its state offloaded, then 8-bit states, then 4-bit; then
-    fewest changes; then the peak."""
+def _invasiveness(row: Measurement) -> tuple[int, int, int, int, int]:
+    """Exact AdamW, then with its state offloaded, then its held gradients too, then
+    8-bit states, then 4-bit; then fewest changes; then the peak."""
     changes = row.variant.changes()
     precision = 0 if "low-bit" not in changes else 1 if _bits(row.variant) == 8 else 2
-    return (precision, "state offload" in changes, len(changes), row.peak_bytes)
+    return (precision, "state offload" in changes, "held grads offload" in changes,
+            len(changes), row.peak_bytes)
 
 
 def _fix(change: str, row: Measurement) -> str:
     variant = row.variant
     text = _CHANGE_TEXT[change][2]
-    return text.format(base=variant.base, bits=_bits(variant), host=format_bytes(row.host_bytes))
+    return text.format(base=variant.base, bits=_bits(variant), host=format_bytes(row.host_bytes),
+                       link=format_bytes(row.to_device_bytes + row.to_host_bytes))
 
 
 def _wrap(text: str, indent: str) -> list[str]:
@@ -537,6 +582,11 @@ def _unit(n: int) -> tuple[str, int]:
         if n >= scale:
             return unit, scale
     return "B", 1
+
+
+def _seconds(t: float) -> str:
+    """``2.168`` -> ``'2.17 s'``; ``0.0042`` -> ``'4.2 ms'``."""
+    return f"{t:.2f} s" if t >= 0.1 else f"{t * 1e3:.1f} ms"
 
 
 def _count(n: int) -> str:
@@ -574,4 +624,6 @@ def _with_changes(like: Variant, changes: set[str]) -> Variant:
         "checkpointing" in changes,
         "chunked loss" in changes,
         "state offload" in changes and optimizer == "layeropt.AdamW" and fused,
+        "held grads offload" in changes and "state offload" in changes
+        and optimizer == "layeropt.AdamW" and fused,
     )

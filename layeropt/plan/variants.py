@@ -58,6 +58,10 @@ class Variant:
         offload: the optimizer state in host memory, one bucket's at a time
             on the device (:func:`layeropt.offload.offload_state`;
             ``layeropt.AdamW`` only).
+        held_on_host: with ``offload``, gradients held across an accumulation
+            window wait in host memory too (``offload_state``'s
+            ``held_grads=True``, its default); without it they stay on the device
+            (``held_grads=False``). Planned apart only with accumulation.
     """
 
     optimizer: str = "torch.optim.AdamW"
@@ -65,6 +69,7 @@ class Variant:
     checkpointing: bool = False
     chunked_loss: bool = False
     offload: bool = False
+    held_on_host: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -81,6 +86,8 @@ class Variant:
             raise PlanError(
                 f"offload=True plans layeropt.AdamW's state in host memory, not {self.optimizer}'s"
             )
+        if self.held_on_host and not self.offload:
+            raise PlanError("held_on_host=True is part of state offload: set offload=True too")
 
     @property
     def in_backward(self) -> bool:
@@ -108,6 +115,8 @@ class Variant:
             text += " + chunked loss"
         if self.offload:
             text += " + state offload"
+        if self.held_on_host:
+            text += " + held grads in host memory"
         return text
 
     @property
@@ -125,7 +134,7 @@ class Variant:
         """What differs from plain ``torch.optim.AdamW`` (foreach, torch's GPU default).
 
         ``"fused"``, ``"layeropt"``, ``"low-bit"``, ``"checkpointing"``,
-        ``"chunked loss"``, ``"state offload"``. A low-bit optimizer is one
+        ``"chunked loss"``, ``"state offload"``, ``"held grads offload"``. A low-bit optimizer is one
         change (``"low-bit"``:
         its own states and its own one-kernel update), not also ``"fused"``.
         """
@@ -142,6 +151,8 @@ class Variant:
             out.add("chunked loss")
         if self.offload:
             out.add("state offload")
+        if self.held_on_host:
+            out.add("held grads offload")
         return out
 
     def make_optimizer(self, params: list[Tensor]) -> torch.optim.Optimizer:
@@ -186,7 +197,8 @@ def available(name: str) -> bool:
 
 
 def default_variants(
-    workload: Workload, optimizers: Iterable[str] | None = None, every: bool = False
+    workload: Workload, optimizers: Iterable[str] | None = None, every: bool = False,
+    accumulate: int = 1,
 ) -> list[Variant]:
     """The rows of a plan.
 
@@ -201,6 +213,8 @@ def default_variants(
         workload: the model (whether checkpointing and chunking apply).
         optimizers: keep only these optimizer names (default: all).
         every: every combination (half as many rows again).
+        accumulate: micro-batches per step; above 1 each state offload row also
+            comes with its held gradients in host memory.
 
     Returns:
         The variants, in a fixed order.
@@ -212,6 +226,9 @@ def default_variants(
                       ("layeropt.AdamW", "fused")):
         rows += [Variant(opt, impl, c, k) for c in ckpts for k in chunks]
     rows += [Variant("layeropt.AdamW", "fused", c, k, offload=True) for c in ckpts for k in chunks]
+    if accumulate > 1:
+        rows += [Variant("layeropt.AdamW", "fused", c, k, offload=True, held_on_host=True)
+                 for c in ckpts for k in chunks]
     low_chunks = chunks if every else (False,)
     for name in LOW_BIT:
         rows += [Variant(name, "fused", c, k) for c in ckpts for k in low_chunks]
