@@ -16,7 +16,9 @@ and its gradient freed at once:
   optional bf16 autocast, a progress bar (tqdm if installed);
 * optional **optimizer state in host memory** (``--offload-state``,
   ``layeropt.offload.offload_state``): each layer's AdamW state is brought to
-  the device only for its update in backward - the same numbers;
+  the device only for its update in backward, and the gradients the
+  accumulation holds between micro-batches wait in host memory too - the same
+  numbers;
 * optional **gradual unfreezing** (``--unfreeze N``): only the last block and
   the head train at first, one more block below every N steps; the attached
   optimizer picks each newly trainable block up at the next backward;
@@ -245,7 +247,9 @@ def run(args: argparse.Namespace, steps: int, resume: str | None = None,
     if args.offload_state and not quiet:
         off = handles[-1]
         print(f"optimizer state in host memory: {format_bytes(off.host_bytes)}, at most "
-              f"{format_bytes(off.peak_device_bytes)} of it on the device at once")
+              f"{format_bytes(off.peak_device_bytes)} of it on the device at once; held "
+              f"gradients copied down {format_bytes(off.held.down_bytes)}, their sums up "
+              f"{format_bytes(off.held.up_bytes)}")
     for h in handles:
         h.remove()
     return model, losses, peak

@@ -194,6 +194,8 @@ def test_offload_state_matches_no_offload_and_torch_optim(case):
     assert handle.host_bytes == _state_bytes(opt) > 0  # every state tensor is a host copy
     assert 0 < handle.peak_device_bytes < handle.host_bytes  # one layer's state at a time
     assert handle.copied_bytes >= 4 * handle.host_bytes
+    held = handle.held  # the accumulated micro-batches waited in host memory
+    assert held.down_bytes > 0 and held.up_bytes > 0 and len(held) == 0
 
 
 def test_offload_state_does_not_learn_clipping():

@@ -370,6 +370,8 @@ def test_trainer_offload_state(tmp_path, kind, ref_kind, opts):
     assert handle.host_bytes == _state_bytes(opt) > 0  # every state tensor is a host copy
     assert 0 < handle.peak_device_bytes < handle.host_bytes  # one layer's state at a time
     assert handle.copied_bytes >= 4 * handle.host_bytes  # steps 2 and 3: in and out
+    held = handle.held  # the accumulated micro-batches waited in host memory
+    assert held.down_bytes > 0 and held.up_bytes > 0 and len(held) == 0
     for name in ("layeropt", "torch"):
         _, ref, ref_opt, _ = runs[name]
         for (pname, p), q in zip(model.named_parameters(), ref.parameters()):

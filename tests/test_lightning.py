@@ -216,6 +216,8 @@ def test_callback_offload_state_matches_torch_optim(setup):
     assert handle.host_bytes == _state_bytes(opt) > 0  # every state tensor is a host copy
     assert 0 < handle.peak_device_bytes < handle.host_bytes  # one layer's state at a time
     assert handle.copied_bytes >= 4 * handle.host_bytes
+    if setup.startswith("accumulate"):  # the accumulated micro-batches waited in host memory
+        assert handle.held.down_bytes > 0 and handle.held.up_bytes > 0
     for other, other_opt in ((plain, plain_opt), (ref, ref.trainer.optimizers[0])):
         for p, q in zip(module.parameters(), other.parameters()):
             assert_same(p.detach(), q.detach())

@@ -12,7 +12,9 @@ that module is imported, so ``import layeropt`` never needs them:
 Each takes ``offload_state=``: ``True`` (or the keyword arguments of
 :func:`layeropt.offload.offload_state`, e.g. ``{"overlap": True}``) keeps the
 optimizer state in host memory, each bucket's brought to the device for its
-step (:func:`offload_state_once`).
+step, and the gradients the tool's accumulation holds between micro-batches
+too (``{"held_grads": False}`` keeps those in ``.grad``;
+:func:`offload_state_once`).
 """
 
 from __future__ import annotations
