@@ -206,3 +206,20 @@ def test_lightning_under_layeropt_verify(monkeypatch):
     assert any("LAYEROPT_VERIFY: 2 training step(s)" in str(w.message) for w in caught)
     for p, q in zip(module.parameters(), ref.parameters()):
         test_rules.assert_same(p.detach(), q.detach())
+
+
+def test_an_example_under_layeropt_verify_prints_the_same_numbers(tmp_path):
+    """examples/custom_loss_amp.py (custom loss, AMP, three runs compared bit for bit)
+    with LAYEROPT_VERIFY=2: both its steps verified, its comparison still bit for bit."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parent.parent / "examples" / "custom_loss_amp.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LAYEROPT_VERIFY": "2"}
+    proc = subprocess.run([sys.executable, str(script), "--tiny"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "max |difference| = 0.0e+00 (bit for bit)" in proc.stdout, proc.stdout
+    assert "LAYEROPT_VERIFY: 2 training step(s)" in proc.stderr, proc.stderr[-2000:]
