@@ -532,3 +532,25 @@ def test_device_bytes_of_a_window(held_grads):
         assert window.peak >= grads
     opt.step()
     opt.zero_grad()
+
+
+@CAPS
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_mid_window_drops_the_held_sums(set_to_none, cap):
+    """``zero_grad()`` in the middle of a window discards what it held, as torch's does
+    (``set_to_none=False``: zeros kept in ``.grad``, which torch's next ``step()`` uses)."""
+    runs, handle, batch_fn, loss_fn = _three("mlp", "AdamW", dict(lr=0.01), cap)
+    gen = torch.Generator().manual_seed(15)
+    for _ in range(2):
+        micro = _micro(batch_fn, gen, 3)
+        for i, (m, o) in enumerate(runs):
+            with o.no_step() if i else _nothing():
+                loss_fn(m, micro[0]).backward()
+            o.zero_grad(set_to_none=set_to_none)
+            assert len(handle.held) == 0
+            with o.no_step() if i else _nothing():
+                loss_fn(m, micro[1]).backward()
+            loss_fn(m, micro[2]).backward()
+            o.step()
+            o.zero_grad(set_to_none=set_to_none)
+    _assert_all_same(runs)

@@ -770,6 +770,6 @@ def test_accumulation_plan_equals_real_run(n):
     held, off = p.row(HELD), p.row(OFFLOAD)
     assert held.to_host_bytes - off.to_host_bytes == (n - 1) * grads  # each held micro-batch
     assert held.to_device_bytes - off.to_device_bytes == grads  # the sum, once
-    assert held.host_bytes == off.host_bytes + grads
+    assert held.host_bytes == off.host_bytes + grads and held.held_host_bytes == grads
     assert held.at_peak["gradients"] < off.at_peak["gradients"] == grads
     assert "of %d micro-batches" % n in p.table()

@@ -65,7 +65,8 @@ class Measurement:
         peak_op: the operator at the peak.
         host_bytes: host memory the step keeps besides: the optimizer state
             of a ``offload`` variant, and the held gradients' sums of a
-            ``held_on_host`` one (not in ``peak_bytes``).
+            ``held_on_host`` one (not in ``peak_bytes``); of which
+            ``held_host_bytes`` the held gradients'.
         to_device_bytes / to_host_bytes: bytes a training step copies over the
             host link each way (offloaded state in and out; held gradients down
             once per held micro-batch, their sums up once), counted as the
@@ -83,6 +84,7 @@ class Measurement:
     host_bytes: int = 0
     to_device_bytes: int = 0
     to_host_bytes: int = 0
+    held_host_bytes: int = 0
 
 
 def simulate(
@@ -360,7 +362,8 @@ def _measure_in_backward(run: _Run, variant: Variant) -> Measurement:
             host, link = _link(offload, run)
             return Measurement(
                 variant, start_bytes=live.start_bytes, end_bytes=live.total, **_snapshot(live),
-                host_bytes=host, to_device_bytes=link[0], to_host_bytes=link[1],
+                host_bytes=sum(host), held_host_bytes=host[1], to_device_bytes=link[0],
+                to_host_bytes=link[1],
             )
     finally:
         if handle is not None:
@@ -368,17 +371,18 @@ def _measure_in_backward(run: _Run, variant: Variant) -> Measurement:
         del opt
 
 
-def _link(offload: Any, run: _Run) -> tuple[int, tuple[int, int]]:
-    """Host bytes, and ``(to device, to host)`` bytes per training step of ``run.accumulate``
-    micro-batches, from what the offload code copied in the ``run.micro`` it ran."""
+def _link(offload: Any, run: _Run) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Host bytes (state, held gradients), and ``(to device, to host)`` bytes per training
+    step of ``run.accumulate`` micro-batches, from what the offload code copied in the
+    ``run.micro`` it ran."""
     if offload is None:
-        return 0, (0, 0)
+        return (0, 0), (0, 0)
     state = offload.copied_bytes // 2  # in and out, once each per step
     held = offload.held
     if held is None or run.micro < 2:
-        return offload.host_bytes, (state, state)
+        return (offload.host_bytes, 0), (state, state)
     per_micro = held.down_bytes // (run.micro - 1)  # each held micro-batch's gradient down
-    return (offload.host_bytes + per_micro,
+    return ((offload.host_bytes, per_micro),
             (state + held.up_bytes, state + per_micro * (run.accumulate - 1)))
 
 

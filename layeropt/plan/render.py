@@ -152,7 +152,7 @@ _CHANGE_TEXT = {  # change -> (what it shrinks, its category, what it does)
                       "host memory ({host}), one bucket's on the GPU at a time (exact; "
                       "each step copies the state over PCIe and back)"),
     "held grads offload": ("gradients", GRADIENTS, "held gradients wait in host memory "
-                           "between micro-batches, each bucket's copied down as it lands and "
+                           "({held}) between micro-batches, each bucket's copied down as it lands and "
                            "its sum brought back once for its step (exact; {link} over the "
                            "host link per step)"),
 }
@@ -431,6 +431,7 @@ class Plan:
             ``run_on_a_gpu`` (whether layeropt has run the configuration on a
             GPU: :attr:`Variant.run_on_a_gpu`), ``host_bytes`` (host memory
             of offloaded state and held gradients), ``held_on_host``,
+            ``held_host_bytes`` (the held gradients' part of ``host_bytes``),
             ``to_device_bytes`` / ``to_host_bytes`` (per step over the host link)
             and ``link_floor_seconds`` (:meth:`link_floor`); the plan has
             ``accumulate`` and ``link_gbps``.
@@ -466,6 +467,7 @@ class Plan:
                     "run_on_a_gpu": r.variant.run_on_a_gpu,
                     "host_bytes": r.host_bytes,
                     "held_on_host": r.variant.held_on_host,
+                    "held_host_bytes": r.held_host_bytes,
                     "to_device_bytes": r.to_device_bytes,
                     "to_host_bytes": r.to_host_bytes,
                     "link_floor_seconds": round(self.link_floor(r), 4),
@@ -561,8 +563,10 @@ def _invasiveness(row: Measurement) -> tuple[int, int, int, int, int]:
 def _fix(change: str, row: Measurement) -> str:
     variant = row.variant
     text = _CHANGE_TEXT[change][2]
-    return text.format(base=variant.base, bits=_bits(variant), host=format_bytes(row.host_bytes),
-                       link=format_bytes(row.to_device_bytes + row.to_host_bytes))
+    state_host = row.host_bytes - row.held_host_bytes
+    return text.format(base=variant.base, bits=_bits(variant), host=format_bytes(state_host),
+                       link=format_bytes(row.to_device_bytes + row.to_host_bytes),
+                       held=format_bytes(row.held_host_bytes))
 
 
 def _wrap(text: str, indent: str) -> list[str]:
