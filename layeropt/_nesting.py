@@ -11,7 +11,7 @@ parameter's hook fire before its gradient (or its use) is complete:
   segment: its segments are watched from forward on, and a backward that will
   run one defers every step to its end;
 * any other backward nested in an autograd Function's backward cannot be made
-  exact and raises ``BackwardStateError`` (:data:`NESTED_ERROR`).
+  exact and raises ``BackwardStateError`` (``errors.NESTED_ERROR``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,6 @@ import torch
 from torch import Tensor
 
 from ._registry import ENGINES
-from .errors import (
-    DEFER_WARNING,
-    NESTED_ERROR,
-)
 
 __all__ = ["Pin", "watch_torch_checkpoint"]
 

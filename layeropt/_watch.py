@@ -46,7 +46,6 @@ from .errors import (
     BackwardStateError,
     CLIP_AFTER_BACKWARD,
     CLIP_HELD_ON_HOST,
-    IN_A_TRAINER,
     LayeroptError,
     SHARED_PARAMETER_ERROR,
     warn,

@@ -20,13 +20,10 @@ See ``docs/distributed.md`` for accumulation, checkpointing and memory.
 from __future__ import annotations
 
 import contextlib
-import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import torch
-from torch import Tensor, nn
-from torch.optim import Optimizer
+from torch import Tensor
 
 from ._registry import allow_local_updates, check_local_hooks_allowed
 from .attaching import DDPAttachment, attach_ddp

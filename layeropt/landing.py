@@ -45,7 +45,8 @@ from torch import Tensor
 from . import _nesting as nesting
 from ._between import snapshot
 from ._nesting import _graph_task_id
-from ._rules import IDLE, Group, Rules
+from ._boundaries import Group
+from ._rules import IDLE, Rules
 from ._transforms import prepare_grads
 from .errors import ORPHAN_WARNING, SPARSE_ERROR, AttachError, warn
 from .verify import Verifier
