@@ -171,14 +171,14 @@ class Bucket:
 class Engine(Rules):
     """One per layeropt optimizer: what lands, and how it is stepped.
 
-    Its state, each changed only by its own methods (here and in
-    ``layeropt/_rules.py``):
+    Its state, each changed only by its own methods (here, in
+    ``layeropt/_rules.py`` and in ``layeropt/_boundaries.py``):
 
     * what it steps: the optimizer (weakly) and its ``attachments``, with the
       placement of their parameters (settings, bucket) derived from them;
     * the backward in progress (``backward``, a record dropped when it ends)
       and the latest one (``last``: what it stepped);
-    * the training step in progress (``step``, a record replaced at each
+    * the training step in progress (``train_step``, a record replaced at each
       ``step()`` / ``zero_grad()``) and its transaction id ``txn``;
     * the modes the loop has entered (``no_step()``, ``step(closure)``,
       ``layeropt.backward``'s passes) and what it has called (``calls``,
@@ -248,9 +248,10 @@ class Engine(Rules):
                     rec.ready.append(bucket)
                     rec.ready_bytes += bucket.nbytes
                     if rec.ready_bytes >= bucket.settings.cap_bytes:
-                        hooks = param._post_accumulate_grad_hooks  # (hooked_last, inlined)
-                        if len(hooks) == 1 or hasattr(next(reversed(hooks.values())),
-                                                      "_lo_engine_ref"):
+                        hooks = param._post_accumulate_grad_hooks  # (hooked_last, inlined;
+                        # none left: the attachment was removed during this backward)
+                        if not hooks or len(hooks) == 1 or hasattr(
+                                next(reversed(hooks.values())), "_lo_engine_ref"):
                             ready, rec.ready, rec.ready_bytes = rec.ready, [], 0
                             engine._step(ready)
                 elif arrived == bit:
