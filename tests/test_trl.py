@@ -34,7 +34,11 @@ from transformers import (  # noqa: E402
     TrainerCallback,
 )
 from transformers.utils import logging as hf_logging  # noqa: E402
-from trl import SFTConfig, SFTTrainer  # noqa: E402
+try:  # trl imports its trainers lazily: one that needs a newer torch fails only here
+    from trl import SFTConfig, SFTTrainer  # noqa: E402
+except (ImportError, RuntimeError) as e:  # (torch 2.4: trl's activation checkpointing)
+    pytest.skip(f"trl's SFTTrainer does not import with torch {torch.__version__}: {e}",
+                allow_module_level=True)
 
 import layeropt  # noqa: E402
 from layeropt.integrations.hf import LayeroptTrainer, unwrap_optimizer  # noqa: E402
