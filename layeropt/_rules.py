@@ -1,8 +1,9 @@
-"""Beside the plain path: backwards, modes and training steps (``layeropt/landing.py``).
+"""Beside the plain path: a backward's start and end, and the modes (``layeropt/landing.py``).
 
 The plain path steps each bucket once its gradients have landed. These are
 the rules around it, as methods of the engine (:class:`Rules`, the base of
-``landing.Engine``) and the two records they keep:
+``landing.Engine``; a training step's side is its own base,
+``layeropt/_boundaries.py``) and the two records they keep:
 
 * a :class:`BackwardRecord` is made when a backward reaches the engine (its
   first gradient, :meth:`Rules.on_grad`) and dropped when it ends (an autograd
@@ -35,16 +36,18 @@ The rules, numbered as the docs number them:
    before the next call is refused before anything of it is applied (and
    ``step()``/``zero_grad()`` after two); once it has called ``step()``, a
    ``zero_grad()`` that discards what a backward applied is refused
-   (``StepRules.check_discard``, ``layeropt/_boundaries.py``). Each training step is one transaction
-   (``txn``) of ``layeropt/_subset.py``;
+   (``StepRules.check_discard``, ``layeropt/_boundaries.py``). Each training
+   step is one transaction (``txn``) of ``layeropt/_subset.py``;
 7. parameters unfrozen after ``attach`` are picked up at the next backward,
    which steps every gradient it left at its end (holds them, under
    ``no_step()``); the hooks are rebuilt then (also at a ``step()`` that found
    gradients no hook took);
 8. a DDP model's gradients come from its communication hook, averaged, a
    bucket at a time: the first bucket of a training step makes the record
-   (:meth:`Rules.begin_averaged`, the same rules), and each averaged bucket is
-   stepped by the same ``Engine._step``. FSDP2 calls the hooks themselves.
+   (:meth:`Rules.begin_averaged`, the same rules), :meth:`Rules.averaged_route`
+   says where each bucket's averaged gradients go, and those to step land in
+   the record's ready queue (``Engine.land_averaged``), stepped by the same
+   ``Engine._step``. FSDP2 calls the hooks themselves.
 
 If a backward raises, autograd drops it; its end callback is then released
 without running, the gradients it left unstepped are freed and its record
