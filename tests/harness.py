@@ -257,18 +257,23 @@ class OtherReentrant(torch.autograd.Function):
         return None, x.grad
 
 
-@pytest.fixture(scope="module")
-def process_group():
-    """One gloo process, for DDP and FSDP2 in this process."""
+def one_process_group(backend: str = "gloo") -> Any:
+    """A process group of this process alone (a generator for a module fixture)."""
     if dist.is_initialized():
         yield
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1)
     try:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """One gloo process, for DDP and FSDP2 in this process."""
+    yield from one_process_group("gloo")

@@ -11,15 +11,13 @@ first, pytorch#180666).
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import layeropt
-from harness import assert_models_equal, assert_same, fully_shard
+from harness import assert_models_equal, assert_same, fully_shard, one_process_group
 from layeropt._fsdp_offload import has_offload_race, offloaded_shards
 from layeropt.models import make_model
 from layeropt.offload import offload_state
@@ -183,18 +181,8 @@ def test_overlap_state_dict_round_trip_resumes_exactly():
 @pytest.fixture(scope="module")
 def nccl_group():
     """One NCCL process, for FSDP2 on the GPU in this process."""
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+    yield from one_process_group("nccl")
 
 
 def _fsdp2_offloaded(pin: bool) -> nn.Module:
