@@ -298,7 +298,11 @@ class Engine(Rules):
                         s.clip_value is not None or s.bucket_max_norm is not None)):
                     prepare_grads(g.params, t, s)
             try:
-                optimizer._step_params(params)
+                if "_lo_state_place" in optimizer.__dict__:  # state kept elsewhere (offload)
+                    optimizer._step_params(params)
+                else:  # _step_params' plain case, one frame less on every bucket
+                    optimizer._lo_stepper(optimizer, params, self.txn)
+                    optimizer._opt_called = True
             except BaseException:
                 held = self.train_step.held
                 for p in params:  # refused or failed: drop these gradients, as an abort would

@@ -260,16 +260,16 @@ def _train(rank: int, name: str, layer: bool) -> dict[str, Any]:
     calls: list[tuple[int, int]] = []
     if layer:
         _attach(engine, wrapped, opt, overlap, cap, clip_value)
-        step_params = opt._step_params
+        step_params = opt._lo_stepper  # every update's call of torch's step (_subset.py)
         first = next(wrapped.parameters())  # the conv weight: its grad lands last
         arrived = [0]  # backwards in which the conv weight's gradient was computed
         first.register_post_accumulate_grad_hook(lambda _: arrived.__setitem__(0, arrived[0] + 1))
 
-        def logged(params):
+        def logged(optimizer, params, key):
             calls.append((len(params), arrived[0]))
-            step_params(params)
+            step_params(optimizer, params, key)
 
-        opt._step_params = logged
+        opt._lo_stepper = logged
     grads_none = _train_steps(wrapped, no_sync, opt, rank, accum, STEPS, layer=layer,
                               clip=clip, scaler=scaler, clip_value=clip_value)
     return dict(

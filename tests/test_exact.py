@@ -42,13 +42,13 @@ def test_each_parameter_stepped_once_per_backward(model_name):
     model, batch_fn, loss_fn = make_model(model_name)
     opt = layeropt.SGD(model.parameters(), lr=0.1)
     calls: list[int] = []
-    original = opt._step_params
+    original = opt._lo_stepper  # every update's one call of torch's step (_subset.py)
 
-    def counting(params):
+    def counting(optimizer, params, key):
         calls.extend(id(p) for p in params)
-        return original(params)
+        return original(optimizer, params, key)
 
-    opt._step_params = counting
+    opt._lo_stepper = counting
     layeropt.attach(model, opt)
     loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
     # The reference: which parameters get a gradient in plain torch.

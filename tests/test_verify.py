@@ -123,14 +123,14 @@ def test_what_cannot_be_detected_is_found_by_verification(process_group, kind, c
     opt = cls(model.parameters(), lr=0.01)
     handle = layeropt.attach(model, opt, verify=3)
     if inject:
-        original = opt._step_params
+        original = opt._lo_stepper  # every update's call of torch's step (_subset.py)
 
-        def wrong(params: list[torch.Tensor]) -> None:
-            original(params)
+        def wrong(optimizer: Any, params: list[torch.Tensor], key: object) -> None:
+            original(optimizer, params, key)
             with torch.no_grad():
                 params[0].mul_(1.0 + 2.0**-10)
 
-        opt._step_params = wrong
+        opt._lo_stepper = wrong
     try:
         with pytest.raises(layeropt.VerifyError, match="LAYEROPT_VERIFY") as info:
             for step in range(3):
