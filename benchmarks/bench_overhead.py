@@ -16,7 +16,7 @@ calls, interleaved):
   what is left of layeropt's Python net of that saving);
 * ``hook path``: a whole attached backward through ``Engine.hook`` minus the
   same backward with gradients only dropped, divided by the bucket count; and
-  the same with ``_step_params`` replaced by a no-op (the engine's own
+  the same with the optimizer's stepper (``_lo_stepper``) replaced by a no-op (the engine's own
   bookkeeping), next to a plain ``backward(); fused Adam step(); zero_grad()``.
 
 Usage:
@@ -104,7 +104,7 @@ def hook_path(depth: int, d: int, repeat: int) -> dict[str, float]:
     handle_book = layeropt.attach(book, opt_book, bucket_cap_mb=0)
     opt_merged = layeropt.Adam(merged.parameters(), lr=1e-3, fused=True)
     handle_merged = layeropt.attach(merged, opt_merged)  # the default cap
-    opt_book._step_params = lambda params: None  # bookkeeping only: no update
+    opt_book._lo_stepper = lambda o, params, key: None  # bookkeeping only: no update
     for p in dropped.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     for module in counted.layers:  # the least a per-bucket hook can do: count, drop

@@ -8,7 +8,7 @@ in between therefore need a word (``Engine.flush_leftovers`` and
 * **hyperparameters set after backward** (a learning-rate warm-up written
   there, ``scheduler.step()`` before ``optimizer.step()``): the update used
   the old value. :func:`snapshot` records the groups once the training step's
-  first update ran (``InBackwardOptimizer._step_params``);
+  first update ran (``Engine._step``);
   :func:`check_unchanged` refuses at ``step()`` / ``zero_grad()``. Tensor
   values compare by identity and version counter, never by reading them.
 * **a gradient set on a parameter backward already updated** (Opacus' noise,

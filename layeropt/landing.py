@@ -17,8 +17,8 @@ nothing else:
    queue has run, as torch's ``step()`` comes after them;
 3. then they are stepped with one call of torch's ``step`` on exactly their
    parameters (:meth:`Engine._step`: unscaling and clipping per bucket first,
-   ``layeropt/_transforms.py``; the update itself ``InBackwardOptimizer.
-   _step_params``), and their gradients freed.
+   ``layeropt/_transforms.py``; the update itself one call of the optimizer's
+   ``SubsetStepper``, ``layeropt/_subset.py``), and their gradients freed.
 
 Everything else - the start and end of a backward, modes that hold gradients
 (``no_step()``, a GradScaler-scaled loss, ``step(closure)``, a kept graph),

@@ -2,8 +2,8 @@
 
 ``offload_state(opt)`` keeps a layeropt optimizer's state tensors in host
 memory (pinned when the parameters are on CUDA). Each bucket step inside
-backward (``InBackwardOptimizer._step_params``, the one place every update
-goes through) runs in :meth:`StateOffload.stepping`:
+backward (``InBackwardOptimizer._step_params``, the one place every update of
+an offloaded optimizer goes through) runs in :meth:`StateOffload.stepping`:
 
 1. each of the bucket's host state tensors is copied into a working tensor on
    the parameter's device, and ``optimizer.state[p][k]`` is that working
