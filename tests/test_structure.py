@@ -92,3 +92,17 @@ def test_only_the_engine_writes_its_state():
     """No other core module assigns an engine's attributes or changes its containers."""
     report = _engine_report()
     assert report.outside_writes(ROOT, "landing.py") == []
+
+
+def test_the_plain_path_stays_short(monkeypatch):
+    """The engine's budget (``benchmarks/engine_report.py`` prints it): a warmed plain
+    backward of two Linear layers (``bucket_cap_mb=0``, Adam foreach) makes at most 40
+    layeropt Python calls, at most 6 frames deep; the engine has at most 15 attributes;
+    no core module has over 400 code lines."""
+    monkeypatch.delenv("LAYEROPT_VERIFY", raising=False)
+    report = _engine_report()
+    calls, depth, counts = report.calls_per_backward()
+    assert calls <= 40 and depth <= 6, (calls, depth, counts)
+    assert len(report.engine_attributes()) <= 15, report.engine_attributes()
+    sizes = {p.name: report.code_lines(p) for p in report.core_modules(ROOT)}
+    assert max(sizes.values()) <= 400, sizes
