@@ -31,8 +31,6 @@ class LandingOrder:
         >>> order = LandingOrder()
         >>> for key in "abcd":
         ...     order.landed(key, serial=1)
-        >>> order.next_backward(2)  # what the next backward should begin with
-        ['a', 'b']
         >>> order.landed("a", serial=2)
         >>> order.upcoming(2)
         ['b', 'c']
@@ -77,9 +75,3 @@ class LandingOrder:
                 if len(out) == n:
                     break
         return out
-
-    def next_backward(self, n: int) -> list[Hashable]:
-        """Up to ``n`` keys the next backward is expected to begin with (the order just
-        recorded, once its backward is over)."""
-        source = self.current or self.previous
-        return list(source[:n])
