@@ -230,7 +230,8 @@ class _TorchTrainer(Trainer):
 def _trainer(tmp_path: Any, kind: str, *, ga: int = 2, max_grad_norm: float = 0.0,
              steps: int = 3, n: int = 10, optim: str | None = None, save_steps: int = 0,
              torch_trainer: type = Trainer, user_scheduler: bool = False, width: int = 32,
-             offload_state: Any = False, **targs: Any) -> tuple[Any, Any, _Probe]:
+             offload_state: Any = False, verify: int | None = None,
+             **targs: Any) -> tuple[Any, Any, _Probe]:
     """Build one of the Trainer set-ups under test (not trained yet)."""
     torch.manual_seed(0)
     model = _llama(width=width)
@@ -257,7 +258,7 @@ def _trainer(tmp_path: Any, kind: str, *, ga: int = 2, max_grad_norm: float = 0.
     elif kind == "layeropt":
         opt = layeropt.AdamW(model.parameters(), lr=1e-2)
         trainer = LayeroptTrainer(**common, optimizers=optimizers(opt), bucket_cap_mb=0,
-                                  offload_state=offload_state)
+                                  offload_state=offload_state, verify=verify)
     elif kind == "layeropt-torch-optimizer":  # refused
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         trainer = LayeroptTrainer(**common, optimizers=(opt, None))
@@ -265,7 +266,7 @@ def _trainer(tmp_path: Any, kind: str, *, ga: int = 2, max_grad_norm: float = 0.
         trainer = LayeroptTrainer(**common, bucket_cap_mb=0, offload_state=offload_state)
     elif kind == "callback":
         opt = layeropt.AdamW(model.parameters(), lr=1e-2)
-        common["callbacks"].append(LayeroptCallback(bucket_cap_mb=0))
+        common["callbacks"].append(LayeroptCallback(bucket_cap_mb=0, verify=verify))
         trainer = Trainer(**common, optimizers=optimizers(opt))
     elif kind == "attached-plain":  # what not to do: attach and hand to a plain Trainer
         opt = layeropt.AdamW(model.parameters(), lr=1e-2)

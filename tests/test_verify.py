@@ -167,11 +167,26 @@ def test_layeropt_verify_must_be_a_count(monkeypatch):
         layeropt.attach(model, opt)
 
 
-@pytest.mark.parametrize("opts", [dict(ga=2, max_grad_norm=0.5), dict(ga=1)],
-                         ids=["accumulate-clip", "plain"])
-def test_hugging_face_trainer_under_layeropt_verify(tmp_path, monkeypatch, opts):
-    """The Trainer's layeropt integration attaches with layeropt.attach, which reads
-    LAYEROPT_VERIFY: the verified steps pass, and the run equals the Trainer with
+# How a trainer integration is told to verify: the environment variable (read by
+# layeropt.attach), or the integration's own verify= argument.
+HOW = pytest.mark.parametrize("how", ["env", "argument"])
+
+
+def _verify_setting(how: str, monkeypatch: pytest.MonkeyPatch) -> dict:
+    if how == "env":
+        monkeypatch.setenv("LAYEROPT_VERIFY", "2")
+        return {}
+    monkeypatch.delenv("LAYEROPT_VERIFY", raising=False)
+    return {"verify": 2}
+
+
+@HOW
+@pytest.mark.parametrize("kind, opts", [("layeropt", dict(ga=2, max_grad_norm=0.5)),
+                                        ("layeropt", dict(ga=1)), ("callback", dict(ga=2))],
+                         ids=["trainer-accumulate-clip", "trainer-plain", "callback-accumulate"])
+def test_hugging_face_trainer_under_layeropt_verify(tmp_path, monkeypatch, kind, opts, how):
+    """The Trainer's layeropt integrations verify when told (LAYEROPT_VERIFY, or their
+    verify= argument): the verified steps pass, and the run equals the Trainer with
     torch.optim bit for bit."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
@@ -179,8 +194,8 @@ def test_hugging_face_trainer_under_layeropt_verify(tmp_path, monkeypatch, opts)
 
     ref_trainer, ref, _ = test_hf._trainer(tmp_path, "torch", **opts)
     ref_trainer.train()
-    monkeypatch.setenv("LAYEROPT_VERIFY", "2")
-    trainer, model, _ = test_hf._trainer(tmp_path, "layeropt", **opts)
+    trainer, model, _ = test_hf._trainer(tmp_path, kind, **opts,
+                                         **_verify_setting(how, monkeypatch))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
@@ -189,23 +204,50 @@ def test_hugging_face_trainer_under_layeropt_verify(tmp_path, monkeypatch, opts)
         test_rules.assert_same(p.detach(), q.detach(), name)
 
 
-def test_lightning_under_layeropt_verify(monkeypatch):
-    """Lightning's callback attaches with layeropt.attach (LAYEROPT_VERIFY read there)."""
+@HOW
+def test_lightning_under_layeropt_verify(monkeypatch, how):
+    """Lightning's callback verifies when told (LAYEROPT_VERIFY, or verify=)."""
     pytest.importorskip("lightning.pytorch")
     import test_lightning
 
     setup = test_lightning._kw(test_lightning.SETUPS["accumulate-3-clip"])
     ref = test_lightning.Net(torch.optim.AdamW, weight_decay=0.1)
     test_lightning._fit(ref, steps=4, **setup)
-    monkeypatch.setenv("LAYEROPT_VERIFY", "2")
     module = test_lightning.Net(layeropt.AdamW, weight_decay=0.1)
-    callback = test_lightning.LayeroptCallback(bucket_cap_mb=0)
+    callback = test_lightning.LayeroptCallback(bucket_cap_mb=0,
+                                               **_verify_setting(how, monkeypatch))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         test_lightning._fit(module, [callback], steps=4, **setup)
     assert any("LAYEROPT_VERIFY: 2 training step(s)" in str(w.message) for w in caught)
     for p, q in zip(module.parameters(), ref.parameters()):
         test_rules.assert_same(p.detach(), q.detach())
+
+
+@HOW
+@pytest.mark.parametrize("case", ["ga2-clip-norm", "ga3-scaler-clip", "clip-value"])
+def test_accelerate_under_layeropt_verify(monkeypatch, case, how):
+    """LayeroptAccelerator verifies when told (LAYEROPT_VERIFY, or verify=), through its
+    clipping - learned on the first step - and a GradScaler: equal to accelerate with
+    torch.optim bit for bit, norms included."""
+    pytest.importorskip("accelerate")
+    import test_accelerate
+    from accelerate.state import AcceleratorState, GradientState
+
+    def fresh() -> None:  # (accelerate's global state, as a Trainer earlier may leave it)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+    fresh()
+    ref = test_accelerate._loop("torch", **test_accelerate.CASES[case])
+    fresh()
+    setting = _verify_setting(how, monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = test_accelerate._loop("layeropt", **test_accelerate.CASES[case], accel_kw=setting)
+    fresh()
+    assert any("LAYEROPT_VERIFY: 2 training step(s)" in str(w.message) for w in caught)
+    test_accelerate._compare(ref, got)
 
 
 def test_an_example_under_layeropt_verify_prints_the_same_numbers(tmp_path):

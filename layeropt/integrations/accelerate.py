@@ -93,6 +93,10 @@ class LayeroptAccelerator(Accelerator):
             arguments, e.g. ``{"overlap": True}``); ``accelerator.offloads``
             maps each optimizer to its handle. Clipping is not learned then:
             give ``max_grad_norm`` / ``clip_value`` if the loop clips.
+        verify: run the first ``verify`` training steps both ways and raise
+            :class:`~layeropt.errors.VerifyError` at the first difference
+            (:func:`layeropt.attach`'s ``verify``; ``None``: the ``LAYEROPT_VERIFY``
+            environment variable).
         **kwargs: ``Accelerator``'s keyword arguments.
 
     Raises:
@@ -114,9 +118,11 @@ class LayeroptAccelerator(Accelerator):
 
     def __init__(self, *args: Any, max_grad_norm: float | None = None, norm_type: float = 2.0,
                  clip_value: float | None = None, bucket_cap_mb: float | None = None,
-                 offload_state: bool | dict[str, Any] = False, **kwargs: Any) -> None:
+                 offload_state: bool | dict[str, Any] = False, verify: int | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.layeropt_bucket_cap_mb = bucket_cap_mb
+        self.layeropt_verify = verify
         self.layeropt_offload_state = offload_state
         # optimizer -> its StateOffload (weakly: one freed by free_memory() may go)
         self.offloads: weakref.WeakKeyDictionary[InBackwardOptimizer, Any] = \
@@ -167,8 +173,9 @@ class LayeroptAccelerator(Accelerator):
                     "fully_shard and layeropt.attach."
                 )
             if owners:
-                kw = {} if self.layeropt_bucket_cap_mb is None else {
-                    "bucket_cap_mb": self.layeropt_bucket_cap_mb}
+                given = {"bucket_cap_mb": self.layeropt_bucket_cap_mb,
+                         "verify": self.layeropt_verify}
+                kw = {k: v for k, v in given.items() if v is not None}
                 self._lo_handles[key] = attach(model, owners, **kw)
         for opt in opts:
             offload_state_once(opt, self.layeropt_offload_state, self.offloads)

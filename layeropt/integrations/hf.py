@@ -148,8 +148,10 @@ def _in_backward_class(optimizer_cls: Any, optim_name: Any) -> type:
     return in_backward(optimizer_cls)
 
 
-def _attach_kwargs(bucket_cap_mb: float | None) -> dict[str, float]:
-    return {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+def _attach_kwargs(bucket_cap_mb: float | None, verify: int | None) -> dict[str, float]:
+    """``layeropt.attach``'s keyword arguments for the ones given (``None``: its default)."""
+    given = {"bucket_cap_mb": bucket_cap_mb, "verify": verify}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 class LayeroptTrainer(Trainer):
@@ -169,6 +171,10 @@ class LayeroptTrainer(Trainer):
             arguments, e.g. ``{"overlap": True}``). Applied when the optimizer
             is created and kept after ``train()``; ``trainer.layeropt_offload``
             is its handle (``.host_bytes``, ``.remove()``).
+        verify: run the first ``verify`` training steps both ways and raise
+            :class:`~layeropt.errors.VerifyError` at the first difference
+            (:func:`layeropt.attach`'s ``verify``; ``None``: the ``LAYEROPT_VERIFY``
+            environment variable).
         **kwargs: ``Trainer``'s keyword arguments; ``optimizers=(opt, sched)``
             may hold a layeropt optimizer (attached or not), otherwise the
             layeropt version of ``args.optim``'s optimizer is built.
@@ -184,10 +190,12 @@ class LayeroptTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, bucket_cap_mb: float | None = None,
-                 offload_state: bool | dict[str, Any] = False, **kwargs: Any) -> None:
+                 offload_state: bool | dict[str, Any] = False, verify: int | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.bucket_cap_mb = bucket_cap_mb
         self.offload_state = offload_state
+        self.verify = verify
         self._layeropt_handle: Attachment | None = None
         self._layeropt_offloads: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
@@ -252,7 +260,8 @@ class LayeroptTrainer(Trainer):
                     f"{type(model).__name__}, whose gradients layeropt cannot average. Use "
                     "torch.optim with it."
                 )
-            self._layeropt_handle = attach(model, opt, **_attach_kwargs(self.bucket_cap_mb))
+            self._layeropt_handle = attach(model, opt,
+                                           **_attach_kwargs(self.bucket_cap_mb, self.verify))
             offload_state_once(opt, self.offload_state, self._layeropt_offloads)  # (if not yet)
         return opt
 
@@ -343,6 +352,10 @@ class LayeroptCallback(TrainerCallback):
 
     Args:
         bucket_cap_mb: passed to :func:`layeropt.attach` (``None``: its default).
+        verify: run the first ``verify`` training steps both ways and raise
+            :class:`~layeropt.errors.VerifyError` at the first difference
+            (:func:`layeropt.attach`'s ``verify``; ``None``: the ``LAYEROPT_VERIFY``
+            environment variable).
 
     Raises:
         TrainerSetupError: at ``on_train_begin``, for the settings above,
@@ -356,8 +369,9 @@ class LayeroptCallback(TrainerCallback):
         ...                   optimizers=(opt, None), callbacks=[LayeroptCallback()])
     """
 
-    def __init__(self, bucket_cap_mb: float | None = None) -> None:
+    def __init__(self, bucket_cap_mb: float | None = None, verify: int | None = None) -> None:
         self.bucket_cap_mb = bucket_cap_mb
+        self.verify = verify
         self._opt: InBackwardOptimizer | None = None
         self._handle: Attachment | None = None
         self._deferring = contextlib.ExitStack()
@@ -384,7 +398,8 @@ class LayeroptCallback(TrainerCallback):
         model = kwargs["model"]
         self._opt = self._find(model, kwargs.get("optimizer"))
         if not self._opt.attached:
-            self._handle = attach(model, self._opt, **_attach_kwargs(self.bucket_cap_mb))
+            self._handle = attach(model, self._opt,
+                                  **_attach_kwargs(self.bucket_cap_mb, self.verify))
         self._deferring.close()
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

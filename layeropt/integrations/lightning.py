@@ -82,6 +82,10 @@ class LayeroptCallback(Callback):
             (:func:`layeropt.offload.offload_state`; a dict passes its keyword
             arguments, e.g. ``{"overlap": True}``). Kept after ``fit``;
             ``callback.offloads`` maps each optimizer to its handle.
+        verify: run the first ``verify`` training steps both ways and raise
+            :class:`~layeropt.errors.VerifyError` at the first difference
+            (:func:`layeropt.attach`'s ``verify``; ``None``: the ``LAYEROPT_VERIFY``
+            environment variable).
 
     Raises:
         LightningSetupError: at ``fit`` start, when no optimizer is a layeropt
@@ -98,8 +102,10 @@ class LayeroptCallback(Callback):
     """
 
     def __init__(self, bucket_cap_mb: float | None = None, log_grad_norm: bool = False,
-                 offload_state: bool | dict[str, Any] = False) -> None:
+                 offload_state: bool | dict[str, Any] = False,
+                 verify: int | None = None) -> None:
         self.bucket_cap_mb = bucket_cap_mb
+        self.verify = verify
         self.log_grad_norm = log_grad_norm
         self.offload_state = offload_state
         # optimizer -> its StateOffload (weakly: an optimizer of an earlier fit may go)
@@ -136,6 +142,8 @@ class LayeroptCallback(Callback):
         kwargs: dict[str, Any] = {}
         if self.bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = self.bucket_cap_mb
+        if self.verify is not None:
+            kwargs["verify"] = self.verify
         if self._clip is not None and algorithm == "value":
             kwargs["clip_value"] = clip_val
         self._handle = attach(model, self._optimizers, **kwargs)
