@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ._held import HostHeld
 from ._prefetch import LandingOrder
 from ._subset import _MISSING
-from .errors import LayeroptError
+from .errors import VERIFY_OFFLOAD_ERROR, LayeroptError
 from .optim import InBackwardOptimizer
 
 __all__ = ["offload_state", "StateOffload"]
@@ -476,6 +476,8 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
             "this optimizer's state is already offloaded; call remove() on the handle "
             "offload_state() returned before offloading it again."
         )
+    if optimizer._lo_engine.verifier is not None:  # (its first steps run both ways)
+        raise LayeroptError(VERIFY_OFFLOAD_ERROR)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     odd = sorted({type(p).__name__ for p in params if type(p) not in (Tensor, torch.nn.Parameter)})
     if odd:

@@ -159,6 +159,26 @@ def test_verification_ends_with_a_warning_and_training_goes_on_in_backward():
     assert opt._lo_engine.verifier is None
 
 
+@pytest.mark.parametrize("order", ["offload-then-verify", "verify-then-offload"])
+def test_verifying_with_the_state_offloaded_is_refused_at_once(order):
+    """Either order is refused when the second call is made, naming the fix, and leaves
+    the optimizer as it was: no hooks from the refused attach, no state moved."""
+    from layeropt.offload import offload_state
+
+    model = _model()
+    opt = layeropt.AdamW(model.parameters(), lr=0.01)
+    if order == "offload-then-verify":
+        offload_state(opt)
+        with pytest.raises(layeropt.LayeroptError, match="verify the same loop without"):
+            layeropt.attach(model, opt, verify=2)
+        assert not opt.attached
+    else:
+        layeropt.attach(model, opt, verify=2)
+        with pytest.raises(layeropt.LayeroptError, match="verify the same loop without"):
+            offload_state(opt)
+        assert opt.__dict__.get("_lo_state_place") is None
+
+
 def test_layeropt_verify_must_be_a_count(monkeypatch):
     monkeypatch.setenv("LAYEROPT_VERIFY", "yes")
     model = _model()
