@@ -553,9 +553,15 @@ def _memory(rank: int) -> dict[str, Any]:
                 opt.step()
                 opt.zero_grad()
             peaks.append(mem.peak)
-        # DDP: the least of steps 3-5 (every step holds the same tensors; when gloo's
-        # threads free their small buffers can only add to one step's peak)
-        out[name] = min(peaks[2:]) if engine == "ddp" else held[0]
+        # DDP: every step holds the same tensors (in a clean process each of steps 3-5
+        # measures the same bytes). layeropt's: the least of them (when gloo's threads free
+        # their small buffers can only add to one step's peak); torch's, the references:
+        # the most (a step the profiler saw only part of - once, in a rank forked from a
+        # worker that had run other tests - can only take from one step's peak)
+        if engine == "ddp":
+            out[name] = min(peaks[2:]) if layer else max(peaks[2:])
+        else:
+            out[name] = held[0]
         if engine == "fsdp2":
             out[f"{name}/shard_bytes"] = [p.to_local().nbytes for p in params]
         if layer:
