@@ -105,14 +105,21 @@ def real_step(build, make_batch, loss_fn, make_opt, checkpoint=None, in_backward
         step()
         with PeakMemory() as mem:
             step()
-        start = _live_bytes(list(model.parameters()), list(model.buffers()), batch,
-                            list(opt.state.values()))  # fmt: skip
-        if offloaded is not None:
-            start -= offloaded.host_bytes
-            offloaded.remove()
-        if handle is not None:
-            handle.remove()
+        start = _device_start(model, batch, opt, offloaded, handle)
     return start, mem.peak
+
+
+def _device_start(model, batch, opt, offloaded, handle) -> int:
+    """Bytes alive on the device before a step (parameters, buffers, batch, optimizer
+    state; without the state kept in host memory); then the offload and the hooks go."""
+    start = _live_bytes(list(model.parameters()), list(model.buffers()), batch,
+                        list(opt.state.values()))  # fmt: skip
+    if offloaded is not None:
+        start -= offloaded.host_bytes
+        offloaded.remove()
+    if handle is not None:
+        handle.remove()
+    return start
 
 
 def real_for(variant: Variant, build, make_batch, loss_fn, checkpoint=None):
@@ -741,13 +748,7 @@ def real_window(variant: Variant, build, make_batch, loss_fn, n):
             down = (off.held.down_bytes - counted[1]) if off.held is not None else 0
             up = (off.held.up_bytes - counted[2]) if off.held is not None else 0
             link = (state + up, state + down)
-        start = _live_bytes(list(model.parameters()), list(model.buffers()), batch,
-                            list(opt.state.values()))  # fmt: skip
-        if off is not None:
-            start -= off.host_bytes
-            off.remove()
-        if handle is not None:
-            handle.remove()
+        start = _device_start(model, batch, opt, off, handle)
     return start, mem.peak, link
 
 

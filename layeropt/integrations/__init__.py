@@ -24,7 +24,18 @@ from typing import Any
 
 from ..backward_pass import two_pass_compile  # (layeropt.two_pass_compile; kept here too)
 
-__all__ = ["two_pass_compile", "offload_state_once"]
+__all__ = ["two_pass_compile", "offload_state_once", "attach_kwargs"]
+
+
+def attach_kwargs(**given: Any) -> dict[str, Any]:
+    """An integration's ``layeropt.attach`` arguments: those given (``None``: attach's
+    default, ``LAYEROPT_VERIFY`` for ``verify``).
+
+    Example:
+        >>> attach_kwargs(bucket_cap_mb=None, verify=2)
+        {'verify': 2}
+    """
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def offload_state_once(optimizer: Any, setting: bool | Mapping[str, Any] | None,

@@ -55,7 +55,7 @@ from ..attaching import Attachment, attach
 from ..backward_pass import backward as layeropt_backward
 from ..errors import LayeroptError
 from ..optim import InBackwardOptimizer, no_step_all, unwrap_optimizer
-from . import offload_state_once, two_pass_compile
+from . import attach_kwargs, offload_state_once, two_pass_compile
 
 try:
     from accelerate import Accelerator
@@ -173,10 +173,8 @@ class LayeroptAccelerator(Accelerator):
                     "fully_shard and layeropt.attach."
                 )
             if owners:
-                given = {"bucket_cap_mb": self.layeropt_bucket_cap_mb,
-                         "verify": self.layeropt_verify}
-                kw = {k: v for k, v in given.items() if v is not None}
-                self._lo_handles[key] = attach(model, owners, **kw)
+                self._lo_handles[key] = attach(model, owners, **attach_kwargs(
+                    bucket_cap_mb=self.layeropt_bucket_cap_mb, verify=self.layeropt_verify))
         for opt in opts:
             offload_state_once(opt, self.layeropt_offload_state, self.offloads)
         self._apply_clip_value()

@@ -71,7 +71,7 @@ from ..optim import (
     live_optimizers,
     unwrap_optimizer,
 )
-from . import offload_state_once, two_pass_compile
+from . import attach_kwargs, offload_state_once, two_pass_compile
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -146,12 +146,6 @@ def _in_backward_class(optimizer_cls: Any, optim_name: Any) -> type:
             "optimizers=(layeropt.AdamW(model.parameters(), ...), None)."
         )
     return in_backward(optimizer_cls)
-
-
-def _attach_kwargs(bucket_cap_mb: float | None, verify: int | None) -> dict[str, float]:
-    """``layeropt.attach``'s keyword arguments for the ones given (``None``: its default)."""
-    given = {"bucket_cap_mb": bucket_cap_mb, "verify": verify}
-    return {k: v for k, v in given.items() if v is not None}
 
 
 class LayeroptTrainer(Trainer):
@@ -260,8 +254,8 @@ class LayeroptTrainer(Trainer):
                     f"{type(model).__name__}, whose gradients layeropt cannot average. Use "
                     "torch.optim with it."
                 )
-            self._layeropt_handle = attach(model, opt,
-                                           **_attach_kwargs(self.bucket_cap_mb, self.verify))
+            self._layeropt_handle = attach(model, opt, **attach_kwargs(
+                bucket_cap_mb=self.bucket_cap_mb, verify=self.verify))
             offload_state_once(opt, self.offload_state, self._layeropt_offloads)  # (if not yet)
         return opt
 
@@ -398,8 +392,8 @@ class LayeroptCallback(TrainerCallback):
         model = kwargs["model"]
         self._opt = self._find(model, kwargs.get("optimizer"))
         if not self._opt.attached:
-            self._handle = attach(model, self._opt,
-                                  **_attach_kwargs(self.bucket_cap_mb, self.verify))
+            self._handle = attach(model, self._opt, **attach_kwargs(
+                bucket_cap_mb=self.bucket_cap_mb, verify=self.verify))
         self._deferring.close()
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -52,7 +52,7 @@ from ..attaching import Attachment, attach
 from ..backward_pass import backward as layeropt_backward
 from ..errors import LayeroptError
 from ..optim import InBackwardOptimizer, no_step_all, unwrap_optimizer
-from . import offload_state_once, two_pass_compile
+from . import attach_kwargs, offload_state_once, two_pass_compile
 
 try:
     import lightning.pytorch as pl
@@ -139,14 +139,9 @@ class LayeroptCallback(Callback):
         clip_val = float(trainer.gradient_clip_val or 0.0)
         algorithm = _algorithm(trainer.gradient_clip_algorithm)
         self._clip = (clip_val, algorithm) if clip_val > 0 else None
-        kwargs: dict[str, Any] = {}
-        if self.bucket_cap_mb is not None:
-            kwargs["bucket_cap_mb"] = self.bucket_cap_mb
-        if self.verify is not None:
-            kwargs["verify"] = self.verify
-        if self._clip is not None and algorithm == "value":
-            kwargs["clip_value"] = clip_val
-        self._handle = attach(model, self._optimizers, **kwargs)
+        by_value = clip_val if self._clip is not None and algorithm == "value" else None
+        self._handle = attach(model, self._optimizers, **attach_kwargs(
+            bucket_cap_mb=self.bucket_cap_mb, verify=self.verify, clip_value=by_value))
         for opt in self._optimizers:
             offload_state_once(opt, self.offload_state, self.offloads)
         if self.offloads:  # a resumed checkpoint: its state into host memory, not the device
