@@ -165,6 +165,7 @@ class Rules(StepRules):
         self.transform: Transform | None = None  # layeropt.backward's step pass
         watch_torch_checkpoint()
         _watch.watch()
+        _watch.watch_tools()
 
     def _route(self) -> None:
         """Which graph task takes the plain path: the backward's, unless a mode is on."""
@@ -324,6 +325,7 @@ class Rules(StepRules):
         self.last = self.backward = rec = BackwardRecord(task)
         self.txn += 1  # a transaction of its own
         rec.scaled = _watch.scaled_backward()
+        _watch.watch_tools()  # (a tool imported since attach: guarded before it clips)
         rec.distributed = world_size() > 1
         segments = nesting._TORCH_SEGMENTS
         rec.defer = defer or bool(

@@ -18,6 +18,11 @@ own) decides whether the loop's numbers would differ from torch's:
   clipping them does nothing and returns 0. Called with parameters stepped
   that way, they raise (a finite ``max_norm``, or by value) or warn (an
   infinite ``max_norm``: a measurement) instead of silently doing nothing.
+* accelerate's ``Accelerator.clip_grad_norm_`` / ``clip_grad_value_``: the
+  public clipping entry of accelerate loops and of the Hugging Face Trainer,
+  guarded as torch's functions are (:func:`watch_tools`). accelerate >= 1.16
+  keeps only parameters whose ``.grad`` is set before it reaches torch, so
+  torch's functions alone cannot see such a clip.
 * ``nn.Module.zero_grad``: gradients a backward already applied, discarded
   by the loop (``Engine.check_discard``; the optimizer's ``zero_grad`` is
   layeropt's own).
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -108,11 +114,12 @@ def _guard(fn: Callable[..., Any], by_norm: bool, name: str) -> Callable[..., An
         if isinstance(parameters, Tensor):
             parameters = [parameters]
         parameters = list(parameters)
+        label = name if "." in name else f"torch.nn.utils.{name}"
         stepped = _stepped_ids() if ENGINES else ()
         if stepped and any(p.grad is None and id(p) in stepped for p in parameters):
             max_norm = args[0] if args else kwargs.get("max_norm", math.inf)
             message = CLIP_AFTER_BACKWARD.format(
-                fn=f"torch.nn.utils.{name}",
+                fn=label,
                 result="it returns a norm of 0" if by_norm else "no gradient is left",
             )
             if by_norm and math.isinf(float(max_norm)):
@@ -121,7 +128,7 @@ def _guard(fn: Callable[..., Any], by_norm: bool, name: str) -> Callable[..., An
                 raise LayeroptError(message)
         hidden = {id(p) for e in list(ENGINES) for p in e.in_host_memory()} if ENGINES else ()
         if hidden and any(p.grad is None and id(p) in hidden for p in parameters):
-            raise LayeroptError(CLIP_HELD_ON_HOST.format(fn=f"torch.nn.utils.{name}"))
+            raise LayeroptError(CLIP_HELD_ON_HOST.format(fn=label))
         _CALLING.append(name)
         try:
             return fn(parameters, *args, **kwargs)
@@ -130,6 +137,32 @@ def _guard(fn: Callable[..., Any], by_norm: bool, name: str) -> Callable[..., An
 
     guarded._layeropt_guard = True  # type: ignore[attr-defined]
     return guarded
+
+
+def _guard_method(method: Callable[..., Any], by_norm: bool, name: str) -> Callable[..., Any]:
+    """:func:`_guard` for a tool's clipping method ``(self, parameters, ...)``."""
+
+    @functools.wraps(method)
+    def guarded(self: Any, parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        return _guard(functools.partial(method, self), by_norm, name)(parameters, *args, **kwargs)
+
+    guarded._layeropt_guard = True  # type: ignore[attr-defined]
+    return guarded
+
+
+def watch_tools() -> None:
+    """Guard the clipping methods of the training tools imported by now (accelerate's
+    ``Accelerator``); called when an engine is made and when a backward reaches one, so a
+    tool imported after ``attach`` is guarded before its first clip."""
+    accelerate = sys.modules.get("accelerate")
+    cls = getattr(accelerate, "Accelerator", None)
+    if cls is None or cls.__dict__.get("_layeropt_guarded"):
+        return
+    for name, by_norm in (("clip_grad_norm_", True), ("clip_grad_value_", False)):
+        method = cls.__dict__.get(name)
+        if method is not None:
+            setattr(cls, name, _guard_method(method, by_norm, f"Accelerator.{name}"))
+    cls._layeropt_guarded = True
 
 
 def _before_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:

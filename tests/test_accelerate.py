@@ -136,6 +136,29 @@ def test_plain_accelerator_with_attached_optimizer_refuses():
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("clip", ["norm", "value", "measure"])
+def test_plain_accelerator_clipping_after_attached_backward_is_refused(clip):
+    """accelerate's own clipping methods after an attached backward: refused (a finite
+    norm, by value) or warned (max_norm=inf, a measurement) - whichever torch functions
+    accelerate calls inside (1.16 skips parameters whose .grad is None before torch's)."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, batch_fn, loss_fn = make_model("mlp")
+    model, opt = accelerator.prepare(model, layeropt.SGD(model.parameters(), lr=0.1))
+    with layeropt.attach(model, opt):
+        accelerator.backward(loss_fn(model, batch_fn(torch.Generator().manual_seed(0))))
+        if clip == "measure":
+            with pytest.warns(UserWarning, match="norm is not measured"):
+                accelerator.clip_grad_norm_(model.parameters(), float("inf"))
+        else:
+            with pytest.raises(layeropt.LayeroptError, match="Accelerator.clip_grad"):
+                if clip == "norm":
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                else:
+                    accelerator.clip_grad_value_(model.parameters(), 0.1)
+
+
 def test_accelerate_compiling_the_model_with_clipping():
     """accelerate's dynamo plugin compiles the prepared model; clipping's two passes run
     its graph twice (donated buffers off until free_memory()), bit for bit."""

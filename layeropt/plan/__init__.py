@@ -68,9 +68,11 @@ _NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
 
 #: Loggers that talk while a plan imports and runs their libraries, about
 #: nothing a plan uses: torchao's and bitsandbytes' optional GPU/CPU kernels
-#: that fail to load, torch's deprecation of Enum pytree constants (torchao
-#: registers some), transformers' ``loss_type=None`` in every config.
-_NOISY_LOGGERS = ("torchao", "bitsandbytes", "torch.utils._pytree", "transformers.modeling_utils")
+#: that fail to load (and ``kernels``, which bitsandbytes asks for them: offline it
+#: says it skips a publisher check), torch's deprecation of Enum pytree constants
+#: (torchao registers some), transformers' ``loss_type=None`` in every config.
+_NOISY_LOGGERS = ("torchao", "bitsandbytes", "kernels", "torch.utils._pytree",
+                  "transformers.modeling_utils")
 
 
 def plan(
