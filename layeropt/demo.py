@@ -5,22 +5,32 @@ Two copies of one model train on the same batches: one with
 ``layeropt.Adam(fused=True)`` attached to the model (each layer updated in
 backward, its gradient freed at once). The demo prints, for both:
 
-* the peak memory of a training step, split into parameters, optimizer
-  state, gradients and activations/other (:mod:`layeropt.report`);
+* the peak memory of a training step, and what it was made of at that
+  moment: parameters, optimizer state, gradients and activations/other
+  (:mod:`layeropt.report`; the rows sum to the peak);
+* the most gradient memory held at any one moment of the step - the fair
+  comparison of gradients, since each run's peak of memory falls at its own
+  moment (layeropt's often while fewer gradients are alive than at its most);
 * the step time of layeropt relative to torch: the median, over interleaved
   pairs of steps, of the ratio of the two times. On CPU both train with one
   intra-op thread and a step is timed by this process's CPU time
   (``time.process_time``), which a busy machine barely moves, unlike the
   wall clock; on CUDA by the wall clock around a synchronised step. Each
   pair runs the two back to back, alternating which goes first, with the
-  cyclic garbage collector paused, as in ``benchmarks/bench_step.py``;
+  cyclic garbage collector paused, as in ``benchmarks/bench_step.py``. The
+  ratio is printed only when the run pins it down: when a 95% confidence
+  interval of the median (distribution-free, from the order statistics of
+  the pair ratios: :func:`_median_interval`) exists - 6 pairs or more - and
+  lies within :data:`TIME_TOLERANCE` (5%) of it. Otherwise one line says it is
+  not shown and which run measures it (the default ``--tiny`` run has 2
+  pairs);
 * the largest difference between the two models' parameters afterwards
   (``0.0`` on CPU in fp32: the update math is torch's own);
 * a few lines beneath the table that read it (:func:`_notes`): where the
   gradient saving comes from, why ``activations/other`` can be larger at
   layeropt's peak (each run is read at its own peak, and the two peaks fall
   at different moments of the step), why a model whose layers are reused in a
-  loop saves nothing at its peak, and how spread out the timed pairs were.
+  loop saves nothing at its peak, and how precisely the step time is known.
 
 Example:
     >>> result = run_demo("mlp", tiny=True, progress=False)  # doctest: +SKIP
@@ -36,6 +46,7 @@ import dataclasses
 import gc
 import importlib.util
 import inspect
+import math
 import os
 import statistics
 import sys
@@ -62,6 +73,13 @@ __all__ = [
 ]  # fmt: skip
 
 TORCH, LAYEROPT = "torch.optim.Adam", "layeropt.Adam"
+
+#: The step-time ratio is printed only when a 95% confidence interval of its
+#: median lies within this fraction of it (both ends).
+TIME_TOLERANCE = 0.05
+_CONFIDENCE = 0.95
+#: What the line that withholds the step time suggests.
+_STEPS_FOR_TIME = 40
 
 
 class Checkpointed(nn.Module):
@@ -190,12 +208,15 @@ class DemoResult:
         memory: run name (``"torch.optim.Adam"``, ``"layeropt.Adam"``) -> the
             memory breakdown of one training step.
         time_ratio: layeropt step time / torch step time, median over pairs
-            (``None`` when fewer than 3 steps leave no timed pair).
+            (``None`` when fewer than 3 steps leave no timed pair). Printed
+            only when :attr:`time_shown`.
         pairs: how many interleaved pairs of steps were timed.
         max_param_diff: largest absolute difference between the two models'
             parameters after training.
         table: the printed table, with the notes that explain it beneath.
         pair_ratios: layeropt/torch time of each timed pair, in order.
+        time_interval: a 95% confidence interval of ``time_ratio``
+            (:func:`_median_interval`; ``None`` below 6 pairs).
     """
 
     memory: dict[str, StepMemory]
@@ -204,6 +225,12 @@ class DemoResult:
     max_param_diff: float
     table: str
     pair_ratios: list[float] = dataclasses.field(default_factory=list)
+    time_interval: tuple[float, float] | None = None
+
+    @property
+    def time_shown(self) -> bool:
+        """Whether the run measured the step time well enough to print it."""
+        return _time_shown(self.time_ratio, self.time_interval)
 
 
 def _progress(done: int, total: int, stream: TextIO) -> None:
@@ -324,15 +351,55 @@ def run_demo(
         + (", per-block activation checkpointing" if use_checkpoint else "")
     )
     ratio = statistics.median(ratios) if ratios else None
+    interval = _median_interval(ratios)
+    shown = _time_shown(ratio, interval)
     table = (
-        title + "\n\n" + _table(memory, ratio, len(ratios), diff)
+        title + "\n\n" + _table(memory, ratio if shown else None, len(ratios), diff)
         + "\n\n" + "\n".join(_notes(memory, ratios, model, cap_mb))
     )  # fmt: skip
     print(table, file=out)
     if plot is not None:
         plot_demo(memory, plot)
         print(f"\nmemory timeline written to {plot}", file=out)
-    return DemoResult(memory, ratio, len(ratios), diff, table, ratios)
+    return DemoResult(memory, ratio, len(ratios), diff, table, ratios, interval)
+
+
+def _median_interval(
+    ratios: list[float], confidence: float = _CONFIDENCE
+) -> tuple[float, float] | None:
+    """A confidence interval of the median of ``ratios``, free of any noise model.
+
+    The sign test's interval: the k-th smallest and k-th largest value, with
+    the largest k for which the median lies between them with probability at
+    least ``confidence`` (``1 - 2 P(Binomial(n, 1/2) < k)``), whatever the
+    distribution of the ratios, so long as the pairs are independent.
+
+    Returns:
+        ``(low, high)``, or ``None`` when there are too few ratios (under 6
+        for 95%: even the smallest and the largest of 5 miss the median with
+        probability 2/32).
+
+    Example:
+        >>> _median_interval([1.0, 1.1, 0.9, 1.2, 0.8])  # 5: no 95% interval
+        >>> _median_interval([1.0, 1.1, 0.9, 1.2, 0.8, 1.05])  # 6: the range
+        (0.8, 1.2)
+    """
+    n, s = len(ratios), sorted(ratios)
+    k, tail = 0, 0.0  # tail = P(Binomial(n, 1/2) <= k - 1)
+    while k < n:
+        p = math.comb(n, k) / 2**n
+        if 2 * (tail + p) > 1 - confidence:
+            break
+        tail, k = tail + p, k + 1
+    return (s[k - 1], s[n - k]) if k else None
+
+
+def _time_shown(ratio: float | None, interval: tuple[float, float] | None) -> bool:
+    """Whether ``interval`` pins ``ratio`` down to :data:`TIME_TOLERANCE`."""
+    if ratio is None or interval is None:
+        return False
+    low, high = interval
+    return low >= ratio * (1 - TIME_TOLERANCE) and high <= ratio * (1 + TIME_TOLERANCE)
 
 
 def plot_demo(memory: Mapping[str, StepMemory], path: str | os.PathLike[str]) -> str:
@@ -401,7 +468,14 @@ def plot_demo(memory: Mapping[str, StepMemory], path: str | os.PathLike[str]) ->
     return os.fspath(path)
 
 
+#: The table's row of the most gradient memory held at any one moment.
+MOST_GRADIENTS = "most gradient memory at once"
+#: The line under the peak that heads its breakdown (the rows sum to the peak).
+AT_PEAK = "  of which, at that moment:"
+
+
 def _table(memory: dict[str, StepMemory], ratio: float | None, pairs: int, diff: float) -> str:
+    """The table; ``ratio`` ``None`` leaves out the step-time row (see :func:`_notes`)."""
     a, b = memory[TORCH], memory[LAYEROPT]
     w = 18
     rows = [f"{'':<30}{TORCH:>{w}}{LAYEROPT:>{w}}{'layeropt/torch':>{w}}"]
@@ -411,12 +485,12 @@ def _table(memory: dict[str, StepMemory], ratio: float | None, pairs: int, diff:
         return f"{label:<30}{format_bytes(x):>{w}}{format_bytes(y):>{w}}{r:>{w}}"
 
     rows.append(row("peak memory of a step", a.peak, b.peak))
-    for c in a.at_peak:
-        rows.append(row(f"  {c} (at peak)", a.at_peak[c], b.at_peak[c]))
-    if ratio is None:
-        rows.append(f"{'step time':<30}{'(needs --steps >= 3)':>{w * 3}}")
-    else:
-        label = "step time (one pair)" if pairs == 1 else f"step time (median of {pairs} pairs)"
+    rows.append(AT_PEAK)
+    for c in CATEGORIES:
+        rows.append(row(f"    {c}", a.at_peak[c], b.at_peak[c]))
+    rows.append(row(MOST_GRADIENTS, a.max_by_category[GRADIENTS], b.max_by_category[GRADIENTS]))
+    if ratio is not None:
+        label = f"step time (median of {pairs} pairs)"  # shown: 6 pairs or more
         rows.append(f"{label:<30}{'1.00x':>{w}}{f'{ratio:.2f}x':>{w}}{f'{ratio:.2f}x':>{w}}")
     shown = "0.0" if diff == 0 else f"{diff:.3e}"
     rows.append(f"{'max |parameter difference|':<30}{shown:>{w * 2}}")
@@ -447,8 +521,10 @@ def _notes(
     Each statement is printed only when this run's numbers show it:
 
     * gradients: torch.optim holds every one until ``step()``; layeropt frees
-      each layer's once backward has updated it. The saving at the peak is
-      that difference.
+      each layer's once backward has updated it. The numbers are the table's
+      "most gradient memory at once"; where a run held fewer at its peak of
+      memory (the breakdown above), the note says that the peak is another
+      moment.
     * activations/other (activations, inputs, autograd's buffers) is read at
       each run's own peak. torch.optim's peak comes where it holds all its
       gradients - at the end of backward or in ``step()``, once backward has
@@ -466,16 +542,31 @@ def _notes(
       most gradients are complete (LoopNet's shared layers get their last
       contribution as backward ends; until then autograd holds their partial
       sums in both runs).
-    * step time: the spread of the pair ratios, so that noise reads as noise.
+    * step time: shown (:func:`_time_shown`), its 95% confidence interval;
+      not shown, one line that says so and which run measures it.
     """
     t, lo = memory[TORCH], memory[LAYEROPT]
     fmt = format_bytes
+    t_most, lo_most = t.max_by_category[GRADIENTS], lo.max_by_category[GRADIENTS]
+    fewer = {n: r.at_peak[GRADIENTS] for n, r in ((TORCH, t), (LAYEROPT, lo))
+             if r.at_peak[GRADIENTS] < r.max_by_category[GRADIENTS]}  # fmt: skip
+    if len(fewer) == 2:
+        other = (
+            "At their peaks of memory, other moments, torch.optim held "
+            f"{fmt(fewer[TORCH])} of them and layeropt {fmt(fewer[LAYEROPT])}."
+        )
+    elif fewer:
+        [(name, held)] = fewer.items()
+        who = "torch.optim" if name == TORCH else "layeropt"
+        other = f"At its peak of memory, another moment, {who} held {fmt(held)} of them."
+    else:
+        other = ""
     notes = [
         _note(
             "gradients",
-            f"torch.optim keeps every gradient until step() ({fmt(t.max_by_category[GRADIENTS])}"
-            f"); layeropt frees each layer's once backward has updated it (at most "
-            f"{fmt(lo.max_by_category[GRADIENTS])} at once).",
+            f"torch.optim keeps every gradient until step() ({fmt(t_most)} at once); layeropt "
+            f"frees each layer's once backward has updated it (at most {fmt(lo_most)} at once)."
+            + (" " + other if other else ""),
         )
     ]
     t_other, lo_other = t.at_peak[OTHER], lo.at_peak[OTHER]
@@ -525,18 +616,32 @@ def _notes(
                 f"{when} ({reach}).",
             )
         )
-    if len(ratios) == 1:
-        notes.append(
-            _note("step time", "one pair is too few to tell a difference from noise; "
-                  "run --steps 8 or more.")  # fmt: skip
-        )
-    elif ratios:
+    ratio = statistics.median(ratios) if ratios else None
+    interval = _median_interval(ratios)
+    if interval is not None and _time_shown(ratio, interval):
         notes.append(
             _note(
                 "step time",
-                f"median of {len(ratios)} pair ratios, which ranged {min(ratios):.2f}x-"
-                f"{max(ratios):.2f}x; both runs do the same Adam updates, layeropt's inside "
-                "backward. The spread is the noise of a short run: --steps 20 steadies it.",
+                f"median of {len(ratios)} pair ratios; with 95% confidence between "
+                f"{interval[0]:.2f}x and {interval[1]:.2f}x. Both runs do the same Adam "
+                "updates, layeropt's inside backward.",
+            )
+        )
+    else:
+        n, tol = len(ratios), f"{TIME_TOLERANCE:.0%}"
+        if n == 0:
+            why = "no pair of steps was timed"
+        elif interval is None:
+            pairs = "1 timed pair of steps is" if n == 1 else f"{n} timed pairs of steps are"
+            why = f"{pairs} too few to measure it to within {tol}"
+        else:
+            why = f"its {n} timed pairs of steps varied too much to measure it to within {tol}"
+        notes.append(
+            _note(
+                "step time",
+                f"not shown for a run this short ({why}); rerun with "
+                f"--steps {_STEPS_FOR_TIME}, or see benchmarks/bench_step.py in the "
+                "repository.",
             )
         )
     return notes

@@ -12,7 +12,7 @@ import torch
 import layeropt
 from layeropt import demo
 from layeropt.__main__ import main
-from layeropt.demo import DEMO_MODELS, run_demo
+from layeropt.demo import DEMO_MODELS, MOST_GRADIENTS, run_demo
 
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
@@ -24,6 +24,21 @@ def _row(out: str, label: str) -> list[str]:
 
 def _bytes(value: str, unit: str) -> float:
     return float(value) * UNITS[unit]
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _no_step_time_number(out: str) -> None:
+    """No step-time row in the table, and no ratio anywhere in what is said of step time."""
+    assert not any(line.startswith("step time (") for line in out.splitlines())
+    assert _flat(out).count("step time:") == 1  # the one line that withholds it
+    said = _flat(out).split("step time: ", 1)[1]
+    assert said.startswith("not shown for a run this short (")
+    assert not re.search(r"\d\.\d\dx", said), said
+    assert "noise" not in out
+    assert "--steps 40" in said and "benchmarks/bench_step.py" in said
 
 
 @pytest.mark.parametrize(
@@ -44,15 +59,19 @@ def test_cli_tiny_prints_exact_and_smaller(args, capsys):
     assert _bytes(l_val, l_unit) < _bytes(t_val, t_unit)
     assert float(ratio.rstrip("x")) < 1.0
     # the saving is the gradients: same parameters and optimizer state
-    p = _row(out, "  parameters (at peak)")
+    assert "\n  of which, at that moment:\n    parameters " in out
+    p = _row(out, "    parameters")
     assert p[:2] == p[2:4]
-    s = _row(out, "  optimizer state (at peak)")
+    s = _row(out, "    optimizer state")
     assert s[:2] == s[2:4]
-    g = _row(out, "  gradients (at peak)")
+    g = _row(out, "    gradients")
     assert _bytes(*g[2:4]) < _bytes(*g[:2])
-    assert re.search(r"step time \(median of 2 pairs\)\s+1\.00x\s+\d+\.\d\dx", out)
+    most = _row(out, MOST_GRADIENTS)
+    assert _bytes(*most[2:4]) < _bytes(*most[:2])
     assert "\ngradients: torch.optim keeps every gradient until step()" in out
-    assert "step time: median of 2 pair ratios" in out
+    # --tiny times 2 pairs of steps: too few for a step time worth printing
+    _no_step_time_number(out)
+    assert "(2 timed pairs of steps are too few to measure it to within 5%)" in _flat(out)
 
 
 @pytest.mark.parametrize("model", DEMO_MODELS)
@@ -61,7 +80,8 @@ def test_run_demo_result_matches_table(model):
     assert result.max_param_diff == 0.0
     assert result.pairs == 1 and result.time_ratio is not None and result.time_ratio > 0
     assert result.pair_ratios == [result.time_ratio]
-    assert "1 pairs" not in result.table and "step time (one pair)" in result.table
+    assert result.time_interval is None and not result.time_shown
+    _no_step_time_number(result.table)
     torch_mem, lo_mem = result.memory["torch.optim.Adam"], result.memory["layeropt.Adam"]
     assert lo_mem.peak <= torch_mem.peak
     assert lo_mem.at_peak["parameters"] == torch_mem.at_peak["parameters"] > 0
@@ -74,15 +94,115 @@ def test_one_pair_is_said_so_never_1_pairs(capsys):
     assert main(["demo", "--tiny", "--no-progress", "--model", "mlp", "--steps", "3"]) == 0
     out = capsys.readouterr().out
     assert "1 pairs" not in out and "1 pair ratios" not in out
-    assert re.search(r"step time \(one pair\)\s+1\.00x\s+\d+\.\d\dx", out)
-    assert "step time: one pair is too few to tell a difference from noise" in out
+    _no_step_time_number(out)
+    assert "(1 timed pair of steps is too few to measure it to within 5%)" in _flat(out)
 
 
-def test_two_steps_print_no_pair_and_no_time_note():
+def test_two_steps_print_no_pair_and_no_time_number():
     result = run_demo("mlp", tiny=True, steps=2, progress=False, stream=_Null())
-    assert result.pairs == 0 and result.time_ratio is None
-    assert "(needs --steps >= 3)" in result.table
-    assert "pair" not in result.table
+    assert result.pairs == 0 and result.time_ratio is None and not result.time_shown
+    _no_step_time_number(result.table)
+    assert "(no pair of steps was timed)" in _flat(result.table)
+
+
+def _fake_clock(durations):
+    """A step clock whose n-th timed step takes ``durations(n)`` (torch's and layeropt's)."""
+
+    def clock(dev):
+        calls = {"n": 0, "t": 0.0}
+
+        def now():
+            if calls["n"] % 2:  # the end of a step
+                calls["t"] += durations(calls["n"] // 2)
+            calls["n"] += 1
+            return calls["t"]
+
+        return now
+
+    return clock
+
+
+def test_step_time_shown_when_the_run_pins_it_down(monkeypatch):
+    """Six pairs whose ratios agree: the row and its 95% interval are printed."""
+    monkeypatch.setattr(demo, "_clock", _fake_clock(lambda n: 0.25))
+    result = run_demo("mlp", tiny=True, steps=8, progress=False, stream=_Null())
+    assert result.pairs == 6 and result.pair_ratios == [1.0] * 6
+    assert result.time_interval == (1.0, 1.0) and result.time_shown
+    assert re.search(r"\nstep time \(median of 6 pairs\)\s+1\.00x\s+1\.00x\s+1\.00x\n",
+                     result.table)
+    flat = _flat(_notes(result.table))
+    assert "step time: median of 6 pair ratios; with 95% confidence between 1.00x and " \
+        "1.00x." in flat
+    assert "not shown" not in flat and "noise" not in flat
+
+
+def test_step_time_withheld_when_the_pairs_spread(monkeypatch):
+    """Six pairs whose ratios spread by more than 5%: no ratio is printed at all."""
+    # steps of 1.0, 1.1, 1.2, 1.0, ... time units: the pair ratios spread 0.83x-1.2x
+    monkeypatch.setattr(demo, "_clock", _fake_clock(lambda n: 1.0 + 0.1 * (n % 3)))
+    result = run_demo("mlp", tiny=True, steps=8, progress=False, stream=_Null())
+    assert result.pairs == 6 and result.time_interval is not None
+    assert max(result.pair_ratios) / min(result.pair_ratios) > 1.2
+    assert not result.time_shown
+    _no_step_time_number(result.table)
+    assert "(its 6 timed pairs of steps varied too much to measure it to within 5%)" \
+        in _flat(result.table)
+
+
+def test_median_interval_is_the_sign_test_interval():
+    """95% (at least) of the time the median lies between the returned order statistics."""
+    from math import comb
+
+    assert demo._median_interval([]) is None
+    assert demo._median_interval([1.0] * 5) is None  # min..max of 5: 93.75%
+    data = [1.0 + i / 100 for i in (5, 3, 9, 1, 7, 2, 8, 4, 6, 0, 11, 10, 15, 12, 14, 13,
+                                    19, 16, 18, 17)]  # fmt: skip
+    for n, k in ((6, 1), (8, 1), (9, 2), (20, 6)):  # k: values left out at each end + 1
+        s = sorted(data[:n])
+        assert demo._median_interval(data[:n]) == (s[k - 1], s[n - k])
+        miss = 2 * sum(comb(n, j) for j in range(k)) / 2**n
+        assert miss <= 0.05 < 2 * sum(comb(n, j) for j in range(k + 1)) / 2**n
+
+
+def test_gradient_figures_agree():
+    """The table's gradient rows, its breakdown and the note beneath say one thing.
+
+    ``most gradient memory at once`` is the figure the note quotes for both runs;
+    the breakdown under the peak is what was alive at that moment (it sums to the
+    peak), never more than the most, and the note says so where it is less.
+    """
+    for model in ("gpt", "loop"):
+        result = run_demo(model, tiny=True, steps=2, progress=False, stream=_Null())
+        table, fmt = result.table, demo.format_bytes
+        t, lo = result.memory["torch.optim.Adam"], result.memory["layeropt.Adam"]
+        most = _row(table, MOST_GRADIENTS)
+        assert most[:4] == [*fmt(t.max_by_category["gradients"]).split(),
+                            *fmt(lo.max_by_category["gradients"]).split()]  # fmt: skip
+        flat = _flat(_notes(table))
+        assert f"until step() ({' '.join(most[:2])} at once)" in flat
+        assert f"(at most {' '.join(most[2:4])} at once)" in flat
+        at_peak = _row(table, "    gradients")
+        assert at_peak[:4] == [*fmt(t.at_peak["gradients"]).split(),
+                               *fmt(lo.at_peak["gradients"]).split()]  # fmt: skip
+        for run in (t, lo):
+            assert sum(run.at_peak.values()) == run.peak
+            assert run.at_peak["gradients"] <= run.max_by_category["gradients"]
+        if model == "gpt":  # layeropt peaks holding fewer than its most; torch its most
+            assert lo.at_peak["gradients"] < lo.max_by_category["gradients"]
+            assert t.at_peak["gradients"] == t.max_by_category["gradients"]
+            assert f"At its peak of memory, another moment, layeropt held " \
+                f"{' '.join(at_peak[2:4])} of them." in flat
+        else:  # both peak before their gradients are complete
+            assert f"At their peaks of memory, other moments, torch.optim held " \
+                f"{' '.join(at_peak[:2])} of them and layeropt {' '.join(at_peak[2:4])}." \
+                in flat
+        # the printed breakdown adds up to the printed peak, to the figures' rounding
+        rows = ["peak memory of a step", "    parameters", "    optimizer state",
+                "    gradients", "    activations/other"]  # fmt: skip
+        for col in (0, 2):
+            (peak, *parts) = [_row(table, r)[col:col + 2] for r in rows]
+            rounding = sum(UNITS[unit] * 0.05 for _, unit in (peak, *parts))
+            assert abs(sum(_bytes(*x) for x in parts) - _bytes(*peak)) <= rounding
 
 
 def _notes(table: str) -> str:
@@ -107,14 +227,14 @@ def test_table_is_explained_beneath_it():
     # activations/other is larger at layeropt's peak (tiny GPT, every-layer schedule):
     # the note says each run is read at its own peak, and the runs' highest values
     assert lo_mem.at_peak["activations/other"] > torch_mem.at_peak["activations/other"]
-    assert _ratio(result.table, "  activations/other (at peak)") > 1.0
+    assert _ratio(result.table, "    activations/other") > 1.0
     assert "activations/other: activations, inputs and autograd's buffers, read at each " \
         "run's own peak" in flat
     assert "layeropt peaks earlier, while they are still alive" in flat
     assert demo.format_bytes(torch_mem.max_by_category["activations/other"]) in flat
-    # the time note gives the spread of the pairs
-    assert re.search(r"step time: median of 2 pair ratios, which ranged \d+\.\d\dx-\d+\.\d\dx",
-                     flat)
+    # 2 timed pairs: the time note withholds the ratio and says what measures it
+    assert "step time: not shown for a run this short" in flat
+    assert not re.search(r"\d\.\d\dx", flat.split("step time:", 1)[1])
     assert all(len(line) <= 84 for line in notes.splitlines())
 
 
