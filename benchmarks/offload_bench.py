@@ -128,6 +128,8 @@ def main() -> None:
             results.append(run(name, base, x, args.steps, args.trace, args.accumulate))
         except torch.OutOfMemoryError:
             print(f"{name}: out of memory")
+        except layeropt.LayeroptError as exc:  # a mode refused for this configuration
+            print(f"{name}: refused ({str(exc).split(':')[0]})")
     ref = next((r for r in results if r["name"] == "layeropt fused"), None)
     for r in results:
         same = "" if ref is None or r is ref else (

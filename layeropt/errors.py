@@ -235,6 +235,16 @@ VERIFY_CAUSES = {
         "this is a layeropt bug: please report it."
     ),
 }
+OVERLAP_HELD_ERROR = (
+    "offload_state(overlap=True) without prefetch=True, with held gradients in host memory "
+    "(held_grads=True, the default), gave parameters that differ from torch.optim on a GPU "
+    "(an H200, 2026-12-04: benchmarks/offload_bench.py --accumulate 2), so it is refused: "
+    "the overlapped copies race with the held gradients' copies. Use "
+    "offload_state(opt, overlap=True, prefetch=True) (bit-identical there, also at 7B), "
+    "held_grads=False (held gradients stay in .grad on the device), or overlap=False "
+    "(the default)."
+)
+
 VERIFY_OFFLOAD_ERROR = (
     "LAYEROPT_VERIFY (attach(..., verify=)) does not support an optimizer whose state is "
     "in host memory (layeropt.offload.offload_state) yet: verify the same loop without "

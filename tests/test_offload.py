@@ -357,9 +357,13 @@ def test_refusals():
     opt = layeropt.AdamW(model.parameters(), lr=0.01)
     with pytest.raises(ValueError, match="max_buckets"):
         offload_state(opt, max_buckets=0)
+    # overlap alone, with held gradients in host memory: a GPU run found it wrong
+    with pytest.raises(LayeroptError, match="prefetch=True.*held_grads=False.*overlap=False"):
+        offload_state(opt, overlap=True)
     if not torch.cuda.is_available():
-        with pytest.raises(LayeroptError, match="overlap=False"):
-            offload_state(opt, overlap=True)
+        for kw in (dict(overlap=True, prefetch=True), dict(overlap=True, held_grads=False)):
+            with pytest.raises(LayeroptError, match="CUDA side stream"):
+                offload_state(opt, **kw)
     handle = offload_state(opt)
     with pytest.raises(LayeroptError, match="already offloaded"):
         offload_state(opt)
