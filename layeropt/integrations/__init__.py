@@ -10,7 +10,7 @@ that module is imported, so ``import layeropt`` never needs them:
 * :mod:`layeropt.integrations.accelerate` - ``LayeroptAccelerator``.
 
 Each takes ``offload_state=``: ``True`` (or the keyword arguments of
-:func:`layeropt.offload.offload_state`, e.g. ``{"overlap": True}``) keeps the
+:func:`layeropt.offload.offload_state`, e.g. ``{"overlap": True, "prefetch": True}``) keeps the
 optimizer state in host memory, each bucket's brought to the device for its
 step, and the gradients the tool's accumulation holds between micro-batches
 too (``{"held_grads": False}`` keeps those in ``.grad``;
@@ -69,8 +69,9 @@ def offload_state_once(optimizer: Any, setting: bool | Mapping[str, Any] | None,
         kwargs = dict(setting)
     else:
         raise TypeError(
-            f"offload_state= takes True or the keyword arguments of "
-            f"layeropt.offload.offload_state (e.g. {{'overlap': True}}), got {setting!r}."
+            "offload_state= takes True or the keyword arguments of "
+            "layeropt.offload.offload_state (e.g. {'overlap': True, 'prefetch': True}), "
+            f"got {setting!r}."
         )
     from ..offload import offload_state  # (imported on first use, as layeropt.offload is)
 

@@ -90,7 +90,7 @@ class LayeroptAccelerator(Accelerator):
         offload_state: ``True`` keeps each prepared layeropt optimizer's state
             in host memory, each bucket's brought to the device for its step
             (:func:`layeropt.offload.offload_state`; a dict passes its keyword
-            arguments, e.g. ``{"overlap": True}``); ``accelerator.offloads``
+            arguments, e.g. ``{"overlap": True, "prefetch": True}``); ``accelerator.offloads``
             maps each optimizer to its handle. Clipping is not learned then:
             give ``max_grad_norm`` / ``clip_value`` if the loop clips.
         verify: run the first ``verify`` training steps both ways and raise

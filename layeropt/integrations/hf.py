@@ -162,7 +162,7 @@ class LayeroptTrainer(Trainer):
         offload_state: ``True`` keeps the optimizer state in host memory, each
             bucket's brought to the device for its step
             (:func:`layeropt.offload.offload_state`; a dict passes its keyword
-            arguments, e.g. ``{"overlap": True}``). Applied when the optimizer
+            arguments, e.g. ``{"overlap": True, "prefetch": True}``). Applied when the optimizer
             is created and kept after ``train()``; ``trainer.layeropt_offload``
             is its handle (``.host_bytes``, ``.remove()``).
         verify: run the first ``verify`` training steps both ways and raise

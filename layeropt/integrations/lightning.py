@@ -80,7 +80,7 @@ class LayeroptCallback(Callback):
         offload_state: ``True`` keeps each layeropt optimizer's state in host
             memory, each bucket's brought to the device for its step
             (:func:`layeropt.offload.offload_state`; a dict passes its keyword
-            arguments, e.g. ``{"overlap": True}``). Kept after ``fit``;
+            arguments, e.g. ``{"overlap": True, "prefetch": True}``). Kept after ``fit``;
             ``callback.offloads`` maps each optimizer to its handle.
         verify: run the first ``verify`` training steps both ways and raise
             :class:`~layeropt.errors.VerifyError` at the first difference
