@@ -157,7 +157,7 @@ def backward(
     # Trainable parameters no attached hook steps: torch's recipe measures, unscales and
     # clips them too. Each pass accumulates into their .grad, so pass 1's is measured
     # and set aside.
-    unhooked = _Unhooked(parameters, optimizers)
+    unhooked = _Unhooked(parameters, optimizers, strays=optimizer is None)
     if unhooked.foreign and scaler is not None and max_norm is not None:
         raise LayeroptError(
             f"layeropt.backward(max_norm=..., scaler=...): {len(unhooked.foreign)} trainable "
@@ -202,6 +202,7 @@ def backward(
             for e in engines:
                 e.finish_measure()
         unhooked.measure(measured, norm, inv_scale, found, clipped)
+        unhooked.refuse_strays()
     except BaseException:
         undo_pass_1()
         raise
@@ -260,8 +261,14 @@ class _Unhooked:
     Each pass accumulates into their ``.grad``; pass 1's is measured, then set aside.
     """
 
-    def __init__(self, parameters: list[Tensor], optimizers: list[Any]) -> None:
+    def __init__(self, parameters: list[Tensor], optimizers: list[Any],
+                 strays: bool = False) -> None:
         attachments = [a for o in optimizers for a in list(o._lo_engine.attachments)]
+        # strays: trainable parameters of the layeropt optimizers left out (not attached,
+        # with the default optimizer=None): a gradient of theirs would go unclipped
+        ids = {id(o) for o in optimizers}
+        self.strays = [p for o in (live_optimizers() if strays else ()) if id(o) not in ids
+                       for g in o.param_groups for p in g["params"] if p.requires_grad]
         candidates = {id(p): p for p in parameters}
         for o in optimizers:
             for g in o.param_groups:
@@ -298,7 +305,22 @@ class _Unhooked:
 
     def set_aside(self) -> None:
         self.before = {p: None if p.grad is None else p.grad.clone()
-                       for p in self.owned + self.foreign}
+                       for p in self.owned + self.foreign + self.strays}
+
+    def refuse_strays(self) -> None:
+        """After pass 1: refuse a backward that reached a left-out optimizer's parameters
+        (its step() would apply their gradient unclipped and unscaled)."""
+        reached = [p for p in self.strays if p.grad is not None and (
+            self.before.get(p) is None or not torch.equal(self.before[p], p.grad))]
+        if reached:
+            raise LayeroptError(
+                f"layeropt.backward(max_norm=/scaler=) reached {len(reached)} parameter(s) "
+                f"(the first of shape {tuple(reached[0].shape)}) of a layeropt optimizer "
+                "that is not attached: it clips and unscales the gradients of attached "
+                "optimizers only, so that optimizer's step() would apply these unclipped. "
+                "Attach its model first (layeropt.attach(model, opt)), or pass the "
+                "optimizers to clip with optimizer=. Nothing was updated."
+            )
 
     def restore(self) -> None:
         """Before pass 2: their .grad as before pass 1 (pass 2 accumulates it again)."""

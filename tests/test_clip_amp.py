@@ -259,3 +259,45 @@ def test_measure_pass_leaves_no_trace_in_buffers(kind, scaler):
         assert lo_scaler.get_scale() == ref_scaler.get_scale() < 256.0  # a step was skipped
     assert_same(ref.state_dict(), model.state_dict())  # parameters and buffers
     assert int(model.bn.num_batches_tracked) == 6  # forward + one recompute per step
+
+
+@pytest.mark.parametrize("how", ["max_norm", "scaler"])
+def test_backward_reaching_an_unattached_layeropt_optimizer_is_refused(how):
+    """Another model attached in the process (an earlier notebook cell) must not turn
+    layeropt.backward(max_norm=) on an unattached one into a clip of nothing: refused
+    before anything changes, as in a fresh process; once attached, torch's recipe."""
+    torch.manual_seed(0)
+    other = torch.nn.Linear(4, 4)
+    other_opt = layeropt.SGD(other.parameters(), lr=0.1)
+    handle = layeropt.attach(other, other_opt)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(5, 4)
+    kw = dict(max_norm=0.01) if how == "max_norm" else dict(
+        scaler=torch.amp.GradScaler("cpu", init_scale=2.0**4))
+    loss = model(x).square().sum()
+    with pytest.raises(layeropt.LayeroptError, match="not attached"):
+        layeropt.backward(kw["scaler"].scale(loss) if how == "scaler" else loss, **kw)
+    assert all(p.grad is None for p in model.parameters())  # nothing was applied or kept
+    with layeropt.attach(model, opt):  # attached: torch's recipe, bit for bit
+        loss = model(x).square().sum()
+        if how == "max_norm":
+            layeropt.backward(loss, max_norm=0.01)
+        else:
+            layeropt.backward(kw["scaler"].scale(loss), scaler=kw["scaler"])
+            kw["scaler"].step(opt)
+            kw["scaler"].update()
+    ref_loss = ref(x).square().sum()
+    if how == "max_norm":
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+        ref_opt.step()
+    else:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+        scaler.scale(ref_loss).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+    assert_models_equal(model, ref)
+    handle.remove()
