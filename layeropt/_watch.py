@@ -215,8 +215,10 @@ def _wrap_module_zero_grad() -> None:
         if ENGINES:
             for engine in list(ENGINES):
                 engine.check_discard(self.parameters, f"{type(self).__name__}.zero_grad()")
-                if engine.verifier is not None:  # (LAYEROPT_VERIFY: these were zeroed)
-                    engine.verifier.zeroed(self.parameters)
+                verifier = engine.verifier
+                if verifier is not None:  # (LAYEROPT_VERIFY: these were zeroed)
+                    verifier.settle(f"{type(self).__name__}.zero_grad()")
+                    verifier.zeroed(self.parameters)
         return original(self, *args, **kwargs)
 
     torch.nn.Module.zero_grad = zero_grad  # type: ignore[method-assign]

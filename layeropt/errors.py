@@ -256,6 +256,18 @@ VERIFY_PASSED = (
     "backward from now on."
 )
 
+VERIFY_NO_STEP = (
+    "LAYEROPT_VERIFY: this loop went on ({where}) without calling step() after a "
+    "backward, so each backward is its own training step: that step was applied with "
+    "torch's semantics and gave the same parameters and optimizer state bit for bit as "
+    "in-backward updating ({n} training step(s) verified); updating in backward from now on."
+)
+
+VERIFY_ENDED = (
+    "LAYEROPT_VERIFY: the program ended after {n} of {total} training step(s) were "
+    "verified, all equal bit for bit{pending}."
+)
+
 
 class LayeroptError(RuntimeError):
     """Base class of every error layeropt raises on its own."""

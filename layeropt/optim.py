@@ -193,6 +193,7 @@ class InBackwardOptimizer(Optimizer):
         """Torch's ``zero_grad``; also forgets gradients held by ``no_step()``."""
         verifier = self._lo_engine.verifier
         if verifier is not None:
+            verifier.settle("optimizer.zero_grad()")  # (a loop that never calls step())
             verifier.zeroed(None)
         self._lo_engine.zero_grad(set_to_none, super().zero_grad)
 

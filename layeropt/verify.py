@@ -26,14 +26,24 @@ as usual: in-backward updating would refuse them too. After ``N`` equal
 steps a warning says so once, and the optimizer updates in backward from
 then on, at no further cost.
 
+A loop that never calls ``step()`` (each ``layeropt.backward`` is a step)
+goes on to a ``zero_grad()`` or to its next forward instead (a forward
+pre-hook on each attached model while verifying): there
+(:meth:`Verifier.settle`) the pending step is applied with torch's ``step``
+and compared, a warning says the loop steps in backward, and verification
+ends - the loop trains as it does without ``LAYEROPT_VERIFY``. A program that
+ends before ``N`` steps were verified says so when it exits.
+
 Memory during verified steps is torch's: every gradient is kept until
 ``step()``.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -45,7 +55,9 @@ from ._subset import _restore, _Saved, _snapshot
 from ._transforms import prepare_grads
 from .errors import (
     VERIFY_CAUSES,
+    VERIFY_ENDED,
     VERIFY_ERROR,
+    VERIFY_NO_STEP,
     VERIFY_OFFLOAD_ERROR,
     VERIFY_PASSED,
     LayeroptError,
@@ -106,6 +118,18 @@ class _Shadow(NamedTuple):
     name: str
 
 
+_ACTIVE: weakref.WeakSet = weakref.WeakSet()  # verifiers still verifying (reported at exit)
+
+
+@atexit.register
+def _report_unfinished() -> None:
+    """A program that ends before its verifiers finished: how far they got."""
+    for v in list(_ACTIVE):
+        pending = "; the last backward's update was not applied: no step() followed it" \
+            if v.shadows else ""
+        warn(VERIFY_ENDED.format(n=v.done, total=v.done + v.left, pending=pending))
+
+
 class Verifier:
     """The first ``steps`` training steps of one optimizer, run both ways (module docstring).
 
@@ -121,11 +145,14 @@ class Verifier:
         self.done = 0  # training steps verified
         self.shadows: dict[Tensor, _Shadow] = {}  # this training step's in-backward updates
         self.unzeroed: dict[int, Tensor] = {}  # id(param) -> its .grad after the last step()
+        self.forward_hooks: dict[int, Any] = {}  # id(model) -> its forward pre-hook's handle
+        _ACTIVE.add(self)
 
     # -- the in-backward side ---------------------------------------------------
     def shadow(self, optimizer: Any, groups: list[Any], transform: Any) -> None:
         """The in-backward update of ``groups`` (Bucket / Group), on a shadow: computed,
         fingerprinted, and undone; the real ``.grad`` stay for ``step()``."""
+        self._watch_forwards()
         for g in groups:
             params = [p for p in g.params if p not in self.shadows]  # (once per step)
             if not params:
@@ -190,6 +217,57 @@ class Verifier:
             with engine.closure(), torch.enable_grad():
                 loss = closure()
         engine.check_boundary("step()")  # (what in-backward updating refuses, refused)
+        self._apply(optimizer)
+        engine.boundary("step()")
+        self.done += 1
+        self.left -= 1
+        if self.left <= 0:
+            warn(VERIFY_PASSED.format(n=self.done))
+            self._end()
+        return loss
+
+    def settle(self, where: str) -> None:
+        """The loop went on (``where``: a ``zero_grad()``, its next backward) after a
+        backward whose updates wait for a ``step()``, and has never called ``step()``:
+        each backward is its own training step. Apply this one as ``step()`` would,
+        compare, and end verification (the loop updates in backward from now on)."""
+        engine = self.engine
+        optimizer = engine._optimizer()
+        if not self.shadows or "step()" in engine.calls or optimizer is None:
+            return  # (a loop that calls step(): the usual rules decide)
+        stepped = list(self.shadows)
+        self._apply(optimizer)
+        for p in stepped:  # freed, as the in-backward update frees them
+            p.grad = None
+        self.unzeroed.clear()
+        self.done += 1
+        warn(VERIFY_NO_STEP.format(where=where, n=self.done))
+        self._end()
+
+    def _watch_forwards(self) -> None:
+        """A forward pre-hook on each attached model: a loop's next forward is where a
+        pending step of a loop without ``step()`` must be applied (:meth:`settle`)."""
+        for attachment in list(self.engine.attachments):
+            model = attachment.model
+            if model is not None and id(model) not in self.forward_hooks:
+                ref = weakref.ref(self)
+                self.forward_hooks[id(model)] = model.register_forward_pre_hook(
+                    lambda *_: (v := ref()) is not None and v.settle("its next forward"))
+
+    def _end(self) -> None:
+        self._unwatch()
+        self.engine.verify(0)  # in backward from the next backward on
+
+    def _unwatch(self) -> None:
+        _ACTIVE.discard(self)
+        for handle in self.forward_hooks.values():
+            handle.remove()
+        self.forward_hooks.clear()
+
+    def _apply(self, optimizer: Any) -> None:
+        """Torch's own step on what the loop left in ``.grad``, then the comparison with
+        the shadows (raises :class:`VerifyError`)."""
+        engine = self.engine
         leftovers = [p for g in optimizer.param_groups for p in g["params"]
                      if p.grad is not None and p not in self.shadows]
         if leftovers:  # what step() itself updates in backward mode (held, set by hand)
@@ -209,13 +287,6 @@ class Verifier:
             self.shadows = {}
             self.unzeroed = {id(p): p.grad for g in optimizer.param_groups
                              for p in g["params"] if p.grad is not None}
-        engine.boundary("step()")
-        self.done += 1
-        self.left -= 1
-        if self.left <= 0:
-            warn(VERIFY_PASSED.format(n=self.done))
-            engine.verify(0)  # in backward from the next backward on
-        return loss
 
     def _compare(self, optimizer: Any, p: Tensor, shadow: _Shadow, grad: Print | None,
                  moved: bool) -> None:
@@ -240,5 +311,6 @@ class Verifier:
 
     def _fail(self, p: Tensor, cause: str, name: str, size: str) -> None:
         self.shadows = {}
+        self._unwatch()  # (the error says how it ended)
         raise VerifyError(VERIFY_ERROR.format(
             name=name, step=self.done + 1, size=size or "-", cause=VERIFY_CAUSES[cause]))
