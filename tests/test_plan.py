@@ -581,10 +581,157 @@ def test_table_marks_the_recommendation_and_what_never_ran_on_a_gpu():
         assert _changes_told(" ".join(" ".join(why).split())) == choice.changes()
         header = "\n".join(lines[:4])
         assert "on cuda" not in header and "no GPU used" in header
-        assert "not yet calibrated on a GPU" in header
+        assert "4 of 10 steps measured" in header  # the H200 calibration of 2026-12-04
     assert not OFFLOAD_CKPT.run_on_a_gpu and LAYEROPT_CKPT.run_on_a_gpu
     cpu = Plan("llama", 10**9, rows, device="cpu")
     assert "torch's CPU kernels" in cpu.header() and "no GPU used" not in cpu.header()
+
+
+def _table_rows(text):
+    """The short table's rows: ``(line, continuation lines)`` from its header line on."""
+    lines = text.splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith("peak ("))
+    rows = []
+    for line in lines[start + 1 :]:
+        if not line.strip() or line.startswith("("):
+            break
+        if line.lstrip()[:1].isdigit():
+            rows.append([line])
+        else:  # a long configuration, continued under its column
+            rows[-1].append(line)
+    return lines[start], rows
+
+
+def test_short_table_fits_120_columns_and_shows_what_to_weigh():
+    """The command line's default: at most 120 columns and 10 rows, the recommendation
+    first and marked, then torch's default and each kind of change's best row, cheapest
+    first, in one unit per column; a label too long for the line goes on below."""
+    from layeropt.plan.render import _invasiveness, _kind, _short
+
+    held = [Variant("layeropt.AdamW", "fused", c, k, offload=True, held_on_host=True)
+            for c in (False, True) for k in (False, True)]  # the longest labels
+    variants = [FOREACH, FUSED, LAYEROPT, FUSED_CKPT, LAYEROPT_CKPT, OFFLOAD, OFFLOAD_CKPT,
+                *held, Variant("torchao.optim.AdamW8bit"),
+                Variant("torchao.optim.AdamW8bit", checkpointing=True),
+                Variant("layeropt.in_backward(torchao.optim.AdamW8bit)", checkpointing=True),
+                Variant("torchao.optim.AdamW4bit"),
+                Variant("layeropt.in_backward(torchao.optim.AdamW4bit)", checkpointing=True)]
+    peaks = [62.8, 50.2, 49.8, 50.2, 38.9, 24.7, 13.8, 21.0, 21.5, 12.0, 12.5, 37.9, 37.0,
+             26.6, 31.8, 20.5]
+    hosts = [12 if v.offload else 0 for v in variants]
+    rows = _rows(*zip(variants, peaks, hosts))
+    for r in rows:
+        r.to_device_bytes = r.to_host_bytes = r.host_bytes
+    for gpu, choice, first_kind in ((80, FOREACH, (0, False, False)),
+                                    (24, OFFLOAD_CKPT, (0, True, False)),
+                                    (16, OFFLOAD_CKPT, (0, True, False)),
+                                    (14, held[2], (0, True, True)), (8, None, None),
+                                    (None, None, None)):  # fmt: skip
+        p = Plan("llama-2-7b", 6_738_415_616, rows, gpu_memory=gpu and gpu * 2**30, accumulate=4)
+        text = p._summary()
+        assert max(len(line) for line in text.splitlines()) <= 120, text
+        head, table = _table_rows(text)
+        shown = p._shown()
+        assert len(table) == len(shown) <= 10
+        assert len(shown) < len(rows)
+        labels = [" ".join(" ".join(lines).split("  <- ")[0].split()) for lines in table]
+        for label, r in zip(labels, shown):  # every row's configuration, whole
+            assert label.endswith(r.variant.label), (label, r.variant.label)
+        marked = [lines for lines in table if "<- " in " ".join(lines)]
+        assert marked == [table[0]]
+        assert shown[0] is (p.choice or p.rows[0])
+        assert ("<- recommended" if p.choice else "<- smallest peak") in " ".join(table[0])
+        assert p.baseline in shown  # torch.optim.AdamW (foreach), as torch runs it
+        assert [_invasiveness(r) for r in shown[1:]] == sorted(_invasiveness(r) for r in shown[1:])
+        kinds = {_kind(r) for r in p.rows}
+        assert kinds == {_kind(r) for r in shown}  # each kind of change has its row
+        for kind in kinds:  # ... the one the recommendation's rule picks among that kind
+            rows_of_kind = [r for r in p.rows if _kind(r) == kind]
+            fitting = [r for r in rows_of_kind if p.fits(r)]
+            best = min(fitting, key=_invasiveness) if fitting else min(
+                rows_of_kind, key=lambda r: r.peak_bytes)
+            assert best in shown
+        if choice is not None:
+            assert p.choice.variant == choice and _kind(p.choice) == first_kind
+        # one unit per column, from its largest value
+        units = re.findall(r"(\w+) \((GiB|MiB|KiB|B)\)", head)
+        assert ("peak", "GiB") in units and ("host", "GiB") in units
+        peaks_told = [float(lines[0].split()[0]) for lines in table]
+        assert peaks_told == [round(r.peak_bytes / 2**30, 2) for r in shown]
+        answer = text.split("\n\n")[-1]
+        told = answer.splitlines()
+        w = next(i for i, x in enumerate(told) if x.startswith("why: "))
+        assert w > 0 and all(x.startswith("  ") for x in told[w + 1 :])  # the last sentence
+        assert len(told) - w <= 3  # short: at most 3 lines
+        why = " ".join(" ".join(told[w:]).split())
+        if p.choice is not None and p.choice is not p.baseline:
+            assert why.startswith("why: from torch.optim.AdamW (foreach) at 62.8 GiB: ")
+            for change in p.choice.variant.changes():  # each change, and what it saved
+                assert re.search(re.escape(_short(change, p.choice)) + r".*? [-+][\d.]+ \w+B", why)
+            assert why.endswith(f"= {layeropt.memory.format_bytes(p.choice.peak_bytes)}")
+        if gpu is not None:
+            for lines, r in zip(table, shown):  # yes* where it fits and never ran on a GPU
+                fit = lines[0].split()[1]
+                assert fit == ("no" if not p.fits(r) else "yes" if r.variant.run_on_a_gpu
+                               else "yes*")
+            assert ("yes*: fits on paper" in text) == any(
+                p.fits(r) and not r.variant.run_on_a_gpu for r in shown)
+    small = Plan("gpt2", 124_439_808, _rows((FOREACH, 0.5, 0), (LAYEROPT_CKPT, 0.3, 0)),
+                 gpu_memory=8 * 2**30)
+    head, table = _table_rows(small._summary())
+    assert "peak (MiB)" in head and [x[0].split()[0] for x in table] == ["512.0", "307.2"]
+
+
+def test_cli_default_is_short_all_is_every_row_json_is_whole(tiny_config, capsys):
+    """``layeropt plan``: the short table by default, every row with ``--all``, and
+    ``--json`` as before - every planned row, the keys docs/plan.md lists."""
+    base = ["plan", str(tiny_config), "--seq", str(SEQ), "--gpu-memory", "24GiB",
+            "--no-progress"]  # fmt: skip
+    assert main(base) == 0
+    short = capsys.readouterr().out
+    assert max(len(line) for line in short.splitlines()) <= 120
+    _, table = _table_rows(short)
+    assert 2 <= len(table) <= 10
+    assert "  <- recommended" in table[0][-1] and "<- " not in "".join(sum(table[1:], []))
+    assert "fits in 24.0 GiB with the fewest changes" in short and "\nwhy: " in short
+    assert main([*base, "--all"]) == 0
+    full = capsys.readouterr().out
+    lines = full.splitlines()
+    head = next(i for i, x in enumerate(lines) if x.lstrip().startswith("peak ("))
+    end = next(i for i, x in enumerate(lines) if x.startswith("(categories"))
+    every = lines[head + 1 : end]
+    assert len(every) > len(table) and sum("<- recommended" in x for x in every) == 1
+    for unit in ("peak", "host"):  # one unit per column in the full table too
+        assert re.search(unit + r" \((GiB|MiB|KiB|B)\)", lines[head])
+    assert not any(re.search(r"\d (GiB|MiB|KiB)", x.split("  ")[0]) for x in every)
+    out = _plan_json(capsys, *base[1:-1])
+    p = _from_json(out, 24 * 2**30)
+    assert len(out["variants"]) == len(p.rows) > len(table)  # every row, not the short table's
+    assert out["recommendation"]["label"] == table[0][0].split("  ")[-2].strip() or (
+        out["recommendation"]["label"] in " ".join(table[0]))
+    schema = (ROOT / "docs" / "plan.md").read_text().split('{"model": str,')[1].split("```")[0]
+    told = set(re.findall(r'"(\w+)"', '"model"' + schema))
+    assert set(out) <= told and set(out["variants"][0]) <= told
+    assert set(out) == {"model", "parameters", "dtype", "seq", "batch", "device",
+                        "gpu_memory_bytes", "accumulate", "link_gbps", "budget_bytes", "margin",
+                        "variants", "recommendation", "notes"}
+    assert set(out["recommendation"]) == {"label", "peak_bytes", "why"}
+    assert out["recommendation"]["why"] == p.why(p.choice)  # the whole why, as before
+
+
+def test_plan_md_samples_are_the_short_table():
+    """docs/plan.md's sample outputs of ``layeropt plan`` are the default format."""
+    text = (ROOT / "docs" / "plan.md").read_text()
+    samples = re.findall(r"```text\n\$ (python -m layeropt plan .*?)\n(layeropt plan: .*?)```",
+                         text, re.S)  # fmt: skip
+    assert len(samples) >= 2
+    for command, sample in samples:
+        assert "--all" not in command and "--json" not in command
+        assert max(len(line) for line in sample.splitlines()) <= 120
+        _, table = _table_rows(sample)
+        assert 2 <= len(table) <= 10 and "  <- " in " ".join(table[0])
+        assert re.search(r"^\((\d+) of \d+ rows", sample, re.M).group(1) == str(len(table))
+        assert "\nwhy: " in sample
 
 
 def test_cli_seq_beyond_positions_names_the_override(tiny_config, capsys):

@@ -85,7 +85,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--all", action="store_true",
         help="every combination (low-bit ones with the chunked loss, in-backward ones "
-        "without checkpointing)",
+        "without checkpointing), and every row of the table, with what is alive at each peak "
+        "(by default the table shows the recommendation, torch's default and the best of each "
+        "kind of change, in 120 columns)",
     )  # fmt: skip
     p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda",
@@ -156,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:
-        print(result.table())
+        print(result.table() if args.all else result._summary())
         if args.plot:
             print(f"wrote {args.plot}")
     return 0

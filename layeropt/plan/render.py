@@ -257,8 +257,33 @@ class Plan:
             One sentence per step (the table prints each on its own lines).
         """
         row = row or self.choice or self.rows[0]
+        steps, quiet, current = self._walk(row)
+        if not steps:
+            return [self._largest_part(current)]
+        out = []
+        for before, changes, done, category, saved in steps:
+            what = _CHANGE_TEXT[done[0]][0]
+            fixes = " and ".join(_fix(c, row) for c in changes)
+            out.append(
+                f"{'then ' if out else ''}{before.variant.label} peaks {_where(before)} "
+                f"with {format_bytes(before.at_peak[category])} of {what}: {fixes} "
+                f"({'-' if saved >= 0 else '+'}{format_bytes(abs(saved))})"
+            )
+        if quiet:
+            out.append(" and ".join(_fix(c, row) for c in quiet) + " (no effect here)")
+        return out
+
+    def _walk(
+        self, row: Measurement
+    ) -> tuple[list[tuple[Measurement, list[str], list[str], str, int]], list[str], Measurement]:
+        """:meth:`why_steps`' walk from the baseline to ``row``: ``(steps, quiet, last)``.
+
+        Each step is ``(row before it, its changes (quiet ones first), the changes
+        that saved, the category they shrink, the saving)``; ``quiet``: changes
+        left without effect at the end; ``last``: the row the walk ended on.
+        """
         current = self.baseline
-        steps: list[str] = []
+        steps: list[tuple[Measurement, list[str], list[str], str, int]] = []
         quiet: list[str] = []  # changes without effect on their own: told with the next
         remaining = row.variant.changes() - current.variant.changes()
         while remaining:
@@ -278,25 +303,19 @@ class Plan:
             if abs(saved) < 0.005 * current.peak_bytes:
                 quiet += done
             else:
-                what, category, _ = _CHANGE_TEXT[done[0]]
-                fixes = " and ".join(_fix(c, row) for c in quiet + done)
+                steps.append((current, quiet + done, done, _CHANGE_TEXT[done[0]][1], saved))
                 quiet = []
-                steps.append(
-                    f"{'then ' if steps else ''}{current.variant.label} peaks {_where(current)} "
-                    f"with {format_bytes(current.at_peak[category])} of {what}: {fixes} "
-                    f"({'-' if saved >= 0 else '+'}{format_bytes(abs(saved))})"
-                )
             current = nxt
-        if not steps:
-            top = max(CATEGORIES[2:], key=lambda c: current.at_peak[c])
-            return [
-                f"{current.variant.label} peaks {_where(current)}, where the largest part "
-                f"after parameters and optimizer state is {_name(top, current)} "
-                f"({format_bytes(current.at_peak[top])})"
-            ]
-        if quiet:
-            steps.append(" and ".join(_fix(c, row) for c in quiet) + " (no effect here)")
-        return steps
+        return steps, quiet, current
+
+    def _largest_part(self, row: Measurement) -> str:
+        """Where ``row`` peaks and its largest part after parameters and optimizer state."""
+        top = max(CATEGORIES[2:], key=lambda c: row.at_peak[c])
+        return (
+            f"{row.variant.label} peaks {_where(row)}, where the largest part "
+            f"after parameters and optimizer state is {_name(top, row)} "
+            f"({format_bytes(row.at_peak[top])})"
+        )
 
     def link_floor(self, row: Measurement) -> float:
         """Seconds per step the host link needs at :attr:`link_gbps`: the larger
@@ -325,19 +344,24 @@ class Plan:
                 f"<= {format_bytes(self.gpu_memory)}, i.e. peak <= {format_bytes(self.budget)}"
             )
             if self.margin == Margin():
-                lines.append("(the default margin: an estimate, not yet calibrated on a GPU)")
+                lines.append("(the default margin is an estimate: on an H200 it was short of the "
+                             "device's use in 4 of 10 steps measured, docs/plan.md)")
         return "\n".join(lines + self.notes)
 
     def table(self) -> str:
         """The whole report as text: header, one row per configuration, the answer."""
         names = {"parameters": "params", "optimizer state": "opt state",
                  "gradients": "grads", "activations": "activations", "other": "other"}  # fmt: skip
-        head = f"{'peak':>10}  " + "".join(f"{names[c]:>12}" for c in CATEGORIES)
         host = any(r.host_bytes for r in self.rows)
         link = any(r.to_device_bytes or r.to_host_bytes for r in self.rows)
+        peak_col = _Column("peak", [r.peak_bytes for r in self.rows])
+        host_col = _Column("host", [r.host_bytes for r in self.rows if r.host_bytes])
+        link_col = _Column("link/step", [r.to_device_bytes + r.to_host_bytes for r in self.rows
+                                         if r.to_device_bytes or r.to_host_bytes])  # fmt: skip
+        head = f"{peak_col.title:>10}  " + "".join(f"{names[c]:>12}" for c in CATEGORIES)
         head += f"  {'peak falls in':<22}" + ("fits  " if self.gpu_memory else "")
-        head += f"{'host':>10}  " if host else ""
-        head += f"{'link/step':>10}{'floor':>8}  " if link else ""
+        head += f"{host_col.title:>10}  " if host else ""
+        head += f"{link_col.title:>15}{'floor':>8}  " if link else ""
         head += "configuration"
         lines = [self.header(), "", head]
         unit, scale = _unit(max(r.peak_bytes for r in self.rows))
@@ -345,15 +369,15 @@ class Plan:
         for r in self.rows:
             cells = "".join(f"{r.at_peak[c] / scale:>12.2f}" for c in CATEGORIES)
             fit = {True: "yes   ", False: "no    ", None: ""}[self.fits(r)]
-            kept = (f"{format_bytes(r.host_bytes) if r.host_bytes else '':>10}  " if host
+            kept = (f"{host_col.cell(r.host_bytes) if r.host_bytes else '':>10}  " if host
                     else "")
             if link:
                 moved = r.to_device_bytes + r.to_host_bytes
-                kept += (f"{format_bytes(moved):>10}{_seconds(self.link_floor(r)):>8}  "
-                         if moved else f"{'-':>10}{'-':>8}  ")
+                kept += (f"{link_col.cell(moved):>15}{_seconds(self.link_floor(r)):>8}  "
+                         if moved else f"{'-':>15}{'-':>8}  ")
             mark = "  <- recommended" if r is choice else ""
             lines.append(
-                f"{format_bytes(r.peak_bytes):>10}  {cells}  {_where(r, short=True):<22}{fit}"
+                f"{peak_col.cell(r.peak_bytes):>10}  {cells}  {_where(r, short=True):<22}{fit}"
                 f"{kept}{self._named(r)}{mark}"
             )
         lines.append(f"(categories in {unit}, at the peak"
@@ -369,6 +393,112 @@ class Plan:
         lines += ["", *self.answer()]
         return "\n".join(lines)
 
+    def _shown(self) -> list[Measurement]:
+        """The rows of the short table (:meth:`_summary`), the marked one first.
+
+        The recommendation (or, without one, the smallest peak); the baseline
+        (plain ``torch.optim.AdamW``, as torch runs it); and for each kind of
+        change (:func:`_kind`: exact AdamW with its state on the GPU, with its
+        state in host memory, with its held gradients there too, 8-bit states,
+        4-bit states) the row the recommendation's rule picks among that kind
+        alone (the least invasive that fits), or its smallest peak where none
+        fits; for the first row's kind, its smallest peak too (the headroom
+        that kind gives). The rest cheapest first, in the rule's order; at most
+        8 rows.
+        """
+        first = self.choice or self.rows[0]
+
+        def smallest(rows: list[Measurement]) -> Measurement:
+            return min(rows, key=lambda r: (r.peak_bytes, len(r.variant.changes())))
+
+        kinds: dict[tuple[int, bool, bool], list[Measurement]] = {}
+        for r in self.rows:
+            kinds.setdefault(_kind(r), []).append(r)
+        picked = [self.baseline]
+        for rows in kinds.values():
+            fitting = [r for r in rows if self.fits(r)]
+            picked.append(min(fitting, key=_invasiveness) if fitting else smallest(rows))
+            if first in rows:
+                picked.append(smallest(rows))
+        rest = sorted({id(r): r for r in picked if r is not first}.values(), key=_invasiveness)
+        return [first, *rest]
+
+    def _summary(self) -> str:
+        """The command line's default report, at most 120 columns: the header, the rows
+        of :meth:`_shown` (the marked one first), the answer and a one-line why.
+
+        One unit per column, chosen from the column's largest value.
+        """
+        shown = self._shown()
+        choice = self.choice
+        host = any(r.host_bytes for r in shown)
+        link = any(r.to_device_bytes or r.to_host_bytes for r in shown)
+        peak_col = _Column("peak", [r.peak_bytes for r in shown])
+        host_col = _Column("host", [r.host_bytes for r in shown if r.host_bytes])
+        cols = [(peak_col.title, lambda r: peak_col.cell(r.peak_bytes))]
+        if self.gpu_memory is not None:
+            cols.append(("fits", lambda r: {True: "yes*" if not r.variant.run_on_a_gpu else
+                                            "yes", False: "no"}[bool(self.fits(r))]))  # fmt: skip
+        if host:
+            cols.append((host_col.title,
+                         lambda r: host_col.cell(r.host_bytes) if r.host_bytes else "-"))
+        if link:
+            cols.append(("floor", lambda r: _seconds(self.link_floor(r))
+                         if r.to_device_bytes or r.to_host_bytes else "-"))  # fmt: skip
+        texts = [[cell(r) for _, cell in cols] for r in shown]
+        widths = [max(len(t), *(len(row[i]) for row in texts)) for i, (t, _) in enumerate(cols)]
+        align = ["<" if t == "fits" else ">" for t, _ in cols]
+
+        def line(cells: list[str]) -> str:
+            return "  ".join(f"{c:{a}{w}}" for c, a, w in zip(cells, align, widths)) + "  "
+
+        lines = [x for h in self.header().splitlines() for x in _wrap(h, "", _WIDTH)]
+        lines += ["", line([t for t, _ in cols]) + "configuration"]
+        mark = "  <- recommended" if choice is not None else "  <- smallest peak"
+        for r, cells in zip(shown, texts):
+            lines += _fill(line(cells), r.variant.label + (mark if r is shown[0] else ""))
+        kinds = ", ".join(_KINDS[k] for k in sorted({_kind(r) for r in self.rows}))
+        notes = [
+            f"{len(shown)} of {len(self.rows)} rows: "
+            f"{'the recommendation' if choice else 'the smallest peak'}, "
+            f"{self.baseline.variant.label} and, for each kind of change ({kinds}), "
+            + ("the least invasive row that fits, else " if self.gpu_memory else "")
+            + "the smallest peak; --all: every row, with what is alive at each peak"
+        ]
+        if any(self.fits(r) and not r.variant.run_on_a_gpu for r in shown):
+            notes.append("yes*: fits on paper; layeropt has not run this configuration on a "
+                         "GPU yet")
+        legend = []
+        if host:
+            legend.append("host: host memory the offloaded optimizer state takes"
+                          + (" and the held gradients' sums" if self.accumulate > 1 else ""))
+        if link:
+            legend.append(f"floor: the step time the host-GPU copies set at --link-gbps "
+                          f"{self.link_gbps:g} GB/s each way - arithmetic, not measured on a GPU")
+        if legend:
+            notes.append("; ".join(legend))
+        lines += [x for n in notes for x in _wrap(f"({n})", "", _WIDTH)]
+        first, row = self._first_answer()
+        lines += ["", *_wrap(first, "", _WIDTH), *_wrap(self._short_why(row), "", _WIDTH)]
+        return "\n".join(lines)
+
+    def _short_why(self, row: Measurement) -> str:
+        """``why:`` in one sentence: each change from the baseline and what it saves."""
+        steps, quiet, current = self._walk(row)
+        if not steps:
+            return f"why: {self._largest_part(current)}"
+        base = self.baseline
+        parts = [
+            " + ".join(_short(c, row) for c in changes)
+            + f" {'-' if saved >= 0 else '+'}{format_bytes(abs(saved))}"
+            + f" ({_CHANGE_TEXT[done[0]][0]})"
+            for _, changes, done, _, saved in steps
+        ]
+        if quiet:
+            parts.append(" + ".join(_short(c, row) for c in quiet) + " (no effect here)")
+        return (f"why: from {base.variant.label} at {format_bytes(base.peak_bytes)}: "
+                f"{', '.join(parts)} = {format_bytes(row.peak_bytes)}")  # fmt: skip
+
     def _named(self, row: Measurement) -> str:
         """The row's label, and - where it says the row fits - that no GPU has run it."""
         if self.fits(row) and not row.variant.run_on_a_gpu:
@@ -377,11 +507,16 @@ class Plan:
 
     def answer(self) -> list[str]:
         """The last lines: what to use, and why (wrapped to short lines)."""
+        first, row = self._first_answer()
+        return _wrap(first, "") + self._why_lines(row)
+
+    def _first_answer(self) -> tuple[str, Measurement]:
+        """The answer's first sentence, and the row it is about."""
         if self.gpu_memory is None:
             best = self.rows[0]
             first = (f"smallest peak: {best.variant.label} ({format_bytes(best.peak_bytes)}); "
                      "pass --gpu-memory to see what fits")  # fmt: skip
-            return _wrap(first, "") + self._why_lines(best)
+            return first, best
         choice = self.choice
         if choice is None:
             best = self.rows[0]
@@ -395,7 +530,7 @@ class Plan:
                 "--seq or a smaller --batch (with gradient accumulation), or shard the "
                 "model across GPUs (FSDP)."
             )
-            return _wrap(first, "") + self._why_lines(best)
+            return first, best
         rule = "with the fewest changes"
         if "held grads offload" in choice.variant.changes():
             rule += (" once the optimizer state and the held gradients are in host memory "
@@ -409,7 +544,7 @@ class Plan:
             rule += " once optimizer states are 4-bit (neither exact AdamW nor 8-bit states fit)"
         first = (f"fits in {format_bytes(self.gpu_memory)} {rule}: "
                  f"{self._named(choice)} ({format_bytes(choice.peak_bytes)})")  # fmt: skip
-        return _wrap(first, "") + self._why_lines(choice)
+        return first, choice
 
     def _why_lines(self, row: Measurement) -> list[str]:
         lines = ["why:"]
@@ -569,16 +704,72 @@ def _fix(change: str, row: Measurement) -> str:
                        held=format_bytes(row.held_host_bytes))
 
 
-def _wrap(text: str, indent: str) -> list[str]:
-    """``text`` in lines of at most 92 characters, continuation lines indented two more
-    (a size such as ``3.3 GiB`` is never split)."""
+def _wrap(text: str, indent: str, width: int = 92) -> list[str]:
+    """``text`` in lines of at most ``width`` characters, continuation lines indented two
+    more (a size such as ``3.3 GiB`` is never split)."""
     glued = _SIZE_IN_TEXT.sub("\\1\xa0\\2", text)  # textwrap does not break at a no-break space
-    lines = textwrap.wrap(glued, 92, initial_indent=indent, subsequent_indent=indent + "  ",
+    lines = textwrap.wrap(glued, width, initial_indent=indent, subsequent_indent=indent + "  ",
                           break_on_hyphens=False)  # fmt: skip
     return [line.replace("\xa0", " ") for line in lines]
 
 
-_SIZE_IN_TEXT = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB)\b")
+#: The short table's width (:meth:`Plan._summary`): a 120-column terminal.
+_WIDTH = 120
+
+
+def _fill(prefix: str, label: str) -> list[str]:
+    """``prefix + label`` in lines of at most :data:`_WIDTH` characters: a label too long
+    for the line goes on below, broken before a ``" + "``, under the label's column."""
+    room = max(_WIDTH - len(prefix), 20)
+    parts = label.split(" + ")
+    lines, current = [], parts[0]
+    for part in parts[1:]:
+        if len(current) + 3 + len(part) > room:
+            lines.append(current)
+            current = "  + " + part
+        else:
+            current += " + " + part
+    lines.append(current)
+    return [prefix + lines[0], *(" " * len(prefix) + x for x in lines[1:])]
+
+
+class _Column:
+    """A column of byte counts in one unit, the one of its largest value (``"peak (GiB)"``)."""
+
+    def __init__(self, name: str, values: list[int]) -> None:
+        self.unit, self.scale = _unit(max(values, default=0))
+        top = max(values, default=0) / self.scale
+        self.digits = 0 if self.scale == 1 else 2 if top < 100 else 1
+        self.title = f"{name} ({self.unit})"
+
+    def cell(self, n: int) -> str:
+        return f"{n / self.scale:.{self.digits}f}"
+
+
+#: The kinds of change of :func:`_kind`, named for the short table's notes.
+_KINDS = {(0, False, False): "exact AdamW", (0, True, False): "state offload",
+          (0, True, True): "held grads in host memory", (1, False, False): "8-bit states",
+          (2, False, False): "4-bit states"}  # fmt: skip
+
+#: Changes as the short why names them.
+_SHORT = {"fused": "fused AdamW", "layeropt": "layeropt", "checkpointing": "checkpointing",
+          "chunked loss": "chunked loss", "low-bit": "{bits}-bit states",
+          "state offload": "state offload",
+          "held grads offload": "held grads in host memory"}  # fmt: skip
+
+
+def _short(change: str, row: Measurement) -> str:
+    return _SHORT[change].format(bits=_bits(row.variant))
+
+
+def _kind(row: Measurement) -> tuple[int, bool, bool]:
+    """A row's kind of change: exact AdamW (0), 8-bit (1) or 4-bit (2) states; state
+    offload; held gradients in host memory (the first three keys of :func:`_invasiveness`)."""
+    precision, offload, held, _, _ = _invasiveness(row)
+    return precision, bool(offload), bool(held)
+
+
+_SIZE_IN_TEXT = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB|GB/s)(?![\w/])")
 
 
 def _unit(n: int) -> tuple[str, int]:
