@@ -447,3 +447,62 @@ def test_deleting_the_optimizer_frees_its_host_state_at_once():
         offloaded.remove()  # nothing left to bring back: a no-op
     finally:
         gc.enable()
+
+
+@CAPS
+@pytest.mark.parametrize("kw", [dict(lr=0.01), dict(lr=0.01, fused=True)], ids=["adamw", "fused"])
+def test_offloaded_state_dict_resumes_torch_and_layeropt_without_offload(kw, cap):
+    """An offloaded optimizer's state_dict(), saved after attached steps over accumulation
+    windows (no_step()), loads into a plain torch.optim.AdamW and into a layeropt.AdamW
+    without offload; both train on bit for bit equal to the torch.optim run that was
+    never interrupted (parameters and state)."""
+    ref, _, off, handle, batch_fn, loss_fn = _three("gpt", "AdamW", kw, cap)
+    gen = torch.Generator().manual_seed(7)
+
+    def windows(torch_runs, layeropt_runs, n):
+        """n steps of 2 micro-batches: torch sums both, then step(); layeropt holds the
+        first with no_step() and steps in the second's backward."""
+        for _ in range(n):
+            batch = batch_fn(gen)
+            micro = list(zip(*(t.chunk(2) for t in batch))) if isinstance(batch, tuple) \
+                else list(batch.chunk(2))
+            for m, o in torch_runs:
+                for mb in micro:
+                    (loss_fn(m, mb) / 2).backward()
+                o.step()
+                o.zero_grad()
+            for m, o in layeropt_runs:
+                with o.no_step():
+                    (loss_fn(m, micro[0]) / 2).backward()
+                (loss_fn(m, micro[1]) / 2).backward()
+                o.step()  # (nothing left: the last backward stepped every bucket)
+                o.zero_grad()
+
+    windows([ref], [off], 3)
+    _assert_all_same(ref, off)
+    _assert_on_host(handle)
+    saved = off[1].state_dict()
+    for i, s in saved["state"].items():  # on the host: the handle's tensors themselves
+        for k, v in s.items():
+            assert v.device.type == "cpu", (i, k)
+            assert v.dim() == 0 or handle._host(list(off[0].parameters())[i], k, v), (i, k)
+    saved = copy.deepcopy(saved)
+    params = off[0].state_dict()
+
+    def resumed(cls, attach):
+        m = copy.deepcopy(ref[0])  # (no hooks; its values replaced by the offloaded run's)
+        m.load_state_dict(params)
+        o = cls(m.parameters(), **clone_kwargs(kw))
+        if attach:
+            layeropt.attach(m, o, bucket_cap_mb=cap)
+        o.load_state_dict(copy.deepcopy(saved))
+        return m, o
+
+    into_torch = resumed(torch.optim.AdamW, attach=False)
+    into_layeropt = resumed(layeropt.AdamW, attach=True)
+    assert "_lo_state_place" not in into_layeropt[1].__dict__  # not offloaded
+    for _, o in (into_torch, into_layeropt):
+        assert_same(o.state_dict(), ref[1].state_dict())
+    windows([ref, into_torch], [into_layeropt], 3)
+    assert into_layeropt[1].stepped_in_backward > 0
+    _assert_all_same(ref, into_torch, into_layeropt)
