@@ -249,7 +249,7 @@ def _ddpg(fix: str | None) -> Callable[..., None]:
     return loop
 
 
-def _shared_with_plain(fix: bool) -> Callable[..., None]:
+def _shared_with_plain(fix: bool, layeropt_first: bool = False) -> Callable[..., None]:
     """Actor-critic with a shared trunk (the model's first layer), the critic's plain
     torch optimizer owning it too: only the actor's optimizer was made layeropt."""
     def loop(m, opt, x, lo, ctx):
@@ -258,8 +258,8 @@ def _shared_with_plain(fix: bool) -> Callable[..., None]:
         loss = h.pow(2).mean() + critic(h).pow(2).mean()
         with opt.no_step() if lo and fix else contextlib.nullcontext():
             loss.backward()
-        critic_opt.step()
-        opt.step()
+        for o in (opt, critic_opt) if layeropt_first else (critic_opt, opt):
+            o.step()  # (the trunk's .grad stays for the second, as torch keeps it)
         critic_opt.zero_grad()
         opt.zero_grad()
     return loop
@@ -320,6 +320,8 @@ RULES: dict[str, tuple[Callable[..., None], str, type | None, str]] = {
     "shared trunk also owned by a plain optimizer": (
         _shared_with_plain(False), "loud", layeropt.BackwardStateError, "no_step()"),
     "shared trunk, backward inside no_step()": (_shared_with_plain(True), EXACT, None, ""),
+    "shared trunk, no_step(), layeropt's step() first": (
+        _shared_with_plain(True, layeropt_first=True), EXACT, None, ""),
     "truncated BPTT, a backward per time step": (_tbptt, EXACT, None, ""),
 }
 # Loud rows whose loop differs only from a later step on (the zero_grad that would
