@@ -58,13 +58,17 @@ class StepRecord:
             memory with ``offload_state`` (``layeropt/_held.py``).
         hyper / hyper_txn: the param groups as its first update read them, and
             the transaction that update belonged to (``layeropt/_between.py``).
+        skipped: parameters with a gradient in a step ``GradScaler`` skipped (inf/NaN):
+            torch keeps their ``.grad`` as zeros at ``zero_grad(set_to_none=False)``.
     """
 
-    __slots__ = ("stepped_backwards", "held_backwards", "held", "hyper", "hyper_txn")
+    __slots__ = ("stepped_backwards", "held_backwards", "held", "hyper", "hyper_txn",
+                 "skipped")
 
     def __init__(self) -> None:
         self.stepped_backwards = self.held_backwards = 0
         self.held: dict[Tensor, Any] = {}
+        self.skipped: list[Tensor] = []
         self.hyper: list[dict[str, Any]] | None = None
         self.hyper_txn = -1
 
@@ -143,6 +147,16 @@ class StepRules:
                 self._step_host_held(host)
             held.clear()
 
+    def skip(self, had_grad: list[Tensor]) -> None:
+        """This optimizer's step was skipped (an inf/NaN under ``GradScaler``): drop its
+        gradients - ``had_grad``, those it had - as torch's ``zero_grad`` later would."""
+        self.train_step.skipped += had_grad
+        self.discard_held()
+        optimizer = self._optimizer()
+        for g in optimizer.param_groups if optimizer is not None else ():
+            for p in g["params"]:
+                p.grad = None
+
     def discard_held(self) -> None:
         """Drop the held gradients (their optimizer's step was skipped)."""
         host = self._host_held() if self.train_step.held else None
@@ -204,8 +218,8 @@ class StepRules:
             host.drop()
         torch_zero_grad(set_to_none)
         self.train_step.held.clear()
-        self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, self._this_step(),
-                                                        set_to_none)
+        self.kept_grads = _between.kept_after_zero_grad(
+            self.kept_grads, self._this_step() + self.train_step.skipped, set_to_none)
         self.last.zeroed = True
         if attached:
             self.boundary("zero_grad()")

@@ -192,6 +192,7 @@ def backward(
 
     ddp = TwoPasses(engines)  # DDP models: average before measuring, and again in pass 2
     norm = norm_type if max_norm is not None else None
+    seen: set[int] = set()  # parameters with a gradient in this backward
     for e in engines:
         e.start_measure(measured, norm, inv_scale, found.get(e))
     try:
@@ -200,6 +201,7 @@ def backward(
                 loss.backward(retain_graph=True)
         finally:
             for e in engines:
+                seen |= e.measure.seen if e.measure is not None else set()
                 e.finish_measure()
         unhooked.measure(measured, norm, inv_scale, found, clipped)
         unhooked.refuse_strays()
@@ -238,10 +240,8 @@ def backward(
                                       transform)
     for o in optimizers:  # their step is skipped: nothing of theirs changes
         if o._lo_engine in skipped:
-            o._lo_engine.discard_held()
-            for g in o.param_groups:
-                for p in g["params"]:
-                    p.grad = None
+            o._lo_engine.skip([p for g in o.param_groups for p in g["params"]
+                               if p.grad is not None or id(p) in seen])
     for o in optimizers:
         o.last_grad_norm = total
     return total

@@ -301,3 +301,34 @@ def test_backward_reaching_an_unattached_layeropt_optimizer_is_refused(how):
         scaler.update()
     assert_models_equal(model, ref)
     handle.remove()
+
+
+@pytest.mark.parametrize("opt_name", ["Adagrad", "Adam"])
+def test_skipped_step_keeps_zeroed_gradients_as_torch(opt_name):
+    """GradScaler's first step overflows and is skipped; zero_grad(set_to_none=False) keeps a
+    zero .grad for every parameter that had one; a LayerNorm used on even steps only is
+    then stepped by torch on its zero gradient (Adagrad's step count moves) - by layeropt too."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"lin": torch.nn.Linear(4, 4), "norm": torch.nn.LayerNorm(4)})
+    ref = copy.deepcopy(model)
+    cls = getattr(torch.optim, opt_name)
+    opt = layeropt.in_backward(cls)(model.parameters(), lr=0.1)
+    ref_opt = cls(ref.parameters(), lr=0.1)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**4) for _ in range(2)]
+    with layeropt.attach(model, opt):
+        for step in range(4):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+            for m, o, scaler, lo in ((ref, ref_opt, scalers[0], False),
+                                     (model, opt, scalers[1], True)):
+                h = m["lin"](x)
+                h = m["norm"](h) if step % 2 == 0 else h
+                loss = h.square().sum() * (float("inf") if step == 0 else 1.0)
+                if lo:
+                    layeropt.backward(scaler.scale(loss), scaler=scaler)
+                else:
+                    scaler.scale(loss).backward()
+                scaler.step(o)
+                scaler.update()
+                o.zero_grad(set_to_none=False)
+    assert_models_equal(model, ref)
+    assert_same(opt.state_dict(), ref_opt.state_dict())
