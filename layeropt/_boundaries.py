@@ -13,8 +13,7 @@ update read them. Here also:
   backward, by ``layeropt.backward``'s step pass or by ``step()``;
 * the boundaries (rule 6 of ``layeropt/_rules.py``): ``step()`` steps what the
   hooks left (held, assigned by hand; a zero gradient for what
-  ``zero_grad(set_to_none=False)`` keeps), whose ``.grad`` then stays until
-  ``zero_grad()`` as torch's does, and refuses a gradient set on a
+  ``zero_grad(set_to_none=False)`` keeps) and refuses a gradient set on a
   parameter backward already updated; ``step()``/``zero_grad()`` refuse what
   torch would take as one step of several, hyperparameters changed after
   backward, and a ``zero_grad()`` that discards what a backward applied.
@@ -169,8 +168,7 @@ class StepRules:
     # -- training-step boundaries (rule 6) ------------------------------------------
     def step_call(self, closure: Callable[[], Any] | None) -> Any:
         """``optimizer.step(closure)`` once attached: run the closure (its backward held),
-        then step every gradient the hooks did not consume (``.grad`` kept, as torch's
-        step keeps it until ``zero_grad()``; those held in host memory are freed)."""
+        then step and free every gradient the hooks did not consume."""
         loss = None
         if closure is not None:
             with self.closure(), torch.enable_grad():
@@ -179,8 +177,6 @@ class StepRules:
         if optimizer is None:
             return loss
         self.check_boundary("step()")
-        kept = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]
-                if p.grad is not None]  # (not the zeros made next: made again each step)
         for p in self.unused_kept(optimizer):  # torch steps them on a zero gradient
             p.grad = torch.zeros_like(p)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -191,9 +187,6 @@ class StepRules:
         rec = self.last
         steps = rec.steps  # (stepped_in_backward counts the backward's updates only)
         self._step(self.placed(params))
-        for p, grad in kept:  # torch's step() leaves .grad until zero_grad(): so does this
-            if p.grad is None:
-                p.grad = grad
         host = self._host_held() if self.train_step.held else None
         if host:
             self._step_host_held(host)

@@ -142,7 +142,9 @@ SHARED_PARAMETER_ERROR = (
     "optimizers. Give each "
     "parameter to one optimizer, or run the backwards that reach the shared "
     "parameters inside `with opt.no_step():` (opt: the layeropt optimizer) so that "
-    "their gradients stay in .grad for both optimizers' step(), as in torch."
+    "their gradients stay in .grad, and call {optimizer}.step() before opt.step(): "
+    "layeropt's step() applies and frees the gradients it holds, as step(); "
+    "zero_grad() would."
 )
 
 DEFER_WARNING = (

@@ -71,8 +71,8 @@ class InBackwardOptimizer(Optimizer):
     * ``no_step()`` - a context in which attached backwards accumulate
       gradients instead of stepping (gradient accumulation);
     * ``step()`` - unchanged before ``attach``; after it, steps only the
-      parameters that still hold a gradient the hooks did not consume (their
-      ``.grad`` stays until ``zero_grad()``, as torch's);
+      parameters that still hold a gradient the hooks did not consume, and
+      frees those gradients;
     * ``stepped_in_backward`` - how many parameter updates the hooks made in
       the last backward (for logging and tests).
     """
@@ -178,10 +178,9 @@ class InBackwardOptimizer(Optimizer):
         the hooks have already updated every parameter whose gradient landed in
         backward and freed its ``.grad``; ``step()`` then updates the parameters
         that still hold a gradient (assigned by hand, or accumulated under
-        ``no_step()``), whose ``.grad`` then stays until ``zero_grad()`` as
-        torch's does (a plain optimizer sharing those parameters steps them
-        after it, in either order). With no such gradient it does nothing, so
-        existing loops keep working unchanged.
+        ``no_step()``) and frees those gradients, as ``step(); zero_grad()``
+        would. With no such gradient it does nothing, so existing loops keep
+        working unchanged.
         """
         if not self.attached:
             return type(self)._torch_step(self, closure)

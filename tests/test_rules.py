@@ -259,7 +259,7 @@ def _shared_with_plain(fix: bool, layeropt_first: bool = False) -> Callable[...,
         with opt.no_step() if lo and fix else contextlib.nullcontext():
             loss.backward()
         for o in (opt, critic_opt) if layeropt_first else (critic_opt, opt):
-            o.step()  # (the trunk's .grad stays for the second, as torch keeps it)
+            o.step()
         critic_opt.zero_grad()
         opt.zero_grad()
     return loop
@@ -320,8 +320,9 @@ RULES: dict[str, tuple[Callable[..., None], str, type | None, str]] = {
     "shared trunk also owned by a plain optimizer": (
         _shared_with_plain(False), "loud", layeropt.BackwardStateError, "no_step()"),
     "shared trunk, backward inside no_step()": (_shared_with_plain(True), EXACT, None, ""),
-    "shared trunk, no_step(), layeropt's step() first": (
-        _shared_with_plain(True, layeropt_first=True), EXACT, None, ""),
+    "shared trunk, no_step(), layeropt's step() first": (  # the message names the order
+        _shared_with_plain(True, layeropt_first=True), "loud", layeropt.BackwardStateError,
+        ".step() before opt.step()"),
     "truncated BPTT, a backward per time step": (_tbptt, EXACT, None, ""),
 }
 # Loud rows whose loop differs only from a later step on (the zero_grad that would
