@@ -49,6 +49,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._registry import ENGINES
 from .errors import (
+    ALSO_APPLIED,
     BackwardStateError,
     CLIP_AFTER_BACKWARD,
     CLIP_HELD_ON_HOST,
@@ -122,6 +123,11 @@ def _guard(fn: Callable[..., Any], by_norm: bool, name: str) -> Callable[..., An
                 fn=label,
                 result="it returns a norm of 0" if by_norm else "no gradient is left",
             )
+            ids = {id(p) for p in parameters}
+            applied = max((e.train_step.stepped_backwards for e in list(ENGINES)
+                           if any(id(p) in ids for p in e.last.stepped)), default=0)
+            if applied > 1:  # the first refusal names all that was already applied
+                message += ALSO_APPLIED.format(n=applied)
             if by_norm and math.isinf(float(max_norm)):
                 warn(message.replace("nothing would be clipped", "the norm is not measured"))
             else:

@@ -126,6 +126,13 @@ CLIP_AFTER_BACKWARD = (
     + IN_A_TRAINER
 )
 
+ALSO_APPLIED = (
+    " Before this clip, {n} attached backwards since the last step() were each applied "
+    "as an update of its own (torch would sum them into one step): run all but the "
+    "last inside `with opt.no_step():`, then clip through layeropt.backward(loss, "
+    "max_norm=...) on the last."
+)
+
 CLIP_HELD_ON_HOST = (
     "{fn} was called on parameters whose held gradients wait in host memory "
     "(layeropt.offload.offload_state moves gradients held by no_step() or "

@@ -203,3 +203,21 @@ def test_a_gradient_freed_by_an_earlier_hook_is_not_stepped(cap_mb):
     assert torch.equal(model.weight, ref.weight) and torch.equal(model.bias, ref.bias)
     assert opt.stepped_params == [model.weight] and opt.stepped_in_backward == 1
     handle.remove()
+
+
+@pytest.mark.parametrize("backwards", [1, 4])
+def test_first_refusal_of_a_swapped_loop_names_what_was_already_applied(backwards):
+    """An unchanged torch accumulation loop (n backwards, then clip_grad_norm_) meets the
+    clip's refusal first: it also says the n backwards were each applied, and the fix."""
+    model = torch.nn.Linear(4, 2)
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    with layeropt.attach(model, opt):
+        for _ in range(backwards):
+            model(torch.randn(3, 4)).sum().backward()
+        with pytest.raises(layeropt.LayeroptError) as caught:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    message = str(caught.value)
+    assert "nothing would be clipped" in message
+    said = f"{backwards} attached backwards since the last step() were each applied"
+    assert (said in message) == (backwards > 1), message
+    assert ("no_step()" in message) == (backwards > 1)
