@@ -116,8 +116,11 @@ def _guard(fn: Callable[..., Any], by_norm: bool, name: str) -> Callable[..., An
             parameters = [parameters]
         parameters = list(parameters)
         label = name if "." in name else f"torch.nn.utils.{name}"
-        stepped = _stepped_ids() if ENGINES else ()
-        if stepped and any(p.grad is None and id(p) in stepped for p in parameters):
+        # only parameters without a gradient can have lost it to an attached backward:
+        # a bucket clipped in backward has all of its own (O(1) per bucket, not O(model))
+        missing = [p for p in parameters if p.grad is None] if ENGINES else []
+        stepped = _stepped_ids() if missing else ()
+        if stepped and any(id(p) in stepped for p in missing):
             max_norm = args[0] if args else kwargs.get("max_norm", math.inf)
             message = CLIP_AFTER_BACKWARD.format(
                 fn=label,
@@ -132,8 +135,8 @@ def _guard(fn: Callable[..., Any], by_norm: bool, name: str) -> Callable[..., An
                 warn(message.replace("nothing would be clipped", "the norm is not measured"))
             else:
                 raise LayeroptError(message)
-        hidden = {id(p) for e in list(ENGINES) for p in e.in_host_memory()} if ENGINES else ()
-        if hidden and any(p.grad is None and id(p) in hidden for p in parameters):
+        hidden = {id(p) for e in list(ENGINES) for p in e.in_host_memory()} if missing else ()
+        if hidden and any(id(p) in hidden for p in missing):
             raise LayeroptError(CLIP_HELD_ON_HOST.format(fn=label))
         _CALLING.append(name)
         try:
