@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint
 
+from .backward_pass import _parameters, backward
 from .errors import LayeroptError
 from .optim import InBackwardOptimizer, live_optimizers, optimizer_list
 
@@ -61,6 +62,16 @@ class LoopAccumulator:
     * ``torch.optim`` optimizers (or layeropt ones not attached): call
       ``acc.step()`` (or ``optimizer.step()``) after the loop.
 
+    Clipping and ``GradScaler`` (``max_norm=``, ``scaler=``): the n-th
+    backward also unscales and clips, as ``scaler.unscale_(opt);
+    clip_grad_norm_(parameters, max_norm)`` would after the last backward of
+    the hand-written loop, bit for bit. Attached layeropt optimizers get it
+    through :func:`layeropt.backward` (one extra backward pass of the last
+    iteration only); plain optimizers through torch's own ``unscale_`` and
+    ``clip_grad_norm_``. Each loss is passed through ``scaler.scale`` before
+    its backward; ``acc.step()`` then runs ``scaler.step(opt)`` for each
+    optimizer and ``scaler.update()``.
+
     One accumulator counts one training step at a time. ``acc.step()`` or
     ``acc.reset()`` starts the next one; as a context manager, leaving the
     ``with`` block checks that exactly ``n`` backwards ran and starts the next.
@@ -74,6 +85,18 @@ class LoopAccumulator:
             when the only optimizers are attached layeropt ones.
         reduction: ``"mean"`` scales each loss by ``1/n`` (the full-graph loss
             is the mean of the iteration losses); ``"sum"`` does not scale.
+        max_norm: clip the global norm of the accumulated gradient to this
+            value after the n-th backward (``None``: no clipping); the norm is
+            kept in :attr:`grad_norm`.
+        norm_type: the p of the p-norm, as in ``clip_grad_norm_``.
+        scaler: a ``torch.amp.GradScaler``: every loss is scaled by it, the
+            gradient unscaled after the n-th backward (and an inf/NaN skips the
+            step, as ``scaler.step`` does); ``acc.step()`` calls
+            ``scaler.step(opt)`` and ``scaler.update()``.
+        parameters: what you would pass to ``clip_grad_norm_`` (the total norm
+            is summed in this order). Default: the attached models'
+            ``parameters()`` (as :func:`layeropt.backward`), then the given
+            optimizers' parameters.
 
     Example:
         >>> model = torch.nn.Linear(4, 1)
@@ -90,6 +113,10 @@ class LoopAccumulator:
         optimizer: Optimizer | Iterable[Optimizer] | None = None,
         *,
         reduction: Literal["mean", "sum"] = "mean",
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scaler: torch.amp.GradScaler | None = None,
+        parameters: Iterable[Tensor] | None = None,
     ) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive int (backwards per step), got {n!r}")
@@ -101,8 +128,16 @@ class LoopAccumulator:
                 raise TypeError(
                     f"optimizer must be a torch.optim.Optimizer, got {type(o).__name__}"
                 )
+        if max_norm is not None and (isinstance(max_norm, bool) or max_norm < 0):
+            raise ValueError(f"max_norm must be a non-negative number or None, got {max_norm!r}")
         self.n = n
         self.reduction = reduction
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.scaler = scaler
+        self.parameters: list[Tensor] | None = None if parameters is None else list(parameters)
+        #: The total gradient norm of the last clipped step (before clipping), else None.
+        self.grad_norm: Tensor | None = None
         self.count = 0
         self._total: Tensor | None = None
         self._finished = False  # _total is a finished step's loss, kept for reading
@@ -139,21 +174,82 @@ class LoopAccumulator:
                 "acc.step() or acc.reset() to start the next training step (or "
                 "create the accumulator with the right n)."
             )
+        if self.count == 0:
+            self._check_clipping()
         if self._finished:  # the first backward of a new step: drop the last step's loss
             self._total, self._finished = None, False
         scaled = loss / self.n if self.reduction == "mean" else loss
+        to_backward = scaled if self.scaler is None else self.scaler.scale(scaled)
         last = self.count == self.n - 1
-        with contextlib.ExitStack() as stack:
-            if not last:
+        if last:
+            self._last_backward(to_backward)
+        else:
+            with contextlib.ExitStack() as stack:
                 for opt in self._attached():
                     stack.enter_context(opt.no_step())
                     self._deferred[opt] = None
-            scaled.backward()
+                to_backward.backward()
         self.count += 1
         value = scaled.detach()
         self._total = value if self._total is None else self._total + value
         if last:
             self._flush_deferred()
+
+    def _clips(self) -> bool:
+        return self.max_norm is not None or (self.scaler is not None and self.scaler.is_enabled())
+
+    def _check_clipping(self) -> None:
+        """Before a step's first backward: clipping or a scaler needs to know what to clip."""
+        self.grad_norm = None
+        if not self._clips() or self.optimizers or self._attached():
+            return
+        if self.scaler is not None and self.scaler.is_enabled():
+            raise LoopStateError(
+                "LoopAccumulator(scaler=...) found no optimizer: GradScaler unscales per "
+                "optimizer. Pass the optimizer (LoopAccumulator(n, opt, scaler=scaler)) or "
+                "attach a layeropt optimizer first."
+            )
+        if self.parameters is None:
+            raise LoopStateError(
+                "LoopAccumulator(max_norm=...) found no optimizer and no parameters to "
+                "clip. Pass the optimizer (LoopAccumulator(n, opt, max_norm=...)), "
+                "parameters=model.parameters(), or attach a layeropt optimizer first."
+            )
+
+    def _last_backward(self, loss: Tensor) -> None:
+        """The n-th backward; with clipping or a scaler, then unscale and clip.
+
+        Attached optimizers: :func:`layeropt.backward` measures the accumulated
+        gradient and steps each layer unscaled and clipped. Plain optimizers:
+        ``scaler.unscale_`` and ``clip_grad_norm_`` on ``.grad``, torch's own.
+        Inside an outer ``no_step()`` the gradient keeps accumulating (scaled,
+        unclipped): the outer accumulation's last backward clips the whole sum.
+        """
+        attached = self._attached()
+        if not self._clips() or any(o._lo_engine.no_step_depth for o in attached):
+            loss.backward()
+            return
+        plain = [o for o in self.optimizers if not any(o is a for a in attached)]
+        scaler = self.scaler if self.scaler is not None and self.scaler.is_enabled() else None
+        if attached:
+            params = self.parameters
+            if params is None and plain:  # the plain optimizers' parameters clipped too
+                params = list({id(p): p for p in _parameters(attached)
+                               + _optimizer_params(plain)}.values())
+            self.grad_norm = backward(loss, attached, max_norm=self.max_norm,
+                                      norm_type=self.norm_type, scaler=scaler,
+                                      parameters=params)
+            # plain optimizers: unscaled here (layeropt.backward unscales its own only)
+            for o in plain if scaler is not None else ():
+                scaler.unscale_(o)
+            return
+        loss.backward()
+        for o in plain if scaler is not None else ():
+            scaler.unscale_(o)
+        if self.max_norm is not None:
+            params = self.parameters if self.parameters is not None else _optimizer_params(plain)
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm,
+                                                            norm_type=self.norm_type)
 
     def _flush_deferred(self) -> None:
         """Step gradients held in calls 1..n-1 that the n-th backward did not reach.
@@ -178,7 +274,8 @@ class LoopAccumulator:
 
         For attached layeropt optimizers the update already happened in the
         n-th backward and their ``step()`` is a no-op, so calling ``acc.step()``
-        is right for both optimizer kinds.
+        is right for both optimizer kinds. With a ``scaler``: ``scaler.step(opt)``
+        for each optimizer, then ``scaler.update()``.
 
         Raises:
             LoopStateError: fewer than ``n`` backwards ran in this step.
@@ -189,9 +286,15 @@ class LoopAccumulator:
                 "a partial gradient. Run all n iterations first, or call acc.reset() "
                 "to drop this step (then optimizer.zero_grad())."
             )
+        scaler = self.scaler
         for opt in self.optimizers:
-            opt.step()
+            if scaler is not None:
+                scaler.step(opt)
+            else:
+                opt.step()
             opt.zero_grad()
+        if scaler is not None:
+            scaler.update()
         self._end_step()
 
     def _end_step(self) -> None:
@@ -209,6 +312,7 @@ class LoopAccumulator:
         self.count = 0
         self._total = None
         self._finished = False
+        self.grad_norm = None
         self._deferred.clear()
 
     def __enter__(self) -> LoopAccumulator:
@@ -230,6 +334,16 @@ class LoopAccumulator:
 
     def __repr__(self) -> str:
         return f"LoopAccumulator(n={self.n}, count={self.count}, reduction={self.reduction!r})"
+
+
+def _optimizer_params(optimizers: list[Optimizer]) -> list[Tensor]:
+    """The optimizers' parameters, in param-group order, each once."""
+    out: dict[int, Tensor] = {}
+    for o in optimizers:
+        for g in o.param_groups:
+            for p in g["params"]:
+                out.setdefault(id(p), p)
+    return list(out.values())
 
 
 class _Place(torch.autograd.Function):

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import OPTIMIZER_CONFIGS, assert_same, clone_kwargs, config_id
+from harness import OPTIMIZER_CONFIGS, InfGrad, assert_same, clone_kwargs, config_id
 from torch import Tensor, nn
 
 import layeropt
@@ -410,6 +410,283 @@ def test_misuse_is_a_clear_error():
         LoopAccumulator(2, reduction="avg")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="Optimizer"):
         LoopAccumulator(2, [object()])  # type: ignore[list-item]
+
+
+# --- shape 1 with global clipping and GradScaler -------------------------------
+CLIP_CONFIGS = [("SGD", dict(lr=0.1, momentum=0.9)), ("AdamW", dict(lr=0.01))]
+CLIP = 0.05  # below every step's norm here: the clipping is active
+
+
+def _scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+
+
+def _torch_clip_step(ref: Sino, ref_opts: list, losses: Callable[[Sino], list[Tensor]],
+                     n: int, clip: float | None, scaler: Any) -> Tensor | None:
+    """The hand-written torch loop: n backwards of loss_i/n, unscale_, clip_grad_norm_
+    over model.parameters(), step, zero_grad."""
+    for loss in losses(ref):
+        loss = loss / n
+        (scaler.scale(loss) if scaler else loss).backward()
+    for o in ref_opts if scaler else ():
+        scaler.unscale_(o)
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip) if clip else None
+    for o in ref_opts:
+        if scaler:
+            scaler.step(o)
+        else:
+            o.step()
+        o.zero_grad()
+    if scaler:
+        scaler.update()
+    return norm
+
+
+def _iteration_losses(x: Tensor, t: Tensor, n: int) -> Callable[[Sino], list[Tensor]]:
+    return lambda model: [model.loss_i(x, t, i) for i in range(n)]
+
+
+CLIP_CASES = [(cfg, attached, clip, use_scaler, "acc.step")
+              for cfg in CLIP_CONFIGS for attached in (True, False)
+              for clip in (None, CLIP) for use_scaler in (False, True)]
+CLIP_CASES += [(CLIP_CONFIGS[1], attached, CLIP, True, "with-block") for attached in (True, False)]
+
+
+@pytest.mark.parametrize(
+    "cfg, attached, clip, use_scaler, form", CLIP_CASES,
+    ids=[f"{c[0]}-{'layeropt' if a else 'torch'}-clip{cl}-{'scaler' if s else 'noscaler'}-{f}"
+         for c, a, cl, s, f in CLIP_CASES],
+)
+def test_clipping_and_scaler_equal_the_hand_written_torch_loop_bitwise(
+        cfg, attached, clip, use_scaler, form):
+    """``LoopAccumulator(n, max_norm=, scaler=)`` == per-iteration ``scaler.scale(loss_i /
+    n).backward()``, ``scaler.unscale_``, ``clip_grad_norm_``, ``scaler.step``,
+    ``scaler.update``: parameters, optimizer state, scale and total norm, bit for bit."""
+    name, kw = cfg
+    n = 3
+    ref, m = make(), make()
+    ref_opt = getattr(torch.optim, name)(ref.parameters(), **clone_kwargs(kw))
+    opt = getattr(layeropt if attached else torch.optim, name)(m.parameters(), **clone_kwargs(kw))
+    ref_scaler, scaler = (_scaler(), _scaler()) if use_scaler else (None, None)
+    # the with-block form finds attached optimizers itself; plain ones are given
+    given = None if form == "with-block" and attached else opt
+    acc = LoopAccumulator(n, given, max_norm=clip, scaler=scaler)
+    with layeropt.attach(m, opt) if attached else contextlib.nullcontext():
+        for s in range(3):
+            _clip_step(m, opt, ref, ref_opt, acc, s, n, clip, scaler, ref_scaler, form)
+    if scaler:
+        assert scaler.get_scale() > 2.0**10  # grew on schedule: no step was skipped
+    assert_models_equal(ref, m)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def _clip_step(m: Sino, opt: Any, ref: Sino, ref_opt: Any, acc: LoopAccumulator, s: int,
+           n: int, clip: float | None, scaler: Any, ref_scaler: Any, form: str) -> None:
+    """One training step of both sides; the same dropout masks for each."""
+    x, t = batch(s, n)
+    torch.manual_seed(100 + s)
+    ref_norm = _torch_clip_step(ref, [ref_opt], _iteration_losses(x, t, n), n, clip,
+                                ref_scaler)
+    torch.manual_seed(100 + s)
+    if form == "acc.step":
+        for i in range(n):
+            acc.backward(m.loss_i(x, t, i))
+        acc.step()
+    else:
+        with acc:
+            for i in range(n):
+                acc.backward(m.loss_i(x, t, i))
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+    assert all(p.grad is None for p in m.parameters())
+    if clip:
+        assert torch.equal(acc.grad_norm, ref_norm) and ref_norm > clip
+    else:
+        assert acc.grad_norm is None
+    if scaler:
+        assert scaler.get_scale() == ref_scaler.get_scale()
+
+
+@pytest.mark.parametrize("attached", [True, False], ids=["layeropt", "torch.optim"])
+def test_scaler_inf_in_one_iteration_skips_the_step_as_torch(attached):
+    """An inf in the first iteration's gradient (held, accumulating): no parameter and
+    no optimizer state changes, the scale halves, as torch's recipe."""
+    n = 3
+    ref, m = make(), make()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    opt = (layeropt.Adam if attached else torch.optim.Adam)(m.parameters(), lr=0.01)
+    ref_scaler, scaler = _scaler(), _scaler()
+    acc = LoopAccumulator(n, opt, max_norm=CLIP, scaler=scaler)
+
+    def losses(model: Sino, x: Tensor, t: Tensor, s: int) -> list[Tensor]:
+        out = [model.loss_i(x, t, i) for i in range(n)]
+        if s == 1:
+            out[0] = InfGrad.apply(out[0])
+        return out
+
+    with layeropt.attach(m, opt) if attached else contextlib.nullcontext():
+        for s in range(3):
+            x, t = batch(s, n)
+            torch.manual_seed(100 + s)
+            _torch_clip_step(ref, [ref_opt], lambda model: losses(model, x, t, s), n, CLIP,
+                             ref_scaler)
+            torch.manual_seed(100 + s)
+            for loss in losses(m, x, t, s):
+                acc.backward(loss)
+            acc.step()
+            assert scaler.get_scale() == ref_scaler.get_scale()
+            if s == 1:
+                assert scaler.get_scale() == 2.0**9
+    assert_models_equal(ref, m)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+@pytest.mark.parametrize("use_scaler", [False, True], ids=["noscaler", "scaler"])
+def test_clipping_nested_in_outer_no_step_clips_the_whole_sum(use_scaler):
+    """Two micro-batches of a 3-iteration loop, the first under opt.no_step(): the first
+    accumulator keeps accumulating (scaled, unclipped); the second clips all six."""
+    ref, m = make(), make()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = layeropt.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    ref_scaler, scaler = (_scaler(), _scaler()) if use_scaler else (None, None)
+    with layeropt.attach(m, opt):
+        for step in range(2):
+            for mb in range(2):
+                x, t = batch(10 * step + mb, 3)
+                torch.manual_seed(mb)
+                for i in range(3):
+                    loss = ref.loss_i(x, t, i) / 2 / 3  # as the accumulator: (loss / 2) / n
+                    (ref_scaler.scale(loss) if use_scaler else loss).backward()
+                torch.manual_seed(mb)
+                outer = opt.no_step() if mb == 0 else contextlib.nullcontext()
+                with outer, LoopAccumulator(3, max_norm=CLIP, scaler=scaler) as acc:
+                    for i in range(3):
+                        acc.backward(m.loss_i(x, t, i) / 2)
+                assert (acc.grad_norm is None) == (mb == 0)
+            if use_scaler:
+                ref_scaler.unscale_(ref_opt)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+            assert torch.equal(acc.grad_norm, ref_norm)
+            for o, sc in ((ref_opt, ref_scaler), (opt, scaler)):
+                if use_scaler:
+                    sc.step(o)
+                    sc.update()
+                else:
+                    o.step()
+                o.zero_grad()
+    assert_models_equal(ref, m)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def _early_extra_loss(model: Sino, x: Tensor, t: Tensor, i: int, n: int) -> Tensor:
+    """``cell`` is reached by every iteration but the last."""
+    extra = model.cell(x[:, i]).square().mean() if i < n - 1 else 0.0
+    return model.loss_i(x, t, i) + extra
+
+
+def _main_params(model: Sino) -> list[Tensor]:
+    return [p for name, p in model.named_parameters() if not name.startswith("cell")]
+
+
+@pytest.mark.parametrize("use_scaler", [False, True], ids=["noscaler", "scaler"])
+def test_clipping_with_parameters_only_early_iterations_reach(use_scaler):
+    """Two attached optimizers, ``cell``'s reached only before the last iteration: its
+    held gradient is measured, unscaled and clipped with the rest, then stepped."""
+    n = 3
+    ref, m = make(), make()
+    ref_opts = [torch.optim.Adam(_main_params(ref), lr=0.01),
+                torch.optim.SGD(ref.cell.parameters(), lr=0.1, momentum=0.9)]
+    opts = [layeropt.Adam(_main_params(m), lr=0.01),
+            layeropt.SGD(m.cell.parameters(), lr=0.1, momentum=0.9)]
+    ref_scaler, scaler = (_scaler(), _scaler()) if use_scaler else (None, None)
+    acc = LoopAccumulator(n, opts, max_norm=CLIP, scaler=scaler)
+    with layeropt.attach(m, opts):
+        for s in range(2):
+            x, t = batch(s, n)
+            torch.manual_seed(s)
+            ref_norm = _torch_clip_step(
+                ref, ref_opts, lambda model: [_early_extra_loss(model, x, t, i, n)
+                                              for i in range(n)], n, CLIP, ref_scaler)
+            torch.manual_seed(s)
+            for i in range(n):
+                acc.backward(_early_extra_loss(m, x, t, i, n))
+            acc.step()
+            assert torch.equal(acc.grad_norm, ref_norm)
+            assert all(p.grad is None for p in m.parameters())
+    assert_models_equal(ref, m)
+    for o, r in zip(opts, ref_opts):
+        assert_same(r.state_dict(), o.state_dict())
+
+
+@pytest.mark.parametrize("clip, use_scaler", [(CLIP, False), (None, True)],
+                         ids=["clip", "scaler"])
+def test_clipping_with_an_attached_and_a_plain_optimizer(clip, use_scaler):
+    """An attached layeropt optimizer for most of the model and a plain torch.optim one
+    for ``cell`` (given to the accumulator): one global norm over model.parameters(),
+    each optimizer's gradient unscaled, as torch's recipe."""
+    n = 3
+    ref, m = make(), make()
+    ref_opts = [torch.optim.Adam(_main_params(ref), lr=0.01),
+                torch.optim.SGD(ref.cell.parameters(), lr=0.1, momentum=0.9)]
+    lo = layeropt.Adam(_main_params(m), lr=0.01)
+    plain = torch.optim.SGD(m.cell.parameters(), lr=0.1, momentum=0.9)
+    ref_scaler, scaler = (_scaler(), _scaler()) if use_scaler else (None, None)
+    acc = LoopAccumulator(n, [lo, plain], max_norm=clip, scaler=scaler)
+    with layeropt.attach(m, lo):
+        for s in range(2):
+            x, t = batch(s, n)
+            torch.manual_seed(s)
+            ref_norm = _torch_clip_step(
+                ref, ref_opts, lambda model: [_early_extra_loss(model, x, t, i, n)
+                                              for i in range(n)], n, clip, ref_scaler)
+            torch.manual_seed(s)
+            for i in range(n):
+                acc.backward(_early_extra_loss(m, x, t, i, n))
+            acc.step()
+            assert (acc.grad_norm is None) == (clip is None)
+            if clip:
+                assert torch.equal(acc.grad_norm, ref_norm)
+        # both: the plain optimizer's gradient would have to be unscaled before the norm
+        both = LoopAccumulator(n, [lo, plain], max_norm=CLIP, scaler=_scaler())
+        x, t = batch(5, n)
+        before = [p.detach().clone() for p in m.parameters()]
+        for i in range(n - 1):
+            both.backward(_early_extra_loss(m, x, t, i, n))
+        with pytest.raises(layeropt.LayeroptError, match="not owned by an attached"):
+            both.backward(_early_extra_loss(m, x, t, n - 1, n))
+        assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+    assert_models_equal(ref, m)
+    for o, r in zip([lo, plain], ref_opts):
+        assert_same(r.state_dict(), o.state_dict())
+
+
+def test_clipping_misuse_is_a_clear_error():
+    m = make()
+    x, t = batch(0, 2)
+    with pytest.raises(LoopStateError, match="no optimizer and no parameters"):
+        LoopAccumulator(2, max_norm=1.0).backward(m.loss_i(x, t, 0))
+    with pytest.raises(LoopStateError, match="scaler=.*found no optimizer"):
+        LoopAccumulator(2, scaler=_scaler()).backward(m.loss_i(x, t, 0))
+    assert all(p.grad is None for p in m.parameters())  # refused before any backward
+    for bad in (-1.0, True):
+        with pytest.raises(ValueError, match="max_norm"):
+            LoopAccumulator(2, max_norm=bad)
+    # parameters= without an optimizer: clipped, the step is the caller's
+    ref = make()
+    acc = LoopAccumulator(2, max_norm=CLIP, parameters=m.parameters())
+    for i in range(2):
+        torch.manual_seed(i)
+        (ref.loss_i(x, t, i) / 2).backward()
+        torch.manual_seed(i)
+        acc.backward(m.loss_i(x, t, i))
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+    assert torch.equal(acc.grad_norm, ref_norm)
+    for p, q in zip(ref.parameters(), m.parameters()):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
 
 
 # --- shapes 2 and 3: stacked outputs, recurrent loops ---------------------------
