@@ -25,17 +25,19 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from . import _between
+from ._registry import ENGINES, hooked_by
 from .errors import (
     ACCUMULATION_ERROR,
+    AttachError,
     DISCARD_ERROR,
     SCALED_CLIP_ERROR,
     BackwardStateError,
 )
 
-__all__ = ["StepRecord", "StepRules", "Group"]
+__all__ = ["StepRecord", "StepRules", "Group", "take_over", "refuse_open_updates"]
 
 
 class Group(NamedTuple):
@@ -273,3 +275,95 @@ class StepRules:
         step.stepped_backwards = 0  # said once: the loop may go on
         raise BackwardStateError(DISCARD_ERROR.format(
             where=where, n=len(stepped), name=self.name_of(stepped[0])))
+
+
+# -- parameters taken over from another optimizer (attaching.py) ----------------------
+def take_over(params: list[Tensor], optimizers: list[Any], when: str) -> None:
+    """``optimizers`` take ``params`` over from the other layeropt optimizers: the latest
+    backward of another optimizer stops counting as having updated them.
+
+    That record refuses a ``step()`` of another optimizer that finds those
+    parameters' gradients freed (torch's global step pre-hook,
+    ``layeropt/_watch.py``): torch would still hold the gradients the backward left.
+    It stops counting once torch's would be gone or superseded; left in place, an
+    optimizer abandoned with it - a finished Trainer's, one whose handle was
+    removed - refused the next optimizer's every ``step()`` (docs/rules.md, "A model
+    another optimizer trained"). ``when``:
+
+    * ``"attach"``: where that optimizer's ``zero_grad()`` followed the backward;
+    * ``"backward"``: the parameters the running backward reaches (an attachment's
+      first backward: it sums onto or replaces what torch would hold);
+    * ``"run"``: all of them - a trainer integration's ``train()`` / ``fit()``
+      begins, whose first step zeroes the gradients (the Hugging Face Trainer zeroes
+      the model's before its first step, Lightning's closure before each backward);
+    * ``"reload"``: all of them, from an open training step too - the parameters
+      were loaded since (``train(resume_from_checkpoint=...)``, ``fit(ckpt_path=...)``):
+      nothing of an earlier backward is left in them.
+
+    Otherwise never from an optimizer whose training step is open (see
+    :func:`_refuse_open_updates`), nor during its backward.
+    """
+    mine = [o._lo_engine for o in optimizers]
+    ids: set[int] | None = None
+    for engine in list(ENGINES):
+        rec = engine.last
+        if (not rec.stepped or any(engine is e for e in mine) or engine.backward is not None
+                or (when != "reload" and _open(engine))
+                or (when == "attach" and not rec.zeroed)):
+            continue
+        if ids is None:
+            ids = {id(p) for p in (_reached(params) if when == "backward" else params)}
+        if any(id(p) in ids for p in rec.stepped):
+            rec.stepped = [p for p in rec.stepped if id(p) not in ids]
+
+
+def _open(engine: Any) -> bool:
+    """Whether ``engine``'s training step is open: a backward of it updated parameters and
+    its loop, which calls ``step()``, has not called ``step()`` or ``zero_grad()`` since."""
+    return bool(engine.calls) and engine.stepped_since_boundary
+
+
+def refuse_open_updates(model: nn.Module, params: list[Tensor],
+                         optimizers: list[Any]) -> None:
+    """Refuse attaching ``params`` that another layeropt optimizer's open training step
+    updated: torch would apply that update only at that optimizer's ``step()``, and the
+    parameters have it already (a run interrupted between backward and step). Not for
+    parameters that optimizer still hooks: its attachment is refused first."""
+    ids = {id(p) for p in params}
+    mine = [o._lo_engine for o in optimizers]
+    for engine in list(ENGINES):
+        if (any(engine is e for e in mine) or engine.backward is not None
+                or not _open(engine)):
+            continue
+        for p in engine.last.stepped:
+            if id(p) not in ids or hooked_by(p) is not None:
+                continue
+            optimizer = engine._optimizer()
+            name = next((repr(n) for n, q in model.named_parameters() if q is p),
+                        f"of shape {tuple(p.shape)}")
+            raise AttachError(
+                f"parameter {name} was updated during a backward of "
+                f"{type(optimizer).__name__}, another layeropt optimizer, and that "
+                "optimizer's step() has not come since (a run interrupted between backward "
+                "and step?): torch would apply that update only at its step(), and the "
+                "parameter has it already. Load the parameters again (resume from a "
+                "checkpoint: Trainer.train(resume_from_checkpoint=...), Lightning's "
+                "fit(ckpt_path=...)), or delete that optimizer to train on from the "
+                "parameters as they are."
+            )
+
+
+def _reached(params: list[Tensor]) -> list[Tensor]:
+    """Those of ``params`` whose gradient the running backward computes (``inputs=`` and
+    the graph decide); one that cannot be told (a DTensor) counts as not reached."""
+    will_execute = torch._C._will_engine_execute_node
+    out = []
+    with torch.enable_grad():
+        for p in params:
+            try:
+                node = p.view_as(p).grad_fn  # (its AccumulateGrad node is the next one)
+                if node is not None and will_execute(node.next_functions[0][0]):
+                    out.append(p)
+            except (RuntimeError, AttributeError, IndexError):
+                continue
+    return out

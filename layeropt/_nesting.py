@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ._registry import ENGINES
 
-__all__ = ["Pin", "watch_torch_checkpoint"]
+__all__ = ["Pin", "checkpoint_function", "segment_watcher"]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
@@ -106,19 +106,17 @@ def _ungate_all() -> None:
         engine.pins_released()
 
 
-def watch_torch_checkpoint() -> None:
-    """Watch ``torch.utils.checkpoint``'s reentrant segments (rule 5).
-
-    Wraps ``CheckpointFunction.forward`` once per process: after torch's own
-    forward, the segment's autograd node is recorded and gets a pre-hook and a
-    hook around its nested backward. Nothing else changes.
-    """
+def checkpoint_function() -> Any:
+    """torch's reentrant ``CheckpointFunction`` (``None`` where a torch has none)."""
     from torch.utils import checkpoint as tc
 
-    cls = getattr(tc, "CheckpointFunction", None)
-    if cls is None or getattr(cls.forward, "_layeropt_watch", False):
-        return
-    original = cls.forward
+    return getattr(tc, "CheckpointFunction", None)
+
+
+def segment_watcher(original: Any) -> Any:
+    """``CheckpointFunction.forward`` watched (rule 5; installed by ``_watch.WATCHERS``):
+    after torch's own forward, the segment's autograd node is recorded and gets a
+    pre-hook and a hook around its nested backward. Nothing else changes."""
 
     def forward(ctx: Any, *args: Any) -> Any:
         out = original(ctx, *args)
@@ -127,8 +125,7 @@ def watch_torch_checkpoint() -> None:
         ctx.register_hook(_segment_exit)
         return out
 
-    forward._layeropt_watch = True  # type: ignore[attr-defined]
-    cls.forward = staticmethod(forward)
+    return forward
 
 
 # How many torch reentrant segments run their nested backward right now.

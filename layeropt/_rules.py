@@ -67,7 +67,7 @@ from torch import Tensor
 
 from . import _watch
 from . import _nesting as nesting
-from ._nesting import TaskEnd, _graph_task_id, watch_torch_checkpoint
+from ._nesting import TaskEnd, _graph_task_id
 from ._registry import check_local_hooks_allowed, world_size
 from ._boundaries import Group, StepRecord, StepRules
 from ._transforms import Measure, Transform
@@ -163,9 +163,6 @@ class Rules(StepRules):
         self.closure_depth = 0  # inside optimizer.step(closure)
         self.measure: Measure | None = None  # layeropt.backward's measure pass
         self.transform: Transform | None = None  # layeropt.backward's step pass
-        watch_torch_checkpoint()
-        _watch.watch()
-        _watch.watch_tools()
 
     def _route(self) -> None:
         """Which graph task takes the plain path: the backward's, unless a mode is on."""
@@ -325,7 +322,7 @@ class Rules(StepRules):
         self.last = self.backward = rec = BackwardRecord(task)
         self.txn += 1  # a transaction of its own
         rec.scaled = _watch.scaled_backward()
-        _watch.watch_tools()  # (a tool imported since attach: guarded before it clips)
+        _watch.WATCHERS.watch_tools()  # (a tool imported since attach: guarded first)
         rec.distributed = world_size() > 1
         segments = nesting._TORCH_SEGMENTS
         rec.defer = defer or bool(

@@ -20,7 +20,7 @@ own) decides whether the loop's numbers would differ from torch's:
   infinite ``max_norm``: a measurement) instead of silently doing nothing.
 * accelerate's ``Accelerator.clip_grad_norm_`` / ``clip_grad_value_``: the
   public clipping entry of accelerate loops and of the Hugging Face Trainer,
-  guarded as torch's functions are (:func:`watch_tools`). accelerate >= 1.16
+  guarded as torch's functions are (:meth:`Watchers.watch_tools`). accelerate >= 1.16
   keeps only parameters whose ``.grad`` is set before it reaches torch, so
   torch's functions alone cannot see such a clip.
 * ``nn.Module.zero_grad``: gradients a backward already applied, discarded
@@ -30,8 +30,10 @@ own) decides whether the loop's numbers would differ from torch's:
   about to step a parameter an attached backward already updated and freed,
   which it would skip.
 
-They are installed once per process, when the first layeropt optimizer is
-made (never by importing layeropt); nothing else about them changes.
+Also torch's reentrant ``CheckpointFunction.forward`` (``layeropt/_nesting.py``).
+:data:`WATCHERS` installs them all when the first attachment is made and undoes
+them when the last one goes: neither importing layeropt nor constructing an
+optimizer patches anything of torch.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from .errors import (
     warn,
 )
 
-__all__ = ["watch", "scaled_backward", "graph_kept", "CLIP_AFTER_BACKWARD"]
+__all__ = ["WATCHERS", "Watchers", "scaled_backward", "graph_kept", "CLIP_AFTER_BACKWARD"]
 
 _SCALED: list[weakref.ref] = []  # outputs of GradScaler.scale still alive
 _CALLING: list[str] = []  # guarded clipping functions running now (the outermost checks)
@@ -159,21 +161,6 @@ def _guard_method(method: Callable[..., Any], by_norm: bool, name: str) -> Calla
     return guarded
 
 
-def watch_tools() -> None:
-    """Guard the clipping methods of the training tools imported by now (accelerate's
-    ``Accelerator``); called when an engine is made and when a backward reaches one, so a
-    tool imported after ``attach`` is guarded before its first clip."""
-    accelerate = sys.modules.get("accelerate")
-    cls = getattr(accelerate, "Accelerator", None)
-    if cls is None or cls.__dict__.get("_layeropt_guarded"):
-        return
-    for name, by_norm in (("clip_grad_norm_", True), ("clip_grad_value_", False)):
-        method = cls.__dict__.get(name)
-        if method is not None:
-            setattr(cls, name, _guard_method(method, by_norm, f"Accelerator.{name}"))
-    cls._layeropt_guarded = True
-
-
 def _before_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     """torch's global step pre-hook: refuse a step that would skip a parameter another
     optimizer's attached backward updated and freed (torch would update it twice)."""
@@ -196,13 +183,11 @@ def _before_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
                         name=engine.name_of(p), owner=" and ".join(owners) or "layeropt"))
 
 
-def _wrap_backward() -> None:
-    """``torch.autograd.backward`` (``Tensor.backward`` calls it through the module)
-    records whether the running backward keeps its graph."""
-    original = torch.autograd.backward  # (tensors, grad_tensors, retain_graph, create_graph,
-    # ...) on every torch since 1.x
+def _backward_watcher(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.autograd.backward`` (``Tensor.backward`` calls it through the module),
+    recording whether the running backward keeps its graph."""
 
-    @functools.wraps(original)
+    @functools.wraps(original)  # (tensors, grad_tensors, retain_graph, create_graph, ...)
     def backward(*args: Any, **kwargs: Any) -> Any:
         retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else None)
         if retain is None:  # torch's default: keep the graph where one is created
@@ -213,73 +198,137 @@ def _wrap_backward() -> None:
         finally:
             _KEPT.pop()
 
-    torch.autograd.backward = backward  # type: ignore[assignment]
+    return backward
 
 
-def _wrap_module_zero_grad() -> None:
-    original = torch.nn.Module.zero_grad
+def _zero_grad_watcher(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``nn.Module.zero_grad``: what it discards, told to every engine first."""
 
     @functools.wraps(original)
     def zero_grad(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if ENGINES:
-            for engine in list(ENGINES):
-                engine.check_discard(self.parameters, f"{type(self).__name__}.zero_grad()")
-                verifier = engine.verifier
-                if verifier is not None:  # (LAYEROPT_VERIFY: these were zeroed)
-                    verifier.settle(f"{type(self).__name__}.zero_grad()")
-                    verifier.zeroed(self.parameters)
+        for engine in list(ENGINES):
+            engine.check_discard(self.parameters, f"{type(self).__name__}.zero_grad()")
+            verifier = engine.verifier
+            if verifier is not None:  # (LAYEROPT_VERIFY: these were zeroed)
+                verifier.settle(f"{type(self).__name__}.zero_grad()")
+                verifier.zeroed(self.parameters)
         return original(self, *args, **kwargs)
 
-    torch.nn.Module.zero_grad = zero_grad  # type: ignore[method-assign]
+    return zero_grad
 
 
-@functools.cache
-def watch() -> None:
-    """Install the watchers of the module docstring (once per process)."""
-    _wrap_backward()
-    _wrap_module_zero_grad()
-    register_optimizer_step_pre_hook(_before_any_step)
-    scaler_cls = torch.amp.GradScaler
-    original_scale = scaler_cls.scale
+def _scale_watcher(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``GradScaler.scale``: its outputs recorded (:func:`scaled_backward`)."""
 
-    @functools.wraps(original_scale)
+    @functools.wraps(original)
     def scale(self: Any, outputs: Any) -> Any:
-        out = original_scale(self, outputs)
+        out = original(self, outputs)
         if self._enabled:
             _record_scaled(out)
         return out
 
-    scaler_cls.scale = scale  # type: ignore[method-assign]
-
-    from torch.nn.utils import clip_grad
-
-    names = [("clip_grad_norm_", True), ("clip_grad_value_", False)]
-    if hasattr(torch.nn.utils, "clip_grads_with_norm_"):  # torch >= 2.6
-        names.append(("clip_grads_with_norm_", True))
-    for name, by_norm in names:
-        fn = getattr(torch.nn.utils, name, None) or getattr(clip_grad, name)
-        if not _guard_inside(fn, by_norm, name):  # a torch without the _no_grad wrapper
-            guarded = _guard(fn, by_norm, name)
-            setattr(torch.nn.utils, name, guarded)
-            if getattr(clip_grad, name, None) is fn:
-                setattr(clip_grad, name, guarded)
+    return scale
 
 
-def _guard_inside(fn: Callable[..., Any], by_norm: bool, name: str) -> bool:
-    """Guard the function torch's ``_no_grad`` wrapper ``fn`` calls, in its closure cell.
+class Watchers:
+    """The watchers of the module docstring, as one object: installed when the first
+    attachment is made (:meth:`acquire`), each with what undoes it, and undone when the
+    last attachment goes (:meth:`release`: ``remove()`` or garbage collection).
+    Constructing an optimizer patches nothing; ``import layeropt`` neither."""
 
-    torch's public clipping functions are ``_no_grad`` wrappers around the
-    real function, held in the wrapper's closure. Replacing that cell's
-    content (not a module attribute) reaches every reference to the public
-    function, ``from torch.nn.utils import clip_grad_norm_`` made before
-    layeropt was imported included. torch offers no hook here; this is the
-    one place layeropt reaches past its public surface to see a call.
-    """
-    for cell in getattr(fn, "__closure__", None) or ():
-        inner = cell.cell_contents
-        if getattr(inner, "_layeropt_guard", False):
-            return True
-        if callable(inner) and getattr(inner, "__name__", None) in (name, "_" + name):
-            cell.cell_contents = _guard(inner, by_norm, name)
-            return True
-    return False
+    def __init__(self) -> None:
+        self.users = 0  # live attachments
+        self.undo: list[Callable[[], None]] = []  # newest last
+        self.tools = False  # accelerate's clipping guarded
+
+    def acquire(self) -> None:
+        self.users += 1
+        if self.users == 1:
+            self._install()
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            while self.undo:
+                self.undo.pop()()
+            self.tools = False
+
+    def _replace(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        """``owner.name`` wrapped by ``make``; undone only while it is still ours (a
+        library that wrapped it since keeps its wrapper, around ours)."""
+        original = owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name)
+        ours = make(original.__func__ if isinstance(original, staticmethod) else original)
+        ours = staticmethod(ours) if isinstance(original, staticmethod) else ours
+        setattr(owner, name, ours)
+
+        def undo() -> None:
+            if owner.__dict__.get(name) is ours:
+                setattr(owner, name, original)
+
+        self.undo.append(undo)
+
+    def _install(self) -> None:
+        from torch.nn.utils import clip_grad
+
+        from . import _nesting
+
+        self._replace(torch.autograd, "backward", _backward_watcher)
+        self._replace(torch.nn.Module, "zero_grad", _zero_grad_watcher)
+        self._replace(torch.amp.GradScaler, "scale", _scale_watcher)
+        self.undo.append(register_optimizer_step_pre_hook(_before_any_step).remove)
+        checkpoint_cls = _nesting.checkpoint_function()
+        if checkpoint_cls is not None:
+            self._replace(checkpoint_cls, "forward", _nesting.segment_watcher)
+        names = [("clip_grad_norm_", True), ("clip_grad_value_", False)]
+        if hasattr(torch.nn.utils, "clip_grads_with_norm_"):  # torch >= 2.6
+            names.append(("clip_grads_with_norm_", True))
+        for name, by_norm in names:
+            fn = getattr(torch.nn.utils, name, None) or getattr(clip_grad, name)
+            if not self._guard_inside(fn, by_norm, name):  # a torch without _no_grad
+                guard = functools.partial(_guard, by_norm=by_norm, name=name)
+                for module in {torch.nn.utils, clip_grad}:
+                    if getattr(module, name, None) is fn:
+                        self._replace(module, name, guard)
+        self.watch_tools()
+
+    def _guard_inside(self, fn: Callable[..., Any], by_norm: bool, name: str) -> bool:
+        """Guard the function torch's ``_no_grad`` wrapper ``fn`` calls, in its closure cell.
+
+        torch's public clipping functions are ``_no_grad`` wrappers around the
+        real function, held in the wrapper's closure. Replacing that cell's
+        content (not a module attribute) reaches every reference to the public
+        function, ``from torch.nn.utils import clip_grad_norm_`` made before
+        layeropt was imported included. torch offers no hook here; this is the
+        one place layeropt reaches past its public surface to see a call.
+        """
+        for cell in getattr(fn, "__closure__", None) or ():
+            inner = cell.cell_contents
+            if callable(inner) and getattr(inner, "__name__", None) in (name, "_" + name):
+                ours = _guard(inner, by_norm, name)
+                cell.cell_contents = ours
+
+                def undo(cell: Any = cell, inner: Any = inner, ours: Any = ours) -> None:
+                    if cell.cell_contents is ours:
+                        cell.cell_contents = inner
+
+                self.undo.append(undo)
+                return True
+        return False
+
+    def watch_tools(self) -> None:
+        """Guard the clipping methods of the training tools imported by now (accelerate's
+        ``Accelerator``); called at install and when a backward reaches an engine, so a
+        tool imported after ``attach`` is guarded before its first clip (O(1))."""
+        if self.tools or not self.users:
+            return
+        cls = getattr(sys.modules.get("accelerate"), "Accelerator", None)
+        if cls is None:
+            return
+        for name, by_norm in (("clip_grad_norm_", True), ("clip_grad_value_", False)):
+            if name in cls.__dict__:
+                self._replace(cls, name, functools.partial(
+                    _guard_method, by_norm=by_norm, name=f"Accelerator.{name}"))
+        self.tools = True
+
+
+WATCHERS = Watchers()

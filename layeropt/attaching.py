@@ -18,7 +18,9 @@ from torch.optim import Optimizer
 
 from ._ddp_hook import _allreduce_then_step, _Copied, _HookState
 from ._fsdp_offload import check_fsdp2_offload
+from ._boundaries import refuse_open_updates, take_over
 from ._registry import hooked_by, mark_hooked, unmark_hooked
+from ._watch import WATCHERS
 from .errors import AttachError, user_frame, warn
 from .landing import Bucket, Settings, drop_dead_hooks
 from .optim import InBackwardOptimizer, in_backward_spelling, live_optimizers, optimizer_list
@@ -123,10 +125,18 @@ class Attachment:
     The handle refers to the optimizers weakly: deleting an optimizer removes
     its hooks, so nothing keeps it (or its state) alive.
 
+    Attaching takes the parameters over from other layeropt optimizers: what
+    an earlier backward of theirs updated stops counting as those parameters'
+    latest attached update once torch's gradients from it would be gone
+    (docs/rules.md, "A model another optimizer trained").
+
     Attributes:
         buckets: the layer buckets, in the order gradients usually land.
         settings: what ``attach`` was given for this model (bucket cap, per-bucket
             clipping); another model attached to the same optimizer has its own.
+        release: how to end this attachment, as a refused ``attach`` of its
+            parameters to another optimizer says it ("Call .remove() on that
+            attachment ..."; an integration that attached the model says its own).
     """
 
     def __init__(
@@ -148,7 +158,18 @@ class Attachment:
         self.stale = False  # requires_grad changed during a backward: rebuild at its end
         self._removed = False
         self.where = _caller()  # the user's line that attached, for messages
-        self._hook_all()
+        self.release = "Call .remove() on that attachment (the handle attach() returned)"
+        self._first_backward = True  # (its first backward takes its parameters over)
+        # torch's functions watched while any attachment lives (layeropt/_watch.py): undone
+        # by the last one's remove() or garbage collection
+        WATCHERS.acquire()
+        self._watching = weakref.finalize(self, WATCHERS.release)
+        try:
+            self._hook_all()
+            self._take_over("attach")
+        except BaseException:
+            self._watching()
+            raise
 
     @property
     def optimizers(self) -> list[InBackwardOptimizer]:
@@ -180,8 +201,8 @@ class Attachment:
                         continue
                     raise AttachError(
                         f"parameter {names.get(id(p), b.name)!r} is already attached, to "
-                        f"{other.describe()}. Call .remove() on that attachment (the handle "
-                        "attach() returned) before attaching it to another optimizer."
+                        f"{other.describe()}. {other.release} before attaching it to another "
+                        "optimizer."
                     )
         for opt in optimizers:  # (also one none of whose parameters trains yet: rule 7)
             opt._lo_engine.add_attachment(self)  # the engine keeps its attachments
@@ -233,6 +254,9 @@ class Attachment:
         """
         if self._removed:
             return False
+        if self._first_backward and in_backward:
+            self._first_backward = False
+            self._take_over("backward")
         changed = False  # (loops, not comprehensions: this runs at every backward's start)
         for (p, _), impl in zip(self._handles, self._impls):
             if p._cdata != impl:
@@ -253,6 +277,14 @@ class Attachment:
             self._rebuild()
         return True
 
+    def _taken(self) -> list[Tensor]:
+        """The parameters this attachment steps (what :meth:`_take_over` takes)."""
+        return self._owned
+
+    def _take_over(self, when: str) -> None:
+        """:func:`take_over` of this attachment's parameters (``when``: see there)."""
+        take_over(self._taken(), self.optimizers, when)
+
     def _release(self) -> None:
         for p, h in self._handles:
             h.remove()
@@ -268,6 +300,7 @@ class Attachment:
             for opt in self.optimizers:
                 opt._lo_engine.remove_attachment(self)
             self._removed = True
+            self._watching()  # (the last attachment undoes the watchers)
 
     def __enter__(self) -> Attachment:
         return self
@@ -404,6 +437,7 @@ def attach(
             "the optimizer owns none of this model's parameters. Build it from "
             "model.parameters() (or add them with add_param_group) before attaching."
         )
+    refuse_open_updates(model, owned, optimizers)
     _start_verifying(optimizers, verify)  # (before hooks: a refusal leaves nothing behind)
     handle = _attached_before(model, optimizers)
     if handle is None:
@@ -476,6 +510,9 @@ class DDPAttachment(Attachment):
     def hooks(self, param: Tensor) -> bool:
         """Whether ``param`` is stepped through this DDP model's communication hook."""
         return any(p is param for p in self.params)
+
+    def _taken(self) -> list[Tensor]:
+        return self.params
 
     def _release(self) -> None:
         with self._state.lock:
@@ -586,6 +623,8 @@ def attach_ddp(
     settings = Settings(bucket_cap_mb, clip_value)  # (checked)
     optimizers = resolve_owners(ddp_model.module, optimizer)
     _check_ddp(ddp_model)
+    refuse_open_updates(ddp_model.module, [p for p in ddp_model.module.parameters()
+                                            if any(o.owns(p) for o in optimizers)], optimizers)
     _start_verifying(optimizers, verify)
     state = _DDP_STATES.get(ddp_model)
     if state is not None and state.active:

@@ -51,19 +51,49 @@ def test_no_import_cycles():
                 todo.extend(graph[node])
 
 
-def test_importing_layeropt_patches_nothing_in_torch():
-    """Only making a layeropt optimizer installs its watchers (in a fresh process)."""
-    code = (
-        "import torch, torch.nn.utils as u, torch.utils.checkpoint as tc\n"
-        "names = ('clip_grad_norm_', 'clip_grad_value_')\n"
-        "before = [getattr(u, n).__closure__[0].cell_contents for n in names]\n"
-        "fwd, scale = tc.CheckpointFunction.forward, torch.amp.GradScaler.scale\n"
+_PATCHED = (
+    "import torch, torch.nn.utils as u, torch.utils.checkpoint as tc, torch.optim.optimizer as oo\n"
+    "names = ('clip_grad_norm_', 'clip_grad_value_')\n"
+    "def seen():\n"
+    "    return ([getattr(u, n).__closure__[0].cell_contents for n in names],\n"
+    "            tc.CheckpointFunction.forward, torch.amp.GradScaler.scale,\n"
+    "            torch.autograd.backward, torch.nn.Module.zero_grad,\n"
+    "            len(oo._global_optimizer_pre_hooks))\n"
+    "before = seen()\n"
+)
+
+
+def test_importing_layeropt_or_making_an_optimizer_patches_nothing_in_torch():
+    """Only attaching installs the watchers (in a fresh process)."""
+    code = _PATCHED + (
         "import layeropt, layeropt.integrations, layeropt.losses, layeropt.report\n"
-        "after = [getattr(u, n).__closure__[0].cell_contents for n in names]\n"
-        "assert before == after, 'clipping patched'\n"
-        "assert tc.CheckpointFunction.forward is fwd and torch.amp.GradScaler.scale is scale\n"
-        "layeropt.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)\n"
-        "assert tc.CheckpointFunction.forward is not fwd, 'watchers installed by an optimizer'\n"
+        "opt = layeropt.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)\n"
+        "assert seen() == before, 'patched by importing or by an optimizer'\n"
+    )
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_the_last_attachment_leaves_torch_as_it_found_it():
+    """attach installs the watchers once; the last attachment's remove() - or its garbage
+    collection - undoes every patch and the global optimizer hook (a fresh process)."""
+    code = _PATCHED + (
+        "import gc, layeropt\n"
+        "a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)\n"
+        "oa, ob = layeropt.SGD(a.parameters(), lr=0.1), layeropt.SGD(b.parameters(), lr=0.1)\n"
+        "ha = layeropt.attach(a, oa)\n"
+        "during = seen()\n"
+        "assert all(x != y for x, y in zip(during, before)), (during, before)\n"
+        "hb = layeropt.attach(b, ob)\n"
+        "assert seen() == during, 'installed twice'\n"
+        "ha.remove()\n"
+        "assert seen() == during, 'undone while an attachment is left'\n"
+        "del hb, ob, b; gc.collect()\n"  # the last one, garbage collected
+        "assert seen() == before, 'left patched'\n"
+        "with layeropt.attach(a, oa):\n"  # and installed again
+        "    a(torch.randn(3, 2)).sum().backward()\n"
+        "    assert all(x != y for x, y in zip(seen(), before))\n"
+        "assert seen() == before\n"
     )
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)

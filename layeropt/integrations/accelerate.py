@@ -173,8 +173,11 @@ class LayeroptAccelerator(Accelerator):
                     "fully_shard and layeropt.attach."
                 )
             if owners:
-                self._lo_handles[key] = attach(model, owners, **attach_kwargs(
+                handle = attach(model, owners, **attach_kwargs(
                     bucket_cap_mb=self.layeropt_bucket_cap_mb, verify=self.layeropt_verify))
+                handle.release = ("Call free_memory() on the LayeroptAccelerator that "
+                                  "prepared the model (it removes its attachments)")
+                self._lo_handles[key] = handle
         for opt in opts:
             offload_state_once(opt, self.layeropt_offload_state, self.offloads)
         self._apply_clip_value()

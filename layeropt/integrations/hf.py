@@ -22,7 +22,9 @@ after backward would find no gradient left (and do nothing), and an fp16
 * without ``optimizers=``, it builds the layeropt version of the optimizer
   ``args.optim`` names (``adamw_torch`` -> ``layeropt.AdamW`` ...);
 * it attaches the model at the first training step and detaches it when
-  ``train()`` returns;
+  ``train()`` returns or raises: a second Trainer on the same model (resuming
+  from the first one's checkpoint, say) trains it as if the first had never
+  been (docs/rules.md, "A model another optimizer trained");
 * ``offload_state=True`` keeps the optimizer state in host memory
   (:func:`layeropt.offload.offload_state`), from when the optimizer is
   created, so a resumed ``optimizer.pt`` loads straight into host memory.
@@ -61,7 +63,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..attaching import Attachment, attach
+from ..attaching import Attachment, attach, take_over
 from ..backward_pass import backward as layeropt_backward
 from ..errors import LayeroptError
 from ..optim import (
@@ -191,6 +193,7 @@ class LayeroptTrainer(Trainer):
         self.offload_state = offload_state
         self.verify = verify
         self._layeropt_handle: Attachment | None = None
+        self._layeropt_resumed = False  # train(resume_from_checkpoint=...) running
         self._layeropt_offloads: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     @property
@@ -254,8 +257,18 @@ class LayeroptTrainer(Trainer):
                     f"{type(model).__name__}, whose gradients layeropt cannot average. Use "
                     "torch.optim with it."
                 )
+            # train() zeroed the model's gradients before this first step (and, resuming,
+            # loaded the checkpoint's parameters): what another optimizer's backward
+            # updated before stops counting (docs/rules.md, "A model another optimizer
+            # trained")
+            if self._layeropt_resumed:
+                take_over(list(model.parameters()), [opt], "reload")
             self._layeropt_handle = attach(model, opt, **attach_kwargs(
                 bucket_cap_mb=self.bucket_cap_mb, verify=self.verify))
+            self._layeropt_handle.release = (
+                "Let that LayeroptTrainer's train() end (it removes its attachment when "
+                "train() returns or raises)")
+            self._layeropt_handle._take_over("run")
             offload_state_once(opt, self.offload_state, self._layeropt_offloads)  # (if not yet)
         return opt
 
@@ -316,11 +329,13 @@ class LayeroptTrainer(Trainer):
         return self.layeropt_optimizer().last_grad_norm
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train``; the model is detached again when it returns.
+        """``Trainer.train``; the model is detached again when it returns or raises.
 
         With ``torch_compile``, AOTAutograd's donated buffers are off while it
         trains (:func:`layeropt.integrations.two_pass_compile`).
         """
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        self._layeropt_resumed = bool(resume)  # (the parameters are the checkpoint's)
         try:
             with two_pass_compile() if self.args.torch_compile else contextlib.nullcontext():
                 return super().train(*args, **kwargs)
@@ -335,7 +350,8 @@ class LayeroptCallback(TrainerCallback):
     """Use a layeropt optimizer with a plain ``transformers.Trainer``.
 
     Attaches the model when training begins (unless the optimizer already is
-    attached) and detaches it at the end; runs the micro-batches before the
+    attached) and detaches it at the end (after a ``train()`` that raised, which
+    calls no callback: :meth:`detach`); runs the micro-batches before the
     last of each accumulation inside ``optimizer.no_step()``. The plain
     Trainer still logs a ``grad_norm`` measured after backward, when no
     gradient is left: it is 0, and a warning says so (``LayeroptTrainer``
@@ -389,11 +405,16 @@ class LayeroptCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Check the settings, find the layeropt optimizer, attach the model."""
         _check_args(args, plain=True)
+        self.detach()  # what an earlier train() that raised left attached
         model = kwargs["model"]
         self._opt = self._find(model, kwargs.get("optimizer"))
         if not self._opt.attached:
             self._handle = attach(model, self._opt, **attach_kwargs(
                 bucket_cap_mb=self.bucket_cap_mb, verify=self.verify))
+            self._handle.release = (
+                "Call detach() on the LayeroptCallback that attached the model (a Trainer "
+                "calls no callback when train() raises, so the attachment outlives it)")
+            self._handle._take_over("run")  # (train() zeroed the model's gradients before)
         self._deferring.close()
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -434,6 +455,16 @@ class LayeroptCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Leave ``no_step()`` and detach the model (if this callback attached it)."""
+        self.detach()
+
+    def detach(self) -> None:
+        """Leave ``no_step()`` and remove the attachment this callback made, if any.
+
+        ``on_train_end`` calls it. A ``train()`` that raised calls no callback, so the
+        model stays attached until this is called, or until this callback's next
+        ``train()`` begins: attaching the model to another optimizer is refused until
+        then, with a message that says so.
+        """
         self._deferring.close()
         if self._handle is not None:
             self._handle.remove()

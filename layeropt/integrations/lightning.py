@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ..attaching import Attachment, attach
+from ..attaching import Attachment, attach, take_over
 from ..backward_pass import backward as layeropt_backward
 from ..errors import LayeroptError
 from ..optim import InBackwardOptimizer, no_step_all, unwrap_optimizer
@@ -140,8 +140,16 @@ class LayeroptCallback(Callback):
         algorithm = _algorithm(trainer.gradient_clip_algorithm)
         self._clip = (clip_val, algorithm) if clip_val > 0 else None
         by_value = clip_val if self._clip is not None and algorithm == "value" else None
+        # each step's closure zeroes the gradients before its backward (and fit(ckpt_path=)
+        # loads the checkpoint's parameters): what another optimizer's backward updated
+        # before stops counting (docs/rules.md, "A model another optimizer trained")
+        if getattr(trainer, "ckpt_path", None) is not None:
+            take_over(list(model.parameters()), self._optimizers, "reload")
         self._handle = attach(model, self._optimizers, **attach_kwargs(
             bucket_cap_mb=self.bucket_cap_mb, verify=self.verify, clip_value=by_value))
+        self._handle.release = ("Let that Trainer's fit() end (LayeroptCallback removes its "
+                                "attachment when fit returns or raises)")
+        self._handle._take_over("run")
         for opt in self._optimizers:
             offload_state_once(opt, self.offload_state, self.offloads)
         if self.offloads:  # a resumed checkpoint: its state into host memory, not the device

@@ -1,0 +1,503 @@
+"""What a user abandons stops acting on the model (issue 39, item 5).
+
+A finished Trainer, an attachment whose handle was removed, an optimizer
+nobody references: a new optimizer attached to the same model trains it as
+if they had never been (``docs/rules.md``, "A model another optimizer
+trained"). Each scenario runs twice - with ``torch.optim`` (plain Trainer,
+Lightning, accelerate) and with layeropt - and the parameters are compared
+bit for bit (``torch.equal``). A still-attached optimizer is refused by
+``attach`` with the way to end it; an open training step keeps counting.
+
+The two Hugging Face scenarios are transformers' own
+``test_resume_from_interrupted_training`` and
+``test_resume_training_with_different_batch_size``
+(``tests/trainer/test_trainer.py``): a second Trainer on the same model
+object, resuming from the first one's checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import os
+import warnings
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import layeropt
+
+
+def _equal(model: nn.Module, ref: nn.Module) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+
+
+# -- plain loops -------------------------------------------------------------------
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 1))
+
+
+def _batches(n: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(8, 6, generator=gen) for _ in range(n)]
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor],
+           zero: str = "opt") -> None:
+    for x in batches:
+        if zero == "closure":  # step(closure), as Lightning steps
+            def closure(x: torch.Tensor = x) -> torch.Tensor:
+                opt.zero_grad()
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                return loss
+            opt.step(closure)
+            continue
+        model(x).pow(2).mean().backward()
+        opt.step()
+        (opt if zero == "opt" else model).zero_grad()
+
+
+# (the first optimizer's loop, the second's): who zeroes - opt.zero_grad(), model.zero_grad()
+# - or step(closure), as Lightning steps
+LOOPS = [("opt", "opt"), ("model", "model"), ("opt", "closure")]
+
+
+@pytest.mark.filterwarnings("ignore:.*step\\(closure\\).*:UserWarning")  # (held: said, exact)
+@pytest.mark.parametrize("loops", LOOPS, ids=["-".join(pair) for pair in LOOPS])
+def test_a_removed_attachment_stops_acting(loops):
+    """attach(model, opt1), train; attach(model, opt2) is refused while opt1's attachment
+    lives (the message names it and the fix); after handle.remove() opt2 trains the model
+    as torch.optim does with a fresh optimizer, opt1 still referenced. (Refused at
+    opt2's first step() before: opt1's latest backward still counted.)"""
+    zero, then_zero = loops
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    first, then = _batches(2, 1), _batches(3, 2)
+    _train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), first, zero)
+    _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), then, then_zero)
+
+    opt1 = layeropt.Adam(model.parameters(), lr=1e-2)
+    handle = layeropt.attach(model, opt1)
+    _train(model, opt1, first, zero)
+    opt2 = layeropt.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(layeropt.AttachError, match=r"already attached, to Adam.*\.remove\(\)"):
+        layeropt.attach(model, opt2)
+    handle.remove()
+    with layeropt.attach(model, opt2):
+        _train(model, opt2, then, then_zero)
+    _equal(model, ref)
+    assert not opt1.attached  # kept alive, and no longer acting
+
+
+def test_an_optimizer_the_user_stopped_referencing_no_longer_acts():
+    """``del opt; gc.collect()`` with its attachment never removed: the next backward
+    leaves its gradients to whoever steps next (one RuntimeWarning says why), and a new
+    attach takes the model over silently. (Already so before this issue.)"""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    first, then = _batches(2, 1), _batches(3, 2)
+    _train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), first)
+    _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), then[:1])
+    _train(ref, torch.optim.Adam(ref.parameters(), lr=1e-3), then[1:])
+
+    opt1 = layeropt.Adam(model.parameters(), lr=1e-2)
+    handle = layeropt.attach(model, opt1)
+    _train(model, opt1, first)
+    gone = weakref.ref(opt1)
+    del opt1
+    gc.collect()
+    assert gone() is None  # the handle kept nothing alive
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning):  # its hooks find their optimizer deleted
+        _train(model, plain, then[:1])
+    assert repr(handle) == "<layeropt.Attachment removed>"
+    opt3 = layeropt.Adam(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with layeropt.attach(model, opt3):
+            _train(model, opt3, then[1:])
+    _equal(model, ref)
+
+
+def test_an_open_training_step_is_refused_at_attach():
+    """opt1's backward updated the model and the loop, which calls step(), has not
+    called it (a run interrupted between backward and step): torch would apply that
+    update at opt1.step() only; the model has it. Attaching the model to another
+    optimizer is refused, nothing changed, naming the fixes; once opt1 is deleted, the
+    model trains on from its parameters as they are."""
+    model = _mlp()
+    opt1 = layeropt.Adam(model.parameters(), lr=1e-2)
+    handle = layeropt.attach(model, opt1)
+    x, y, z = _batches(3, 1)
+    _train(model, opt1, [x])  # the loop calls step()
+    model(y).pow(2).mean().backward()  # ... and then stops before it
+    handle.remove()
+    opt2 = layeropt.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(layeropt.AttachError,
+                       match=r"was updated during a backward of Adam.*resume_from_checkpoint"):
+        layeropt.attach(model, opt2)
+    assert not opt2.attached
+    ref = copy.deepcopy(model)
+    del opt1
+    gc.collect()
+    _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), [z])
+    with layeropt.attach(model, opt2):
+        _train(model, opt2, [z])
+    _equal(model, ref)
+
+
+@pytest.mark.parametrize("zeroed", [False, True], ids=["step", "step-zero_grad"])
+def test_a_plain_step_is_refused_while_torch_would_hold_the_gradients(zeroed):
+    """opt1's backward updated a layer a plain optimizer shares, opt1.step(); then opt1's
+    handle is removed and opt3 attached. torch still holds that backward's gradients
+    for the plain step(), which layeropt freed: refused, as before. After opt1's
+    zero_grad() torch's are gone too: the plain step() skips them as torch's does,
+    exact (refused before)."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    x = _batches(1, 1)[0]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref(x).pow(2).mean().backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    torch.optim.SGD(ref[0].parameters(), lr=0.1).step()  # nothing to step: skipped
+
+    opt1 = layeropt.SGD(model.parameters(), lr=0.1)
+    plain = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    handle = layeropt.attach(model, opt1)
+    model(x).pow(2).mean().backward()
+    opt1.step()
+    if zeroed:
+        opt1.zero_grad()
+    handle.remove()
+    opt3 = layeropt.SGD(model.parameters(), lr=0.1)
+    with layeropt.attach(model, opt3):
+        if not zeroed:
+            with pytest.raises(layeropt.BackwardStateError, match="also owns it"):
+                plain.step()
+            return
+        plain.step()
+    _equal(model, ref)
+
+
+# -- Hugging Face Trainer: transformers' own two tests -------------------------------
+def _hf() -> Any:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    from layeropt.integrations.hf import LayeroptTrainer
+
+    return Trainer, TrainingArguments, LayeroptTrainer
+
+
+class _Classifier(nn.Module):
+    """test_resume_from_interrupted_training's DummyModel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(10, 2)
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None):
+        logits = self.linear(input_ids.float())
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        return {"loss": loss, "logits": logits}
+
+
+class _Regression(nn.Module):
+    """transformers' RegressionRandomPreTrainedModel without its noise: y = a * x + b."""
+
+    def __init__(self, a: float = 0.0, b: float = 2.0) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.tensor(a))
+        self.b = nn.Parameter(torch.tensor(b))
+
+    def forward(self, input_x, labels=None, **kwargs):
+        y = input_x * self.a + self.b
+        return (y,) if labels is None else (nn.functional.mse_loss(y, labels), y)
+
+
+def _classification_data(n: int = 100) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(n, 10, generator=gen)
+    y = torch.randint(0, 2, (n,), generator=gen)
+    return [{"input_ids": x[i], "attention_mask": torch.ones(10), "labels": y[i]}
+            for i in range(n)]
+
+
+def _regression_data(n: int = 64) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=gen)
+    y = 2.0 * x + 3.0 + 0.1 * torch.randn(n, generator=gen)
+    return [{"input_x": x[i], "labels": y[i]} for i in range(n)]
+
+
+def _args(TrainingArguments: Any, out: Any, **kw: Any) -> Any:
+    return TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[],
+                             disable_tqdm=True, **kw)
+
+
+def _resume_from_interrupted(tmp_path: Any, cls: Any) -> tuple[nn.Module, Any]:
+    _, TrainingArguments, _ = _hf()
+    torch.manual_seed(0)
+    model, data = _Classifier(), _classification_data()
+    common = dict(num_train_epochs=1, per_device_train_batch_size=2,
+                  gradient_accumulation_steps=3, save_strategy="steps", save_steps=1)
+    initial = cls(model=model, args=_args(TrainingArguments, tmp_path / "initial", max_steps=2,
+                                          **common), train_dataset=data)
+    initial.train()
+    checkpoint = tmp_path / "initial" / "checkpoint-2"
+    assert checkpoint.exists()
+    resumed = cls(model=model, args=_args(TrainingArguments, tmp_path / "resumed", **common),
+                  train_dataset=data)  # the first Trainer is still referenced
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    steps = math.ceil(100 / (2 * 3))
+    assert resumed.state.global_step == steps
+    assert (tmp_path / "resumed" / f"checkpoint-{steps}" / "model.safetensors").exists()
+    return model, (initial, resumed)
+
+
+def test_hf_resume_from_interrupted_training(tmp_path):
+    """transformers' test_resume_from_interrupted_training with every Trainer a
+    LayeroptTrainer: the parameters of the plain Trainer + torch.optim.AdamW, bit for bit.
+    (The resumed Trainer's first step was refused before: the first Trainer's optimizer
+    still counted its latest backward.)"""
+    Trainer, _, LayeroptTrainer = _hf()
+    ref, _ = _resume_from_interrupted(tmp_path / "torch", Trainer)
+    model, trainers = _resume_from_interrupted(tmp_path / "layeropt", LayeroptTrainer)
+    _equal(model, ref)
+    for trainer in trainers:
+        opt = layeropt.optim.unwrap_optimizer(trainer.optimizer)
+        assert isinstance(opt, layeropt.InBackwardOptimizer) and not opt.attached
+
+
+def _different_batch_size(tmp_path: Any, cls: Any) -> tuple[nn.Module, Any]:
+    _, TrainingArguments, _ = _hf()
+    model, data = _Regression(), _regression_data()
+    first = cls(model, _args(TrainingArguments, tmp_path, max_steps=2, save_steps=1,
+                             per_device_train_batch_size=2, auto_find_batch_size=False),
+                train_dataset=data)
+    first.train()
+    second = cls(model, _args(TrainingArguments, tmp_path, max_steps=4, save_steps=1,
+                              per_device_train_batch_size=4, auto_find_batch_size=False),
+                 train_dataset=data)
+    second.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert second._train_batch_size == 4 and second.state.global_step == 4
+    return model, second
+
+
+def test_hf_resume_training_with_different_batch_size(tmp_path):
+    """transformers' test_resume_training_with_different_batch_size with LayeroptTrainer:
+    bit for bit the plain Trainer's (refused at the second Trainer's first step before)."""
+    Trainer, _, LayeroptTrainer = _hf()
+    ref, _ = _different_batch_size(tmp_path / "torch", Trainer)
+    model, _ = _different_batch_size(tmp_path / "layeropt", LayeroptTrainer)
+    _equal(model, ref)
+    assert not torch.equal(model.a.detach(), torch.tensor(0.0))  # it did train
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop_at(step: int) -> Any:
+    from transformers import TrainerCallback
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                raise _Stop
+
+    return Stop()
+
+
+@pytest.mark.filterwarnings("ignore:.*the norm is not measured")  # (the plain Trainer logs it)
+def test_hf_callback_after_a_train_that_raised(tmp_path):
+    """A plain Trainer with LayeroptCallback whose train() raised: the Trainer calls no
+    callback, so the model stays attached. Another Trainer's attach is refused, naming
+    LayeroptCallback.detach(); after it the new Trainer trains the model as a plain
+    Trainer would have."""
+    Trainer, TrainingArguments, LayeroptTrainer = _hf()
+    from layeropt.integrations.hf import LayeroptCallback
+
+    def run(kind: str) -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        model, data = _Classifier(), _classification_data(24)
+        args = _args(TrainingArguments, tmp_path / kind, max_steps=4, max_grad_norm=0,
+                     per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                     save_strategy="no")
+        if kind == "torch":
+            first = Trainer(model=model, args=args, train_dataset=data,
+                            optimizers=(torch.optim.AdamW(model.parameters(), lr=1e-2), None),
+                            callbacks=[_stop_at(2)])
+        else:
+            callback = LayeroptCallback()
+            first = Trainer(model=model, args=args, train_dataset=data,
+                            optimizers=(layeropt.AdamW(model.parameters(), lr=1e-2), None),
+                            callbacks=[callback, _stop_at(2)])
+        with pytest.raises(_Stop):
+            first.train()
+        second = (Trainer if kind == "torch" else LayeroptTrainer)(
+            model=model, args=args, train_dataset=data)
+        if kind != "torch":
+            assert layeropt.optim.unwrap_optimizer(first.optimizer).attached
+            with pytest.raises(layeropt.AttachError, match=r"detach\(\) on the LayeroptCallback"):
+                second.train()
+            callback.detach()
+            second = LayeroptTrainer(model=model, args=args, train_dataset=data)
+        second.train()
+        assert second.state.global_step == 4
+        return model, first
+
+    ref, _ = run("torch")
+    model, first = run("layeropt")
+    _equal(model, ref)
+    assert not layeropt.optim.unwrap_optimizer(first.optimizer).attached
+
+
+def test_hf_run_interrupted_between_backward_and_step(tmp_path):
+    """A LayeroptTrainer interrupted after a backward that updated the model and before
+    its optimizer step: torch would never apply that update; the model has it. A Trainer
+    resuming from the checkpoint loads the parameters again, so nothing of it is left:
+    it trains as the plain Trainer does, bit for bit. Without a checkpoint to resume
+    from, the new Trainer's first step is refused, before anything is applied."""
+    Trainer, TrainingArguments, LayeroptTrainer = _hf()
+    from transformers import TrainerCallback
+
+    class Interrupt(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                raise _Stop
+
+    def run(cls: Any, out: Any) -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        model, data = _Classifier(), _classification_data(24)
+        args = _args(TrainingArguments, out, max_steps=4, save_steps=1,
+                     per_device_train_batch_size=2)
+        first = cls(model=model, args=args, train_dataset=data, callbacks=[Interrupt()])
+        with pytest.raises(_Stop):
+            first.train()
+        second = cls(model=model, args=args, train_dataset=data)
+        second.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+        assert second.state.global_step == 4
+        return model, first
+
+    ref, _ = run(Trainer, tmp_path / "torch")
+    model, first = run(LayeroptTrainer, tmp_path / "layeropt")
+    _equal(model, ref)
+
+    torch.manual_seed(0)  # the same, continuing without the checkpoint: refused
+    model, data = _Classifier(), _classification_data(24)
+    args = _args(TrainingArguments, tmp_path / "again", max_steps=4, save_steps=1,
+                 per_device_train_batch_size=2)
+    first = LayeroptTrainer(model=model, args=args, train_dataset=data, callbacks=[Interrupt()])
+    with pytest.raises(_Stop):
+        first.train()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(layeropt.AttachError, match="resume_from_checkpoint"):
+        LayeroptTrainer(model=model, args=args, train_dataset=data).train()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+# -- Lightning and accelerate --------------------------------------------------------
+def test_lightning_second_fit_with_a_new_optimizer(tmp_path):
+    """Two fits of one module, each with its own Trainer, callback and optimizer (from
+    configure_optimizers): torch.optim's parameters bit for bit (the second fit's first
+    step was refused before)."""
+    L = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from layeropt.integrations.lightning import LayeroptCallback
+
+    class Net(L.LightningModule):
+        def __init__(self, opt_cls: Any) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+            self.opt_cls = opt_cls
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return self.opt_cls(self.parameters(), lr=1e-2)
+
+    def fit(module: Any, callbacks: list) -> Any:
+        g = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g))
+        trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=callbacks,
+                            default_root_dir=str(tmp_path))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", ".*does not have many workers.*")
+            warnings.filterwarnings("ignore", ".*litlogger.*")
+            warnings.filterwarnings("ignore", ".*ended before the epoch ended.*")
+            trainer.fit(module, DataLoader(data, batch_size=4))
+        return trainer
+
+    ref = Net(torch.optim.AdamW)
+    fit(ref, [])
+    fit(ref, [])
+    module = Net(layeropt.AdamW)
+    first = fit(module, [LayeroptCallback(bucket_cap_mb=0)])
+    second = fit(module, [LayeroptCallback(bucket_cap_mb=0)])
+    _equal(module, ref)
+    assert first.optimizers[0] is not second.optimizers[0]
+    assert not first.optimizers[0].attached and not second.optimizers[0].attached
+
+
+def test_accelerate_second_accelerator_on_the_same_model():
+    """A LayeroptAccelerator keeps its attachment until free_memory(): a second one's
+    prepare of the same model with a new optimizer is refused, naming it; after it, the
+    second loop trains the model as accelerate + torch.optim does."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    from layeropt.integrations.accelerate import LayeroptAccelerator
+
+    def reset() -> None:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+    def loop(accelerator: Any, model: nn.Module, opt: Any, seed: int) -> None:
+        for x in _batches(2, seed):
+            with accelerator.accumulate(model):
+                accelerator.backward(model(x).pow(2).mean())
+                opt.step()
+                opt.zero_grad()
+
+    try:
+        ref = _mlp()
+        first = accelerate.Accelerator(cpu=True)
+        m, opt = first.prepare(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+        loop(first, m, opt, 1)
+        second = accelerate.Accelerator(cpu=True)
+        m, opt = second.prepare(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+        loop(second, m, opt, 2)
+        reset()
+
+        model = _mlp()
+        first = LayeroptAccelerator(cpu=True, bucket_cap_mb=0)
+        m, opt = first.prepare(model, layeropt.AdamW(model.parameters(), lr=1e-2))
+        loop(first, m, opt, 1)
+        refused = LayeroptAccelerator(cpu=True, bucket_cap_mb=0)
+        with pytest.raises(layeropt.AttachError, match=r"free_memory\(\) on the LayeroptAcc"):
+            refused.prepare(model, layeropt.AdamW(model.parameters(), lr=1e-3))
+        refused.free_memory()
+        first.free_memory()
+        second = LayeroptAccelerator(cpu=True, bucket_cap_mb=0)
+        m, opt = second.prepare(model, layeropt.AdamW(model.parameters(), lr=1e-3))
+        loop(second, m, opt, 2)
+        _equal(model, ref)
+    finally:
+        reset()
