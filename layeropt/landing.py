@@ -290,7 +290,9 @@ class Engine(Rules):
         if t is not None and t.inv_scale is None and t.coef is None:
             t = None  # (layeropt.backward without clipping or scaler)
         if self.verifier is not None:  # LAYEROPT_VERIFY: on a shadow; .grad stays for step()
-            self.verifier.shadow(optimizer, groups, t)
+            params = self.verifier.shadow(optimizer, groups, t)
+            if not params:
+                return
         else:
             for g in groups:  # unscaling and clipping are per bucket (one attachment's)
                 s = g.settings

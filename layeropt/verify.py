@@ -149,12 +149,18 @@ class Verifier:
         _ACTIVE.add(self)
 
     # -- the in-backward side ---------------------------------------------------
-    def shadow(self, optimizer: Any, groups: list[Any], transform: Any) -> None:
+    def shadow(self, optimizer: Any, groups: list[Any], transform: Any) -> list[Tensor]:
         """The in-backward update of ``groups`` (Bucket / Group), on a shadow: computed,
-        fingerprinted, and undone; the real ``.grad`` stay for ``step()``."""
+        fingerprinted, and undone; the real ``.grad`` stay for ``step()``. Returns the
+        parameters in-backward updating would have stepped.
+
+        Not a leaf frozen after its forward: torch still adds its gradient onto a
+        ``.grad`` kept since ``step()`` and runs its hooks, where in-backward updating
+        (whose ``.grad`` was freed) never sees one."""
         self._watch_forwards()
+        stepped = [p for g in groups for p in g.params if p.requires_grad]
         for g in groups:
-            params = [p for p in g.params if p not in self.shadows]  # (once per step)
+            params = [p for p in g.params if p not in self.shadows and p.requires_grad]
             if not params:
                 continue
             self.check_zeroed(params)
@@ -181,6 +187,7 @@ class Verifier:
                     p.grad = grad if grad._base is None else grad.clone()
                 saved.restore(optimizer)
                 _restore(optimizer, values)
+        return stepped
 
     def check_zeroed(self, params: list[Tensor]) -> None:
         """Refuse gradients accumulated onto the last step's: autograd adds into the

@@ -20,16 +20,13 @@ import layeropt
 import test_rules
 from harness import process_group  # noqa: F401 - a fixture
 
-# Not in the per-step table, each for its reason:
-# * loops that never call step(): under LAYEROPT_VERIFY a backward's update is applied at
-#   the loop's next forward or zero_grad() (Verifier.settle), so the parameters after a
-#   step's last line lag one step; tested at the end of a run below instead;
-# * a leaf frozen after its forward: verification still calls its gradient "not zeroed"
-#   (issue 39, item 2: open).
+# Not in the per-step table: loops that never call step(). Under LAYEROPT_VERIFY a
+# backward's update is applied at the loop's next forward or zero_grad()
+# (Verifier.settle), so the parameters after a step's last line lag one step; tested at
+# the end of a run below instead.
 NOT_VERIFIED_PER_STEP = {
     "no step(): layeropt.backward(max_norm) is the step",
     "no step(), no zero_grad(): each backward is the step",
-    "GAN, D frozen after its forward, around G's backward",
 }
 EXACT_RULES = [r for r, (_, expected, _, _) in test_rules.RULES.items()
                if expected == test_rules.EXACT and r not in NOT_VERIFIED_PER_STEP]
