@@ -148,6 +148,13 @@ class StepRules:
                 self._step_host_held(host)
             held.clear()
 
+    def forget_stepped(self, ids: set[int]) -> None:
+        """Another optimizer took these parameters (by ``id``) over (:func:`take_over`):
+        the latest backward no longer counts as having updated them."""
+        rec = self.last
+        if any(id(p) in ids for p in rec.stepped):
+            rec.stepped = [p for p in rec.stepped if id(p) not in ids]
+
     def skip(self, had_grad: list[Tensor]) -> None:
         """This optimizer's step was skipped (an inf/NaN under ``GradScaler``): drop its
         gradients - ``had_grad``, those it had - as torch's ``zero_grad`` later would."""
@@ -301,7 +308,7 @@ def take_over(params: list[Tensor], optimizers: list[Any], when: str) -> None:
       nothing of an earlier backward is left in them.
 
     Otherwise never from an optimizer whose training step is open (see
-    :func:`_refuse_open_updates`), nor during its backward.
+    :func:`refuse_open_updates`), nor during its backward.
     """
     mine = [o._lo_engine for o in optimizers]
     ids: set[int] | None = None
@@ -313,8 +320,7 @@ def take_over(params: list[Tensor], optimizers: list[Any], when: str) -> None:
             continue
         if ids is None:
             ids = {id(p) for p in (_reached(params) if when == "backward" else params)}
-        if any(id(p) in ids for p in rec.stepped):
-            rec.stepped = [p for p in rec.stepped if id(p) not in ids]
+        engine.forget_stepped(ids)
 
 
 def _open(engine: Any) -> bool:

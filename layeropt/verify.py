@@ -240,6 +240,9 @@ class Verifier:
         compare, and end verification (the loop updates in backward from now on)."""
         engine = self.engine
         optimizer = engine._optimizer()
+        if not engine.attachments:  # detached: nothing of it acts any more
+            self._unwatch()
+            return
         if not self.shadows or "step()" in engine.calls or optimizer is None:
             return  # (a loop that calls step(): the usual rules decide)
         stepped = list(self.shadows)

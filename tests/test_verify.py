@@ -358,3 +358,19 @@ def test_a_program_that_ends_before_its_verified_steps_says_so():
     assert proc.returncode == 0, proc.stderr
     assert "ended after 2 of 5 training step(s) were verified" in proc.stderr, proc.stderr
     assert "no step() followed it" in proc.stderr
+
+
+def test_a_detached_verifier_no_longer_acts():
+    """A pending verified update of a model whose attachment was removed is not applied at
+    its next forward: what the loop abandoned stops acting (and its forward hook goes)."""
+    model = torch.nn.Linear(3, 2)
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    handle = layeropt.attach(model, opt, verify=3)
+    model(torch.randn(4, 3)).sum().backward()  # verified: the update waits for step()
+    handle.remove()
+    before = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no LAYEROPT_VERIFY warning either
+        model(torch.randn(4, 3))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not model._forward_pre_hooks
