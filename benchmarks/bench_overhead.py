@@ -9,7 +9,7 @@ calls, interleaved):
 * ``torch step``: ``torch.optim.Adam(fused=True).step()`` of an optimizer
   owning exactly the bucket (torch's Python around the kernel);
 * ``layeropt step``: ``layeropt.Adam._step_params(bucket)`` on an optimizer
-  owning *all* buckets: the fast path (``layeropt/_fastpath.py``: the
+  owning *all* buckets: the fast path (``layeropt/engine/fastpath.py``: the
   bucket's argument lists prepared once, checked, then the same kernel; its
   CPU step counters ``+ 1`` as torch's foreach Adam does them, which is
   cheaper than the ``kernel`` column's form, so ``layeropt - kernel`` is

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import layeropt
-from layeropt._fastpath import FastPath
+from layeropt.engine.fastpath import FastPath
 from layeropt.demo import checkpoint_blocks
 from layeropt.losses import has_native_linear_cross_entropy, linear_cross_entropy
 from layeropt.memory import PeakMemory
@@ -334,7 +334,7 @@ def fast_path_note(runs: list[Run]) -> str:
         fast = getattr(getattr(r.opt, "_lo_stepper", None), "fast", None)
         if isinstance(fast, FastPath):
             parts.append(f"{r.name}: {fast.taken} fast, {fast.built} through torch's step")
-    return ("\nbucket step calls (layeropt/_fastpath.py): " + "; ".join(parts)) if parts else ""
+    return ("\nbucket step calls (layeropt/engine/fastpath.py): " + "; ".join(parts)) if parts else ""
 
 
 def targets(model: str, runs: list[Run]) -> list[str]:

@@ -73,7 +73,7 @@ def _is_engine(node: ast.AST) -> bool:
 def outside_writes(pkg: Path, engine_module: str) -> list[str]:
     found = []
     for path in core_modules(pkg):
-        if path.name == engine_module:
+        if str(path.relative_to(pkg)) == engine_module:
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
 
     pkg = Path(layeropt.__file__).resolve().parent
     assert pkg == root / "layeropt", f"imported {pkg}, not {root / 'layeropt'}"
-    engine_module = Path(sys.modules[type(layeropt.Adam([__import__("torch").zeros(1, requires_grad=True)])._lo_engine).__module__].__file__).name
+    engine_file = sys.modules[type(layeropt.Adam([__import__("torch").zeros(1, requires_grad=True)])._lo_engine).__module__].__file__
+    engine_module = str(Path(engine_file).resolve().relative_to(pkg))
     attrs = engine_attributes()
     writes = outside_writes(pkg, engine_module)
     sizes = {str(p.relative_to(pkg)): code_lines(p) for p in core_modules(pkg)}

@@ -27,7 +27,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "api.md"
 #: The public modules, in the order of the page: each is listed with the names
-#: of its ``__all__``. Modules not here (``layeropt.optim``, ``layeropt.landing``,
+#: of its ``__all__``. Modules not here (``layeropt.optim``, ``layeropt.engine.landing``,
 #: ``layeropt.demo``, ...) are implementation: what they offer users is
 #: re-exported by ``layeropt`` itself, and listed there.
 PUBLIC = [

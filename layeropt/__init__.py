@@ -17,7 +17,7 @@ from .attaching import Attachment, attach
 from .backward_pass import backward, two_pass_compile
 from .checkpointing import CheckpointHandle, checkpoint, checkpoint_modules
 from .errors import AttachError, BackwardStateError, LayeroptError, VerifyError
-from .landing import Bucket
+from .engine.landing import Bucket
 from .loop import LoopAccumulator, LoopStateError, loop_recurrent, loop_stack
 from .optim import (
     SGD,

@@ -3,7 +3,7 @@
 Attaching groups the model's trainable parameters into layer buckets (each
 module's own parameters, optionally merged up to a size cap) and registers one
 post-accumulate-grad hook per parameter. What the hook does is in
-``layeropt/landing.py``.
+``layeropt/engine/landing.py``.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from typing import Any
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ._ddp_hook import _allreduce_then_step, _Copied, _HookState
-from ._fsdp_offload import check_fsdp2_offload
-from ._boundaries import refuse_open_updates, take_over
-from ._registry import hooked_by, mark_hooked, unmark_hooked
-from ._watch import WATCHERS
+from .distributed.ddp_hook import _allreduce_then_step, _Copied, _HookState
+from .distributed.fsdp_offload import check_fsdp2_offload
+from .engine.boundaries import refuse_open_updates, take_over
+from .engine.registry import hooked_by, mark_hooked, unmark_hooked
+from .checking.watch import WATCHERS
 from .errors import AttachError, user_frame, warn
-from .landing import Bucket, Settings, drop_dead_hooks
+from .engine.landing import Bucket, Settings, drop_dead_hooks
 from .optim import InBackwardOptimizer, in_backward_spelling, live_optimizers, optimizer_list
-from .verify import verify_steps
+from .checking.verify import verify_steps
 
 __all__ = ["attach", "Attachment", "DDPAttachment", "attach_ddp"]
 
@@ -160,7 +160,7 @@ class Attachment:
         self.where = _caller()  # the user's line that attached, for messages
         self.release = "Call .remove() on that attachment (the handle attach() returned)"
         self._first_backward = True  # (its first backward takes its parameters over)
-        # torch's functions watched while any attachment lives (layeropt/_watch.py): undone
+        # torch's functions watched while any attachment lives (layeropt/checking/watch.py): undone
         # by the last one's remove() or garbage collection
         WATCHERS.acquire()
         self._watching = weakref.finalize(self, WATCHERS.release)
@@ -381,7 +381,7 @@ def attach(
         verify: run the optimizers' first ``verify`` training steps both ways - with
             torch's semantics for real, and in-backward updating on a shadow - and
             raise :class:`~layeropt.errors.VerifyError` at the first difference
-            (``layeropt/verify.py``; memory is torch's meanwhile). Default: the
+            (``layeropt/checking/verify.py``; memory is torch's meanwhile). Default: the
             ``LAYEROPT_VERIFY`` environment variable, for optimizers that have not
             stepped yet (0 or unset: none).
 

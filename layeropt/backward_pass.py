@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .distributed import TwoPasses
 from .errors import LayeroptError
-from ._transforms import Transform, prepare_grads, reduce_grad
+from .engine.transforms import Transform, prepare_grads, reduce_grad
 from .optim import InBackwardOptimizer, live_optimizers, no_step_all, optimizer_list
 
 __all__ = ["backward", "two_pass_compile"]

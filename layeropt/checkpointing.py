@@ -4,14 +4,14 @@
 and guarantees that every parameter is stepped once per backward with its full
 gradient and that no recomputation sees an updated weight. It is torch's
 non-reentrant checkpoint, plus one thing: the parameters the segment reads in
-forward are *pinned* (``layeropt/_nesting.py``, ``Pin``) until backward has
+forward are *pinned* (``layeropt/engine/nesting.py``, ``Pin``) until backward has
 recomputed it, so one whose gradient completes early - it reaches the segment
 only through a mask, an ``argmax``, a ``detach()`` - waits. ``use_reentrant=True``
 is accepted (torch's signature) and runs the same: bit-exact, and leaner than a
 nested backward per segment would be.
 
 ``checkpoint_modules`` turns it on for chosen submodules in one line.
-What happens when the gradients land is in ``layeropt/landing.py`` (rule 5).
+What happens when the gradients land is in ``layeropt/engine/landing.py`` (rule 5).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from ._nesting import Pin
+from .engine.nesting import Pin
 
 __all__ = ["checkpoint", "checkpoint_modules", "CheckpointHandle"]
 

@@ -292,7 +292,7 @@ class BackwardStateError(LayeroptError):
 
 class VerifyError(BackwardStateError):
     """``LAYEROPT_VERIFY``: in-backward updating would have given other numbers than the
-    loop with torch's semantics (``layeropt/verify.py``)."""
+    loop with torch's semantics (``layeropt/checking/verify.py``)."""
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep

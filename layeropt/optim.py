@@ -3,7 +3,7 @@
 Every layeropt optimizer is the ``torch.optim`` class of the same name with one
 extra ability: it can step *any subset* of its parameters with torch's own
 ``step`` code. That ability is what the backward hooks use (see
-``layeropt/landing.py``), so the update math is never re-derived here and the
+``layeropt/engine/landing.py``), so the update math is never re-derived here and the
 results equal ``torch.optim`` bit for bit.
 
 Until ``layeropt.attach`` hooks a model, a layeropt optimizer *is* its torch
@@ -22,10 +22,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ._registry import ENGINES
-from ._subset import SubsetStepper, narrowable
+from .engine.registry import ENGINES
+from .engine.subset import SubsetStepper, narrowable
 from .errors import LayeroptError
-from .landing import Engine
+from .engine.landing import Engine
 
 __all__ = [
     "InBackwardOptimizer",
@@ -114,7 +114,7 @@ class InBackwardOptimizer(Optimizer):
     def _step_params(self, params: list[Tensor]) -> None:
         """Update exactly ``params`` (each must hold a ``.grad``) with torch's step.
 
-        One call of the torch class's own ``step`` (``layeropt/_subset.py``:
+        One call of the torch class's own ``step`` (``layeropt/engine/subset.py``:
         narrowed param groups for torch's classes, whole groups with the other
         gradients hidden for any other), in the current training step's
         transaction; everything else (hyperparameters, lazily created state,

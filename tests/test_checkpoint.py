@@ -39,8 +39,8 @@ except ImportError:
     CheckpointPolicy = create_selective_checkpoint_contexts = None
 
 import layeropt
-from layeropt import _nesting as nesting
-from layeropt import landing
+from layeropt.engine import nesting as nesting
+from layeropt.engine import landing
 from layeropt import checkpoint, checkpoint_modules
 from layeropt.errors import BackwardStateError
 from layeropt.memory import PeakMemory
@@ -240,7 +240,7 @@ def test_matches_plain_torch_without_checkpointing(scenario, mode, cfg):
 
 def _count_steps(opt: Any) -> list[int]:
     calls: list[int] = []
-    original = opt._lo_stepper  # every update's call of torch's step (_subset.py)
+    original = opt._lo_stepper  # every update's call of torch's step (engine/subset.py)
 
     def counting(optimizer: Any, params: Any, key: object) -> None:
         calls.extend(id(p) for p in params)

@@ -27,7 +27,7 @@ from torch import nn
 
 import layeropt
 from harness import assert_models_equal, assert_same, fully_shard, one_process_group
-from layeropt._fsdp_offload import has_offload_race, offloaded_shards
+from layeropt.distributed.fsdp_offload import has_offload_race, offloaded_shards
 from layeropt.errors import LayeroptError
 from layeropt.models import make_model
 from layeropt.offload import offload_state

@@ -260,7 +260,7 @@ def _train(rank: int, name: str, layer: bool) -> dict[str, Any]:
     calls: list[tuple[int, int]] = []
     if layer:
         _attach(engine, wrapped, opt, overlap, cap, clip_value)
-        step_params = opt._lo_stepper  # every update's call of torch's step (_subset.py)
+        step_params = opt._lo_stepper  # every update's call of torch's step (engine/subset.py)
         first = next(wrapped.parameters())  # the conv weight: its grad lands last
         arrived = [0]  # backwards in which the conv weight's gradient was computed
         first.register_post_accumulate_grad_hook(lambda _: arrived.__setitem__(0, arrived[0] + 1))
@@ -804,8 +804,8 @@ def _program(kind: str, i: int, rank: int) -> Any:
 # ----------------------------------------------------------------------------
 def _wire_check() -> None:
     """Call check_local_hooks_allowed from the hook, as proposed for the engine."""
-    import layeropt._rules as rules
-    import layeropt.landing as landing
+    import layeropt.engine.rules as rules
+    import layeropt.engine.landing as landing
 
     if any("check_local_hooks_allowed" in inspect.getsource(m) for m in (landing, rules)):
         return  # already wired by the library

@@ -42,7 +42,7 @@ def test_each_parameter_stepped_once_per_backward(model_name):
     model, batch_fn, loss_fn = make_model(model_name)
     opt = layeropt.SGD(model.parameters(), lr=0.1)
     calls: list[int] = []
-    original = opt._lo_stepper  # every update's one call of torch's step (_subset.py)
+    original = opt._lo_stepper  # every update's one call of torch's step (engine/subset.py)
 
     def counting(optimizer, params, key):
         calls.extend(id(p) for p in params)

@@ -1,4 +1,4 @@
-"""The fast path (layeropt/_fastpath.py): taken where supported, bit-identical, and dropped
+"""The fast path (layeropt/engine/fastpath.py): taken where supported, bit-identical, and dropped
 whenever torch's ``_init_group`` would return other lists.
 
 Every case trains a torch.optim reference and an attached layeropt copy and compares
@@ -31,7 +31,7 @@ from harness import (
     torch_class,
     train_pair,
 )
-from layeropt._fastpath import FastPath, supported
+from layeropt.engine.fastpath import FastPath, supported
 
 # The classes the fast path serves (the others take torch's step: tests/test_exact.py).
 FAST_CONFIGS = [c for c in OPTIMIZER_CONFIGS if c[0] in ("Adam", "AdamW", "SGD")]

@@ -1,7 +1,7 @@
 """FSDP2 with ``CPUOffloadPolicy``: seen at attach, refused where torch has the race.
 
 torch 2.5-2.12 run post-accumulate-grad hooks before a pinned gradient's copy
-from the GPU has landed (pytorch#180666; ``layeropt/_fsdp_offload.py``). On
+from the GPU has landed (pytorch#180666; ``layeropt/distributed/fsdp_offload.py``). On
 CPU nothing is copied, so here: the version rule on a table of releases, the
 policy seen on a real FSDP2 model (CPU mesh, gloo), attach exact against
 torch.optim on that model, and attach refusing - before any hook is
@@ -19,8 +19,8 @@ from harness import assert_same, fully_shard, needs_fsdp2, process_group  # noqa
 from torch import nn
 
 import layeropt
-from layeropt import _fsdp_offload
-from layeropt._fsdp_offload import OffloadedShard, has_offload_race, offloaded_shards, refusal
+from layeropt.distributed import fsdp_offload
+from layeropt.distributed.fsdp_offload import OffloadedShard, has_offload_race, offloaded_shards, refusal
 
 try:
     from torch.distributed.fsdp import CPUOffloadPolicy
@@ -95,7 +95,7 @@ def test_attach_refuses_what_would_race(process_group, monkeypatch):
     with the race is refused, and the model stays unattached."""
     model = _model(policy=True)
     seen = offloaded_shards(model)
-    monkeypatch.setattr(_fsdp_offload, "offloaded_shards",
+    monkeypatch.setattr(fsdp_offload, "offloaded_shards",
                         lambda m: [s._replace(pin_memory=True, device_type="cuda") for s in seen])
     monkeypatch.setattr(torch, "__version__", "2.12.1")
     opt = layeropt.AdamW(model.parameters(), lr=1e-2)

@@ -29,7 +29,7 @@ from harness import (
     clone_kwargs,
     config_id,
 )
-from layeropt._held import HostHeld
+from layeropt.offload.held import HostHeld
 from layeropt.errors import LayeroptError
 from layeropt.memory import PeakMemory
 from layeropt.models import make_model

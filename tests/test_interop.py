@@ -265,7 +265,7 @@ def test_bucket_cap_steps_complete_buckets_together_and_stays_exact(cap_mb):
     opt = layeropt.Adam(model.parameters(), lr=0.01)
     handle = layeropt.attach(model, opt, bucket_cap_mb=cap_mb)
     calls = []
-    original = opt._lo_stepper  # every update's call of torch's step (_subset.py)
+    original = opt._lo_stepper  # every update's call of torch's step (engine/subset.py)
     opt._lo_stepper = lambda o, params, key: (calls.append(len(params)),
                                               original(o, params, key))
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)

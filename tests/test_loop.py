@@ -720,7 +720,7 @@ def test_each_parameter_stepped_once_per_backward(shape):
     m = make()
     opt = layeropt.SGD(m.parameters(), lr=0.1)
     calls: list[int] = []
-    original = opt._lo_stepper  # every update's call of torch's step (_subset.py)
+    original = opt._lo_stepper  # every update's call of torch's step (engine/subset.py)
     opt._lo_stepper = lambda o, params, key: (calls.extend(id(p) for p in params),
                                               original(o, params, key))[1]
     with layeropt.attach(m, opt):

@@ -26,8 +26,8 @@ from harness import (
     clone_kwargs,
     config_id,
 )
-from layeropt._fastpath import supported
-from layeropt._subset import _MISSING
+from layeropt.engine.fastpath import supported
+from layeropt.engine.subset import _MISSING
 from layeropt.errors import LayeroptError
 from layeropt.models import make_model
 from layeropt.offload import StateOffload, offload_state

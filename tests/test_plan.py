@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from harness import TORCH
 
 import layeropt
-import layeropt._held
+import layeropt.offload.held
 import layeropt.offload
 from layeropt.__main__ import main
 from layeropt.memory import PeakMemory
@@ -850,7 +850,7 @@ def test_plot_marks_the_recommendation(tmp_path, monkeypatch):
 HELD = Variant("layeropt.AdamW", "fused", offload=True, held_on_host=True)
 
 
-class _NumpyHost(layeropt._held.HostHeld):
+class _NumpyHost(layeropt.offload.held.HostHeld):
     """Held gradients' host tensors outside torch's allocator: the profiler then counts
     what the GPU would hold, as the plan does."""
 

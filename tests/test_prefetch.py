@@ -18,7 +18,7 @@ import torch
 
 import layeropt
 from harness import assert_models_equal, assert_same
-from layeropt._prefetch import LandingOrder
+from layeropt.offload.prefetch import LandingOrder
 from layeropt.errors import LayeroptError
 from layeropt.offload import StateOffload, _install, offload_state
 

@@ -131,7 +131,7 @@ def test_what_cannot_be_detected_is_found_by_verification(process_group, kind, c
     opt = cls(model.parameters(), lr=0.01)
     handle = layeropt.attach(model, opt, verify=3)
     if inject:
-        original = opt._lo_stepper  # every update's call of torch's step (_subset.py)
+        original = opt._lo_stepper  # every update's call of torch's step (engine/subset.py)
 
         def wrong(optimizer: Any, params: list[torch.Tensor], key: object) -> None:
             original(optimizer, params, key)

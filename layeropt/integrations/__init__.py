@@ -73,6 +73,6 @@ def offload_state_once(optimizer: Any, setting: bool | Mapping[str, Any] | None,
             "layeropt.offload.offload_state (e.g. {'overlap': True, 'prefetch': True}), "
             f"got {setting!r}."
         )
-    from ..offload import offload_state  # (imported on first use, as layeropt.offload is)
+    from ..offload.state import offload_state  # (imported on first use, as layeropt.offload is)
 
     done[optimizer] = offload_state(optimizer, **kwargs)

@@ -394,8 +394,8 @@ def _offloaded(opt: Any, live: LiveBytes, held_on_host: bool = False) -> Any:
     with ``held_on_host``, held gradients go to host tensors (not counted) and
     their sums come back as gradients.
     """
-    from .._held import HostHeld
-    from ..offload import StateOffload, _install
+    from ..offload.held import HostHeld
+    from ..offload.state import StateOffload, _install
 
     class PlannedHeld(HostHeld):
         def _new_host(self, like: torch.Tensor) -> torch.Tensor:

@@ -44,8 +44,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._fastpath import fast_path_for
-from .errors import (
+from .fastpath import fast_path_for
+from ..errors import (
     BackwardStateError,
     GLOBAL_ESTIMATE_ERROR,
     LATE_MOVE_ERROR,
@@ -228,7 +228,7 @@ class SubsetStepper:
         if self.narrow:
             fast = self.fast
             if fast is not None and fast is not _MISSING and fast.step(optimizer, params):
-                return  # torch's functional on the lists step would build (_fastpath.py)
+                return  # torch's functional on the lists step would build (fastpath.py)
             self._narrowed(optimizer, params)
             return
         order = sorted(params, key=lambda p: p.numel()) if self._probing else params

@@ -1,6 +1,6 @@
 """Training steps at one engine: what a step holds for later, and its boundaries.
 
-The base of ``_rules.Rules`` (and so of ``landing.Engine``). A
+The base of ``rules.Rules`` (and so of ``landing.Engine``). A
 :class:`StepRecord` is made at each training-step boundary - ``step()``,
 ``zero_grad()`` - and holds what belongs to one training step: how many of
 its backwards updated parameters or held every gradient (the accumulation
@@ -8,10 +8,10 @@ rule), the gradients held for a later step, the param groups as its first
 update read them. Here also:
 
 * held gradients: kept in ``.grad`` (or, with the state offloaded, in host
-  memory: ``layeropt/_held.py``) by ``no_step()`` and the other holds, stepped
+  memory: ``layeropt/offload/held.py``) by ``no_step()`` and the other holds, stepped
   with their bucket when it completes, at the end of the next stepping
   backward, by ``layeropt.backward``'s step pass or by ``step()``;
-* the boundaries (rule 6 of ``layeropt/_rules.py``): ``step()`` steps what the
+* the boundaries (rule 6 of ``layeropt/engine/rules.py``): ``step()`` steps what the
   hooks left (held, assigned by hand; a zero gradient for what
   ``zero_grad(set_to_none=False)`` keeps) and refuses a gradient set on a
   parameter backward already updated; ``step()``/``zero_grad()`` refuse what
@@ -27,9 +27,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from . import _between
-from ._registry import ENGINES, hooked_by
-from .errors import (
+from . import between as _between
+from .registry import ENGINES, hooked_by
+from ..errors import (
     ACCUMULATION_ERROR,
     AttachError,
     DISCARD_ERROR,
@@ -56,9 +56,9 @@ class StepRecord:
             or held every gradient for ``step()`` (the accumulation rule).
         held: gradients kept for a later step (``no_step()`` and the other holds),
             with their bucket (``None``: not hooked yet); in ``.grad``, or in host
-            memory with ``offload_state`` (``layeropt/_held.py``).
+            memory with ``offload_state`` (``layeropt/offload/held.py``).
         hyper / hyper_txn: the param groups as its first update read them, and
-            the transaction that update belonged to (``layeropt/_between.py``).
+            the transaction that update belonged to (``layeropt/engine/between.py``).
         skipped: parameters with a gradient in a step ``GradScaler`` skipped (inf/NaN):
             torch keeps their ``.grad`` as zeros at ``zero_grad(set_to_none=False)``.
     """
@@ -84,7 +84,7 @@ class StepRules:
     # -- held gradients ----------------------------------------------------------
     def _host_held(self) -> Any:
         """Where held gradients wait in host memory (``offload_state``'s
-        :class:`layeropt._held.HostHeld`), or ``None``."""
+        :class:`layeropt.offload.held.HostHeld`), or ``None``."""
         optimizer = self._optimizer()
         place = None if optimizer is None else optimizer.__dict__.get("_lo_state_place")
         return None if place is None else place.held
@@ -291,7 +291,7 @@ def take_over(params: list[Tensor], optimizers: list[Any], when: str) -> None:
 
     That record refuses a ``step()`` of another optimizer that finds those
     parameters' gradients freed (torch's global step pre-hook,
-    ``layeropt/_watch.py``): torch would still hold the gradients the backward left.
+    ``layeropt/checking/watch.py``): torch would still hold the gradients the backward left.
     It stops counting once torch's would be gone or superseded; left in place, an
     optimizer abandoned with it - a finished Trainer's, one whose handle was
     removed - refused the next optimizer's every ``step()`` (docs/rules.md, "A model

@@ -25,7 +25,7 @@ uses (the same ``+ 1``, bit for bit, a third of the time).
 Exactness rules:
 
 * state is never created here. A bucket's first call (and any call after an
-  invalidation) goes through torch's ``step`` (``layeropt/_subset.py``,
+  invalidation) goes through torch's ``step`` (``layeropt/engine/subset.py``,
   narrowed); :meth:`FastPath.learn` then asks torch's own ``_init_group``
   for the lists, so they are the very objects ``step`` would pass;
 * each call checks, before using a bucket's lists, that ``_init_group`` would

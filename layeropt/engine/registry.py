@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .errors import AttachError
+from ..errors import AttachError
 
 __all__ = [
     "world_size",
@@ -53,7 +53,7 @@ class WeakOrderedSet(weakref.WeakKeyDictionary):
 
 # The engine of every live layeropt optimizer, in the order they were made: what
 # attach(model) looks owners up in, and what the watchers of torch's checkpoint and
-# clipping functions ask (``_nesting``, ``_watch``).
+# clipping functions ask (``engine/nesting.py``, ``checking/watch.py``).
 ENGINES = WeakOrderedSet()
 
 

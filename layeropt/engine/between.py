@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .errors import (
+from ..errors import (
     BackwardStateError,
     HYPERPARAMETER_ERROR,
     SECOND_UPDATE_ERROR,

@@ -45,11 +45,11 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ._held import HostHeld
-from ._prefetch import LandingOrder
-from ._subset import _MISSING
-from .errors import OVERLAP_HELD_ERROR, VERIFY_OFFLOAD_ERROR, LayeroptError
-from .optim import InBackwardOptimizer
+from .held import HostHeld
+from .prefetch import LandingOrder
+from ..engine.subset import _MISSING
+from ..errors import OVERLAP_HELD_ERROR, VERIFY_OFFLOAD_ERROR, LayeroptError
+from ..optim import InBackwardOptimizer
 
 __all__ = ["offload_state", "StateOffload"]
 
@@ -90,10 +90,10 @@ class StateOffload:
         device_bytes: bytes of state on the device now (working tensors).
         peak_device_bytes: the most there have been at once.
         copied_bytes: bytes of state copied host->device and back so far.
-        held: the held gradients in host memory (:class:`layeropt._held.HostHeld`;
+        held: the held gradients in host memory (:class:`layeropt.offload.held.HostHeld`;
             ``None`` with ``held_grads=False``).
         order: with ``prefetch``, the recorded landing order
-            (:class:`layeropt._prefetch.LandingOrder`); else ``None``.
+            (:class:`layeropt.offload.prefetch.LandingOrder`); else ``None``.
         prefetched_bytes / wasted_bytes: bytes fetched ahead, and of those the ones
             dropped unused (out of order, stale).
     """
@@ -450,11 +450,11 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
         held_grads: gradients held for a later step (``no_step()`` accumulation, a
             ``retain_graph=True`` backward) wait in host memory too, each bucket's
             moved as soon as it has landed and brought back for its step
-            (``layeropt/_held.py``); ``.grad`` is ``None`` meanwhile. ``False``
+            (``layeropt/offload/held.py``); ``.grad`` is ``None`` meanwhile. ``False``
             keeps them in ``.grad`` on the device.
         prefetch: fetch the state (and held gradient sums) of the buckets expected
             next, in the order they landed in the previous backward, while the
-            backward goes on, at most ``max_buckets`` ahead (``layeropt/_prefetch.py``;
+            backward goes on, at most ``max_buckets`` ahead (``layeropt/offload/prefetch.py``;
             CUDA only, off by default; with ``overlap``, bit-identical to torch.optim on
             an H200, 2026-12-04, also at 7B).
 

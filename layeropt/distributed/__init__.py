@@ -3,7 +3,7 @@
 A data-parallel replica may only be updated with the gradient averaged over
 all processes, so layeropt steps where torch's engines finish averaging:
 
-* **DDP** (:func:`attach_ddp`): a communication hook (``layeropt/_ddp_hook.py``)
+* **DDP** (:func:`attach_ddp`): a communication hook (``layeropt/distributed/ddp_hook.py``)
   all-reduces each bucket and frees its parameters' local ``.grad``; once the
   average has landed (at the end of backward on CPU, in the future's
   ``.then()`` on CUDA) the bucket's parameters are stepped on it; the reducer
@@ -25,8 +25,8 @@ from typing import Any
 
 from torch import Tensor
 
-from ._registry import allow_local_updates, check_local_hooks_allowed
-from .attaching import DDPAttachment, attach_ddp
+from ..engine.registry import allow_local_updates, check_local_hooks_allowed
+from ..attaching import DDPAttachment, attach_ddp
 
 __all__ = [
     "DDPAttachment",

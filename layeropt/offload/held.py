@@ -4,7 +4,7 @@ A gradient *held* for a later step (``optimizer.no_step()``, a backward that
 keeps its graph with ``retain_graph=True``) would stay in ``.grad`` on the
 device, summed there by autograd across micro-batches: one more copy of the
 parameters. With the optimizer state offloaded, the engine
-(``layeropt/_rules.py``) gives it to a :class:`HostHeld` instead:
+(``layeropt/engine/rules.py``) gives it to a :class:`HostHeld` instead:
 
 1. **down**: in a backward that holds, once every parameter of a layer bucket
    has landed, each gradient is copied to a host tensor (pinned on CUDA) and
@@ -57,7 +57,7 @@ class HostHeld:
         self._serial = -1  # the backward record the pending gradients landed in
         self.down_bytes = 0
         self.up_bytes = 0
-        # prefetch (layeropt/_prefetch.py): (param, host sum) -> its copy fetched ahead
+        # prefetch (layeropt/offload/prefetch.py): (param, host sum) -> its copy fetched ahead
         self.ahead: Callable[[Tensor, Tensor], Tensor | None] | None = None
 
     def __contains__(self, param: Tensor) -> bool:

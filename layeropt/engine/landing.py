@@ -17,14 +17,14 @@ nothing else:
    queue has run, as torch's ``step()`` comes after them;
 3. then they are stepped with one call of torch's ``step`` on exactly their
    parameters (:meth:`Engine._step`: unscaling and clipping per bucket first,
-   ``layeropt/_transforms.py``; the update itself one call of the optimizer's
-   ``SubsetStepper``, ``layeropt/_subset.py``), and their gradients freed.
+   ``layeropt/engine/transforms.py``; the update itself one call of the optimizer's
+   ``SubsetStepper``, ``layeropt/engine/subset.py``), and their gradients freed.
 
 Everything else - the start and end of a backward, modes that hold gradients
 (``no_step()``, a GradScaler-scaled loss, ``step(closure)``, a kept graph),
 ``layeropt.backward``'s measure pass, checkpoint pins and deferral, DDP's
 averaged buckets, the training-step boundaries ``step()`` / ``zero_grad()`` -
-is beside it, in ``layeropt/_rules.py``, which the hook enters through
+is beside it, in ``layeropt/engine/rules.py``, which the hook enters through
 :meth:`Engine.on_grad`.
 
 Parameters that receive no gradient are never stepped, as in torch; nor
@@ -42,14 +42,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _nesting as nesting
-from ._between import snapshot
-from ._nesting import _graph_task_id
-from ._boundaries import Group
-from ._rules import IDLE, Rules
-from ._transforms import prepare_grads
-from .errors import ORPHAN_WARNING, SPARSE_ERROR, AttachError, warn
-from .verify import Verifier
+from . import nesting
+from .between import snapshot
+from .nesting import _graph_task_id
+from .boundaries import Group
+from .rules import IDLE, Rules
+from .transforms import prepare_grads
+from ..errors import ORPHAN_WARNING, SPARSE_ERROR, AttachError, warn
+from ..checking.verify import Verifier
 
 __all__ = ["Bucket", "Engine", "Settings"]
 
@@ -172,7 +172,7 @@ class Engine(Rules):
     """One per layeropt optimizer: what lands, and how it is stepped.
 
     Its state, each changed only by its own methods (here, in
-    ``layeropt/_rules.py`` and in ``layeropt/_boundaries.py``):
+    ``layeropt/engine/rules.py`` and in ``layeropt/engine/boundaries.py``):
 
     * what it steps: the optimizer (weakly) and its ``attachments``, with the
       placement of their parameters (settings, bucket) derived from them;
@@ -195,7 +195,7 @@ class Engine(Rules):
         Rules.__init__(self)
 
     def verify(self, steps: int) -> None:
-        """Run the next ``steps`` training steps both ways (``layeropt/verify.py``); 0: stop."""
+        """Run the next ``steps`` training steps both ways (``layeropt/checking/verify.py``); 0: stop."""
         self.verifier = Verifier(self, steps) if steps > 0 else None
 
     # -- the hook ---------------------------------------------------------

@@ -1,6 +1,6 @@
 """Nested backwards and pinned parameters: what keeps checkpointing exact.
 
-Rule 5 of ``layeropt/landing.py`` in detail. Three situations make a
+Rule 5 of ``layeropt/engine/landing.py`` in detail. Three situations make a
 parameter's hook fire before its gradient (or its use) is complete:
 
 * a non-reentrant ``layeropt.checkpoint`` segment will *recompute* with the
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._registry import ENGINES
+from .registry import ENGINES
 
 __all__ = ["Pin", "checkpoint_function", "segment_watcher"]
 

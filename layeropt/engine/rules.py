@@ -1,9 +1,9 @@
-"""Beside the plain path: a backward's start and end, and the modes (``layeropt/landing.py``).
+"""Beside the plain path: a backward's start and end, and the modes (``layeropt/engine/landing.py``).
 
 The plain path steps each bucket once its gradients have landed. These are
 the rules around it, as methods of the engine (:class:`Rules`, the base of
 ``landing.Engine``; a training step's side is its own base,
-``layeropt/_boundaries.py``) and the two records they keep:
+``layeropt/engine/boundaries.py``) and the two records they keep:
 
 * a :class:`BackwardRecord` is made when a backward reaches the engine (its
   first gradient, :meth:`Rules.on_grad`) and dropped when it ends (an autograd
@@ -36,8 +36,8 @@ The rules, numbered as the docs number them:
    before the next call is refused before anything of it is applied (and
    ``step()``/``zero_grad()`` after two); once it has called ``step()``, a
    ``zero_grad()`` that discards what a backward applied is refused
-   (``StepRules.check_discard``, ``layeropt/_boundaries.py``). Each training
-   step is one transaction (``txn``) of ``layeropt/_subset.py``;
+   (``StepRules.check_discard``, ``layeropt/engine/boundaries.py``). Each training
+   step is one transaction (``txn``) of ``layeropt/engine/subset.py``;
 7. parameters unfrozen after ``attach`` are picked up at the next backward,
    which steps every gradient it left at its end (holds them, under
    ``no_step()``); the hooks are rebuilt then (also at a ``step()`` that found
@@ -65,13 +65,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _watch
-from . import _nesting as nesting
-from ._nesting import TaskEnd, _graph_task_id
-from ._registry import check_local_hooks_allowed, world_size
-from ._boundaries import Group, StepRecord, StepRules
-from ._transforms import Measure, Transform
-from .errors import (
+from ..checking import watch as _watch
+from . import nesting
+from .nesting import TaskEnd, _graph_task_id
+from .registry import check_local_hooks_allowed, world_size
+from .boundaries import Group, StepRecord, StepRules
+from .transforms import Measure, Transform
+from ..errors import (
     ACCUMULATION_ERROR,
     CLOSURE_HOLD_WARNING,
     DEFER_WARNING,

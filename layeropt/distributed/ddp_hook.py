@@ -16,7 +16,7 @@ local ``.grad``, already copied into the bucket, freed at once - measured by
 * CUDA buckets: in the all-reduce future's ``.then()``, on a stream that waits
   for the all-reduce, each bucket alone.
 
-``layeropt/distributed.py`` registers the hook (``attach_ddp``) and owns the
+``layeropt/distributed/__init__.py`` registers the hook (``attach_ddp``) and owns the
 rest: the attachment handle and ``layeropt.backward``'s two passes.
 """
 
@@ -33,8 +33,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
 
-from ._nesting import TaskEnd, _graph_task_id
-from .errors import (
+from ..engine.nesting import TaskEnd, _graph_task_id
+from ..errors import (
     AttachError,
     DDP_JOIN_ERROR,
     DDP_UNUSED_ERROR,
@@ -49,7 +49,7 @@ class _HookState:
         self.world = self.group.size()
         self.overlap = overlap
         self.owner: dict[Tensor, weakref.ref] = {}  # param -> its optimizer (weakly)
-        self.settings: Any = None  # the attachment's Settings (layeropt/landing.py)
+        self.settings: Any = None  # the attachment's Settings (layeropt/engine/landing.py)
         self.active = False
         self.lock = threading.Lock()  # bucket steps may land on comm threads
         self.fresh = True  # DDP ran a forward since the last training step began

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .errors import AttachError
+from ..errors import AttachError
 
 __all__ = ["OffloadedShard", "has_offload_race", "offloaded_shards", "check_fsdp2_offload",
            "refusal"]

@@ -30,7 +30,7 @@ own) decides whether the loop's numbers would differ from torch's:
   about to step a parameter an attached backward already updated and freed,
   which it would skip.
 
-Also torch's reentrant ``CheckpointFunction.forward`` (``layeropt/_nesting.py``).
+Also torch's reentrant ``CheckpointFunction.forward`` (``layeropt/engine/nesting.py``).
 :data:`WATCHERS` installs them all when the first attachment is made and undoes
 them when the last one goes: neither importing layeropt nor constructing an
 optimizer patches anything of torch.
@@ -49,8 +49,8 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ._registry import ENGINES
-from .errors import (
+from ..engine.registry import ENGINES
+from ..errors import (
     ALSO_APPLIED,
     BackwardStateError,
     CLIP_AFTER_BACKWARD,
@@ -270,7 +270,7 @@ class Watchers:
     def _install(self) -> None:
         from torch.nn.utils import clip_grad
 
-        from . import _nesting
+        from ..engine import nesting as _nesting
 
         self._replace(torch.autograd, "backward", _backward_watcher)
         self._replace(torch.nn.Module, "zero_grad", _zero_grad_watcher)

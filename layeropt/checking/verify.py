@@ -50,10 +50,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ._registry import is_dtensor
-from ._subset import _restore, _Saved, _snapshot
-from ._transforms import prepare_grads
-from .errors import (
+from ..engine.registry import is_dtensor
+from ..engine.subset import _restore, _Saved, _snapshot
+from ..engine.transforms import prepare_grads
+from ..errors import (
     VERIFY_CAUSES,
     VERIFY_ENDED,
     VERIFY_ERROR,
@@ -134,7 +134,7 @@ class Verifier:
     """The first ``steps`` training steps of one optimizer, run both ways (module docstring).
 
     Args:
-        engine: the optimizer's engine (``layeropt/landing.py``).
+        engine: the optimizer's engine (``layeropt/engine/landing.py``).
         steps: how many ``step()`` calls to verify.
     """
 
