@@ -24,7 +24,8 @@ from .checking.watch import WATCHERS
 from .errors import AttachError, user_frame, warn
 from .engine.landing import Bucket, Settings, drop_dead_hooks
 from .optim import InBackwardOptimizer, in_backward_spelling, live_optimizers, optimizer_list
-from .checking.verify import verify_steps
+from .checking.verify import Verifier, verify_steps
+from .checking.verify import verify as start_verifying
 
 __all__ = ["attach", "Attachment", "DDPAttachment", "attach_ddp"]
 
@@ -318,8 +319,9 @@ def _start_verifying(optimizers: list[InBackwardOptimizer], verify: int | None) 
     steps = verify_steps(verify)
     for opt in optimizers:
         engine = opt._lo_engine
-        if verify is not None or (steps and engine.verifier is None and not engine.calls):
-            engine.verify(steps)
+        if verify is not None or (steps and engine.find(Verifier) is None
+                                  and not engine.calls):
+            start_verifying(engine, steps)
 
 
 def _caller() -> str:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .checking.verify import Verifier
 from .distributed import TwoPasses
 from .errors import LayeroptError
 from .engine.transforms import Transform, prepare_grads, reduce_grad
@@ -231,12 +232,13 @@ def backward(
         coef = None if total is None else torch.clamp(max_norm / (total + 1e-6), max=1.0)
         ddp.arm(loss)
         transform = Transform(inv_scale, coef, clipped)
-        verifying = {e: set(e.verifier.shadows) for e in engines if e.verifier is not None}
+        verifiers = {e: e.find(Verifier) for e in engines}
+        verifying = {e: set(v.shadows) for e, v in verifiers.items() if v is not None}
         with no_step_all(o for o in optimizers if o._lo_engine in skipped):
             _attached_backward(loss, engines, retain_graph, transform)
         unhooked.prepare(transform)
         for e, before in verifying.items():  # LAYEROPT_VERIFY: the real side, torch's recipe
-            e.verifier.transform_real([p for p in e.verifier.shadows if p not in before],
+            verifiers[e].transform_real([p for p in verifiers[e].shadows if p not in before],
                                       transform)
     for o in optimizers:  # their step is skipped: nothing of theirs changes
         if o._lo_engine in skipped:

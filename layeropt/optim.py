@@ -120,13 +120,8 @@ class InBackwardOptimizer(Optimizer):
         transaction; everything else (hyperparameters, lazily created state,
         foreach/fused dispatch) is torch's.
         """
-        place = self.__dict__.get("_lo_state_place")  # optimizer state kept elsewhere
-        if place is None:
-            self._lo_stepper(self, params, self._lo_engine.txn)
-        else:
-            with place.stepping(self, params):  # their state on the device for this call
-                self._lo_stepper(self, params, self._lo_engine.txn)
-        self._opt_called = True  # an LR scheduler sees that a step happened
+        engine = self._lo_engine
+        engine.stepper.apply(self, params, engine.txn)  # (its state where the stepper keeps it)
 
     # ------------------------------------------------------------------
     # Public surface on top of torch's.
@@ -184,18 +179,13 @@ class InBackwardOptimizer(Optimizer):
         """
         if not self.attached:
             return type(self)._torch_step(self, closure)
-        verifier = self._lo_engine.verifier
-        if verifier is not None:  # LAYEROPT_VERIFY: torch's step for real, compared
-            return verifier.step(self, closure)
-        return self._lo_engine.step_call(closure)  # (a closure's backward is held)
+        engine = self._lo_engine
+        return engine.stepper.step_call(engine, closure)  # (a closure's backward is held)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Torch's ``zero_grad``; also forgets gradients held by ``no_step()``."""
-        verifier = self._lo_engine.verifier
-        if verifier is not None:
-            verifier.settle("optimizer.zero_grad()")  # (a loop that never calls step())
-            verifier.zeroed(None)
-        self._lo_engine.zero_grad(set_to_none, super().zero_grad)
+        engine = self._lo_engine
+        engine.stepper.zero_grad(engine, set_to_none, super().zero_grad)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Torch's ``add_param_group``; attached models hook the new parameters."""
@@ -206,8 +196,7 @@ class InBackwardOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Torch's ``load_state_dict`` (same format both ways)."""
-        place = self.__dict__.get("_lo_state_place")  # optimizer state kept elsewhere
-        with place.loading(self) if place is not None else contextlib.nullcontext():
+        with self._lo_engine.stepper.loading(self):  # (offloaded state: loads to the host)
             super().load_state_dict(state_dict)
         self._lo_group_index = None
 
@@ -228,7 +217,6 @@ class InBackwardOptimizer(Optimizer):
         state = dict(super().__getstate__())
         state.pop("_lo_engine", None)
         state.pop("_lo_stepper", None)
-        state.pop("_lo_state_place", None)  # (where the state lives is this process's choice)
         state["_lo_group_index"] = None
         state["last_grad_norm"] = self.__dict__.get("last_grad_norm")  # public: keep it
         return state

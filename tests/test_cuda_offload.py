@@ -30,6 +30,7 @@ from harness import assert_models_equal, assert_same, fully_shard, one_process_g
 from layeropt.distributed.fsdp_offload import has_offload_race, offloaded_shards
 from layeropt.errors import LayeroptError
 from layeropt.models import make_model
+from layeropt.engine.stepper import PLAIN
 from layeropt.offload import offload_state
 
 try:
@@ -269,7 +270,7 @@ def test_overlap_without_prefetch_with_held_grads_is_refused():
     layeropt.attach(model, opt)
     with pytest.raises(LayeroptError, match="prefetch=True"):
         offload_state(opt, overlap=True)
-    assert opt.__dict__.get("_lo_state_place") is None  # nothing installed
+    assert opt._lo_engine.stepper is PLAIN  # nothing installed
     handle = offload_state(opt, overlap=True, prefetch=True)
     assert handle.overlap and handle.order is not None and handle.held is not None
 

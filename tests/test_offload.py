@@ -30,6 +30,7 @@ from layeropt.engine.fastpath import supported
 from layeropt.engine.subset import _MISSING
 from layeropt.errors import LayeroptError
 from layeropt.models import make_model
+from layeropt.engine.stepper import PLAIN
 from layeropt.offload import StateOffload, offload_state
 
 CAPS = pytest.mark.parametrize("cap", [0.0, 1.0], ids=["cap0", "default-cap"])
@@ -296,14 +297,14 @@ def test_whole_group_optimizer_that_replaces_its_state(cap):
 def test_device_bytes_stay_within_one_bucket(opt_name, kw, cap):
     _, _, (model, opt), handle, batch_fn, loss_fn = _three("gpt", opt_name, kw, cap)
     buckets: list[int] = []
-    original = opt._step_params
+    original = opt._lo_stepper  # torch's step on each update's parameters (engine/subset.py)
 
-    def sizes(params):
-        original(params)
+    def sizes(optimizer, params, txn):
+        original(optimizer, params, txn)
         buckets.append(sum(opt.state[p][k].nbytes for p in params for k in opt.state[p]
                            if opt.state[p][k].dim() > 0))
 
-    opt._step_params = sizes
+    opt._lo_stepper = sizes
     _train([(model, opt)], batch_fn, loss_fn)
     total = sum(v.nbytes for s in opt.state.values() for v in s.values() if v.dim() > 0)
     assert handle.peak_device_bytes == max(buckets) <= handle.max_buckets * max(buckets)
@@ -332,7 +333,7 @@ def test_remove_brings_the_state_back_and_stays_exact(cap):
     assert off[1]._lo_stepper.fast is None
     _train([ref, plain, off], batch_fn, loss_fn, steps=2)
     handle.remove()
-    assert "_lo_state_place" not in vars(off[1]) and off[1]._lo_stepper.fast is _MISSING
+    assert off[1]._lo_engine.stepper is PLAIN and off[1]._lo_stepper.fast is _MISSING  # unwrapped
     assert handle.host_bytes == 0
     _train([ref, plain, off], batch_fn, loss_fn, steps=2, seed=7)
     _assert_all_same(ref, plain, off)
@@ -500,7 +501,7 @@ def test_offloaded_state_dict_resumes_torch_and_layeropt_without_offload(kw, cap
 
     into_torch = resumed(torch.optim.AdamW, attach=False)
     into_layeropt = resumed(layeropt.AdamW, attach=True)
-    assert "_lo_state_place" not in into_layeropt[1].__dict__  # not offloaded
+    assert into_layeropt[1]._lo_engine.stepper is PLAIN  # not offloaded
     for _, o in (into_torch, into_layeropt):
         assert_same(o.state_dict(), ref[1].state_dict())
     windows([ref, into_torch], [into_layeropt], 3)

@@ -20,7 +20,7 @@ import layeropt
 from harness import assert_models_equal, assert_same
 from layeropt.offload.prefetch import LandingOrder
 from layeropt.errors import LayeroptError
-from layeropt.offload import StateOffload, _install, offload_state
+from layeropt.offload.state import StateOffload, _install, offload_state
 
 
 def test_order_predicts_the_recorded_one():

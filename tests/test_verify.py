@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from layeropt.engine.stepper import PLAIN
 import layeropt
 import test_rules
 from harness import process_group  # noqa: F401 - a fixture
@@ -164,7 +165,7 @@ def test_verification_ends_with_a_warning_and_training_goes_on_in_backward():
             opt.zero_grad()
     passed = [w for w in caught if "LAYEROPT_VERIFY: 2 training step(s)" in str(w.message)]
     assert len(passed) == 1
-    assert opt._lo_engine.verifier is None
+    assert opt._lo_engine.stepper is PLAIN  # the verifier unwrapped itself
 
 
 @pytest.mark.parametrize("order", ["offload-then-verify", "verify-then-offload"])
@@ -184,7 +185,7 @@ def test_verifying_with_the_state_offloaded_is_refused_at_once(order):
         layeropt.attach(model, opt, verify=2)
         with pytest.raises(layeropt.LayeroptError, match="verify the same loop without"):
             offload_state(opt)
-        assert opt.__dict__.get("_lo_state_place") is None
+        assert opt._lo_engine.stepper.inner is PLAIN  # the verifier alone: no offload
 
 
 def test_layeropt_verify_must_be_a_count(monkeypatch):

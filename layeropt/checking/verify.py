@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from ..engine.registry import is_dtensor
+from ..engine.stepper import Wrapper
 from ..engine.subset import _restore, _Saved, _snapshot
 from ..engine.transforms import prepare_grads
 from ..errors import (
@@ -65,7 +66,7 @@ from ..errors import (
     warn,
 )
 
-__all__ = ["Verifier", "verify_steps"]
+__all__ = ["Verifier", "verify", "verify_steps"]
 
 
 def verify_steps(verify: int | None) -> int:
@@ -83,8 +84,23 @@ def verify_steps(verify: int | None) -> int:
     return verify
 
 
-def _no_state_place(optimizer: Any) -> None:
-    if optimizer is not None and optimizer.__dict__.get("_lo_state_place") is not None:
+def verify(engine: Any, steps: int) -> None:
+    """Run ``engine``'s next ``steps`` training steps both ways; 0: stop verifying."""
+    current = engine.find(Verifier)
+    if current is not None:
+        current._unwatch()
+        engine.unwrap(current)
+    if steps > 0:
+        engine.wrap(Verifier(engine, steps))
+
+
+def _alone(engine: Any) -> None:
+    """The shadow saves and restores the state where torch keeps it: no other feature
+    (``offload_state``) may wrap the stepper under the verifier."""
+    inner = engine.stepper
+    while isinstance(inner, Verifier):
+        inner = inner.inner
+    if isinstance(inner, Wrapper):
         raise LayeroptError(VERIFY_OFFLOAD_ERROR)
 
 
@@ -130,8 +146,12 @@ def _report_unfinished() -> None:
         warn(VERIFY_ENDED.format(n=v.done, total=v.done + v.left, pending=pending))
 
 
-class Verifier:
+class Verifier(Wrapper):
     """The first ``steps`` training steps of one optimizer, run both ways (module docstring).
+
+    A stepper wrapper (``layeropt/engine/stepper.py``): a step call in backward runs on
+    a shadow (:meth:`shadow`), ``optimizer.step()`` applies torch's own step and
+    compares, ``zero_grad()`` may settle a loop without ``step()``.
 
     Args:
         engine: the optimizer's engine (``layeropt/engine/landing.py``).
@@ -139,7 +159,8 @@ class Verifier:
     """
 
     def __init__(self, engine: Any, steps: int) -> None:
-        _no_state_place(engine._optimizer())
+        super().__init__()
+        _alone(engine)
         self.engine = engine
         self.left = steps
         self.done = 0  # training steps verified
@@ -147,6 +168,17 @@ class Verifier:
         self.unzeroed: dict[int, Tensor] = {}  # id(param) -> its .grad after the last step()
         self.forward_hooks: dict[int, Any] = {}  # id(model) -> its forward pre-hook's handle
         _ACTIVE.add(self)
+
+    # -- the stepper ---------------------------------------------------------------
+    def step(self, engine: Any, optimizer: Any, groups: list[Any], params: list[Tensor],
+             transform: Any) -> list[Tensor]:
+        return self.shadow(optimizer, groups, transform)
+
+    def zero_grad(self, engine: Any, set_to_none: bool,
+                  torch_zero_grad: Callable[[bool], None]) -> None:
+        self.settle("optimizer.zero_grad()")  # (a loop that never calls step())
+        self.zeroed(None)
+        self.inner.zero_grad(engine, set_to_none, torch_zero_grad)
 
     # -- the in-backward side ---------------------------------------------------
     def shadow(self, optimizer: Any, groups: list[Any], transform: Any) -> list[Tensor]:
@@ -214,11 +246,11 @@ class Verifier:
                 self.unzeroed.pop(id(p), None)
 
     # -- the real side ----------------------------------------------------------
-    def step(self, optimizer: Any, closure: Callable[[], Any] | None) -> Any:
+    def step_call(self, engine: Any, closure: Callable[[], Any] | None) -> Any:
         """``optimizer.step()``: the in-backward step's leftovers on the shadow, torch's
         own step for real, then the comparison (raises :class:`VerifyError`)."""
-        engine = self.engine
-        _no_state_place(optimizer)
+        optimizer = engine._optimizer()
+        _alone(engine)
         loss = None
         if closure is not None:
             with engine.closure(), torch.enable_grad():
@@ -266,7 +298,7 @@ class Verifier:
 
     def _end(self) -> None:
         self._unwatch()
-        self.engine.verify(0)  # in backward from the next backward on
+        self.engine.unwrap(self)  # in backward from the next backward on
 
     def _unwatch(self) -> None:
         _ACTIVE.discard(self)

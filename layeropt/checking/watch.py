@@ -50,6 +50,7 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..engine.registry import ENGINES
+from .verify import Verifier
 from ..errors import (
     ALSO_APPLIED,
     BackwardStateError,
@@ -137,7 +138,7 @@ def _guard(fn: Callable[..., Any], by_norm: bool, name: str) -> Callable[..., An
                 warn(message.replace("nothing would be clipped", "the norm is not measured"))
             else:
                 raise LayeroptError(message)
-        hidden = {id(p) for e in list(ENGINES) for p in e.in_host_memory()} if missing else ()
+        hidden = {id(p) for e in list(ENGINES) for p in e.held_elsewhere()} if missing else ()
         if hidden and any(id(p) in hidden for p in missing):
             raise LayeroptError(CLIP_HELD_ON_HOST.format(fn=label))
         _CALLING.append(name)
@@ -208,7 +209,7 @@ def _zero_grad_watcher(original: Callable[..., Any]) -> Callable[..., Any]:
     def zero_grad(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         for engine in list(ENGINES):
             engine.check_discard(self.parameters, f"{type(self).__name__}.zero_grad()")
-            verifier = engine.verifier
+            verifier = engine.find(Verifier)
             if verifier is not None:  # (LAYEROPT_VERIFY: these were zeroed)
                 verifier.settle(f"{type(self).__name__}.zero_grad()")
                 verifier.zeroed(self.parameters)

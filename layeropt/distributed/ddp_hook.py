@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
 
+from ..checking.verify import Verifier
 from ..engine.nesting import TaskEnd, _graph_task_id
 from ..errors import (
     AttachError,
@@ -98,8 +99,9 @@ class _HookState:
             for opt in optimizers:  # the engine's rules, as for a plain backward (may refuse
                 opt._lo_engine.begin_averaged()  # it: nothing ran yet)
                 engine = opt._lo_engine  # LAYEROPT_VERIFY: the local gradients a step uses
-                if engine.verifier is not None and engine.averaged_route() is engine:
-                    engine.verifier.check_zeroed([p for p, r in self.owner.items() if r() is opt])
+                verifier = engine.find(Verifier)
+                if verifier is not None and engine.averaged_route() is engine:
+                    verifier.check_zeroed([p for p, r in self.owner.items() if r() is opt])
             self.fresh = False
 
     def defer(self, landing: _Landing, fut: Any) -> None:

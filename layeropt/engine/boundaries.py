@@ -7,8 +7,8 @@ its backwards updated parameters or held every gradient (the accumulation
 rule), the gradients held for a later step, the param groups as its first
 update read them. Here also:
 
-* held gradients: kept in ``.grad`` (or, with the state offloaded, in host
-  memory: ``layeropt/offload/held.py``) by ``no_step()`` and the other holds, stepped
+* held gradients: kept in ``.grad`` (or in the store a feature installs:
+  ``layeropt/engine/stepper.py``) by ``no_step()`` and the other holds, stepped
   with their bucket when it completes, at the end of the next stepping
   backward, by ``layeropt.backward``'s step pass or by ``step()``;
 * the boundaries (rule 6 of ``layeropt/engine/rules.py``): ``step()`` steps what the
@@ -55,8 +55,8 @@ class StepRecord:
         stepped_backwards / held_backwards: its backwards that updated parameters,
             or held every gradient for ``step()`` (the accumulation rule).
         held: gradients kept for a later step (``no_step()`` and the other holds),
-            with their bucket (``None``: not hooked yet); in ``.grad``, or in host
-            memory with ``offload_state`` (``layeropt/offload/held.py``).
+            with their bucket (``None``: not hooked yet); in ``.grad``, or in the
+            stepper's store (``layeropt/engine/stepper.py``).
         hyper / hyper_txn: the param groups as its first update read them, and
             the transaction that update belonged to (``layeropt/engine/between.py``).
         skipped: parameters with a gradient in a step ``GradScaler`` skipped (inf/NaN):
@@ -80,24 +80,18 @@ class StepRules:
     train_step: StepRecord
     attachments: dict[Any, None]
     _optimizer: Callable[[], Any]
+    stepper: Any  # how a step call updates; its ``held`` store (layeropt/engine/stepper.py)
 
     # -- held gradients ----------------------------------------------------------
-    def _host_held(self) -> Any:
-        """Where held gradients wait in host memory (``offload_state``'s
-        :class:`layeropt.offload.held.HostHeld`), or ``None``."""
-        optimizer = self._optimizer()
-        place = None if optimizer is None else optimizer.__dict__.get("_lo_state_place")
-        return None if place is None else place.held
-
     def _take(self, param: Tensor) -> None:
-        """The measure pass reduces ``param``'s gradient, plus its held one (in host
-        memory: a device copy for the moment)."""
+        """The measure pass reduces ``param``'s gradient, plus its held one (in a store:
+        a copy for the moment)."""
         m = self.measure
-        host = self._host_held() if self.train_step.held else None
-        if not host or param not in host or id(param) in m.summed:
+        store = self.stepper.held
+        if param not in store or id(param) in m.summed:
             m.take(param)
             return
-        m.stash[param] = host.fetch(param)
+        m.stash[param] = store.fetch(param)
         try:
             m.take(param)
         finally:
@@ -105,47 +99,47 @@ class StepRules:
 
     def unhold(self, bucket: Any) -> None:
         """``bucket`` completed: its accumulated gradients are stepped with it (those in
-        host memory brought back now)."""
+        a store brought back now)."""
         held = self.train_step.held
-        host = self._host_held()
-        if host:
-            host.up([p for p in bucket.params if p in held])
+        store = self.stepper.held
+        if store:
+            store.up([p for p in bucket.params if p in held])
         for p in bucket.params:
             held.pop(p, None)
 
-    def _step_host_held(self, host: Any) -> None:
-        """Step the held gradients still in host memory, a bucket at a time, each
-        brought back just before its step (the bucket's state comes with it)."""
+    def _step_stored(self) -> None:
+        """Step the held gradients still in a store, a bucket at a time, each brought
+        back just before its step (the stepper brings the bucket's state with it)."""
+        store = self.stepper.held
+        if not store:
+            return
         buckets: dict[int, tuple[Any, list[Tensor]]] = {}
         for p, b in self.train_step.held.items():
-            if p in host:
+            if p in store:
                 buckets.setdefault(id(b), (b, []))[1].append(p)
         for b, params in buckets.values():
             for g in self.placed(params) if b is None else [Group(params, b.settings)]:
-                host.up(g.params)
+                store.up(g.params)
                 self._step([g])
 
     @property
     def holds_gradients(self) -> bool:
-        """Whether gradients wait for a later step (in ``.grad`` or in host memory)."""
-        held = self.train_step.held
-        host = self._host_held() if held else None
-        return any(p.grad is not None or (host is not None and p in host) for p in held)
+        """Whether gradients wait for a later step (in ``.grad`` or in a store)."""
+        store = self.stepper.held
+        return any(p.grad is not None or p in store for p in self.train_step.held)
 
-    def in_host_memory(self) -> list[Tensor]:
-        """Parameters whose held gradient is in host memory (``.grad`` is ``None``)."""
-        host = self._host_held() if self.train_step.held else None
-        return [p for p in self.train_step.held if p in host] if host else []
+    def held_elsewhere(self) -> list[Tensor]:
+        """Parameters whose held gradient waits in a store (``.grad`` is ``None``)."""
+        store = self.stepper.held
+        return [p for p in self.train_step.held if p in store] if store else []
 
     def step_held(self) -> None:
         """After ``layeropt.backward``'s step pass, with its transform still set: step
         the held gradients of parameters that pass did not reach."""
         held = self.train_step.held
         if held and not self.no_step_depth:
-            host = self._host_held()
             self._step(self.placed([p for p in held if p.grad is not None]))
-            if host:
-                self._step_host_held(host)
+            self._step_stored()
             held.clear()
 
     def forget_stepped(self, ids: set[int]) -> None:
@@ -167,9 +161,7 @@ class StepRules:
 
     def discard_held(self) -> None:
         """Drop the held gradients (their optimizer's step was skipped)."""
-        host = self._host_held() if self.train_step.held else None
-        if host is not None:
-            host.drop()
+        self.stepper.held.drop()
         for p in self.train_step.held:
             p.grad = None
         self.train_step.held.clear()
@@ -196,9 +188,7 @@ class StepRules:
         rec = self.last
         steps = rec.steps  # (stepped_in_backward counts the backward's updates only)
         self._step(self.placed(params))
-        host = self._host_held() if self.train_step.held else None
-        if host:
-            self._step_host_held(host)
+        self._step_stored()
         rec.steps = steps
         self.boundary("step()")
         if params:  # gradients no hook took: layers unfrozen (or hooks lost) since
@@ -212,12 +202,7 @@ class StepRules:
         if attached:
             self.check_boundary("zero_grad()")
             self.check_discard(None, "optimizer.zero_grad()")
-        host = self._host_held() if self.train_step.held else None
-        if host is not None:  # torch would zero (or drop) these .grad
-            if not set_to_none:
-                for p, acc in host.host.items():
-                    p.grad = torch.zeros_like(acc, device=p.device)
-            host.drop()
+        self.stepper.held.drop(set_to_none)  # (torch would zero or drop those in .grad)
         torch_zero_grad(set_to_none)
         self.train_step.held.clear()
         self.kept_grads = _between.kept_after_zero_grad(

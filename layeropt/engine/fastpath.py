@@ -16,11 +16,6 @@ group at each call, exactly as ``step`` passes them (so an LR scheduler, a
 tensor ``lr``, ``GradScaler``'s ``grad_scale`` / ``found_inf`` attributes
 work as in torch). Nothing of the update is re-derived here: the functional
 chooses the for-loop, foreach or fused implementation as it does for ``step``.
-One shortcut: a ``fused=True`` Adam/AdamW bucket that is a single (device,
-dtype) group goes straight to the loop body of torch's ``_fused_adam`` (step
-counters, then ``torch._fused_adam_``/``_fused_adamw_``), its grouping done
-once; its CPU step counters are incremented in the form torch's foreach Adam
-uses (the same ``+ 1``, bit for bit, a third of the time).
 
 Exactness rules:
 
@@ -51,17 +46,12 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-from collections.abc import Callable
 from operator import attrgetter, is_
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim import optimizer as _optimizer
 from torch.optim.optimizer import Optimizer
-
-# The fused loop body below is the one of torch versions that have this helper.
-_to_scalar = getattr(_optimizer, "_to_scalar", None)
 
 __all__ = ["FastPath", "fast_path_for", "supported"]
 
@@ -87,122 +77,64 @@ _MAX_ENTRIES = 4096  # buckets remembered per optimizer; all forgotten beyond it
 
 
 # -- per optimizer kind: how torch's step calls its functional -------------------
-# Each ``call`` repeats one iteration of the torch class's ``step`` loop body after
-# ``_init_group``: the same functional, the same arguments, from the same places.
-
-
-def _adam(opt: Any, g: dict[str, Any], params: list[Tensor], grads: list[Tensor],
-          lists: list[list[Any]], flags: Any) -> None:  # fmt: skip
-    exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps = lists
-    beta1, beta2 = g["betas"]
-    _ADAM.adam(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-        amsgrad=g["amsgrad"], has_complex=flags, beta1=beta1, beta2=beta2, lr=g["lr"],
-        weight_decay=g["weight_decay"], eps=g["eps"], maximize=g["maximize"],
-        foreach=g["foreach"], capturable=g["capturable"], differentiable=g["differentiable"],
-        fused=g["fused"], grad_scale=getattr(opt, "grad_scale", None),
-        found_inf=getattr(opt, "found_inf", None),
-        decoupled_weight_decay=g["decoupled_weight_decay"],
-    )  # fmt: skip
-
-
-def _adam_fused(opt: Any, g: dict[str, Any], params: list[Tensor], grads: list[Tensor],
-                lists: list[list[Any]], device: torch.device) -> None:  # fmt: skip
-    """``_fused_adam``'s loop body for a bucket that is one (device, dtype) group.
-
-    What ``adam(..., fused=True)`` runs for it, minus the grouping (done once,
-    in :meth:`FastPath.learn`): the step counters, then torch's fused kernel.
-    CPU step counters are incremented as torch's foreach Adam does it (a
-    tensor ``1.0``; a Python ``1`` is wrapped into a tensor once per counter,
-    which makes the increment cost more than the update of a small tensor):
-    the same float32 ``+ 1``, bit for bit.
-    """
-    exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps = lists
-    beta1, beta2 = g["betas"]
-    lr = g["lr"]
-    grad_scale = getattr(opt, "grad_scale", None)
-    found_inf = getattr(opt, "found_inf", None)
-    if grad_scale is not None:
-        grad_scale = grad_scale.to(device, non_blocking=True)
-    if found_inf is not None:
-        found_inf = found_inf.to(device, non_blocking=True)
-    if isinstance(lr, Tensor) and str(lr.device) != "cpu" and lr.device != device:
-        lr = lr.to(device=device, non_blocking=True)
-    if device.type == "cpu":  # the form torch's foreach Adam uses for CPU steps: the same
-        torch._foreach_add_(state_steps, torch.tensor(1.0, device="cpu"), alpha=1.0)  # +1, faster
-    else:
-        torch._foreach_add_(state_steps, 1)
-    kernel = torch._fused_adamw_ if g["decoupled_weight_decay"] else torch._fused_adam_
-    kernel(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-        amsgrad=g["amsgrad"], lr=lr, beta1=_to_scalar(beta1), beta2=_to_scalar(beta2),
-        weight_decay=g["weight_decay"], eps=g["eps"], maximize=g["maximize"],
-        grad_scale=grad_scale, found_inf=found_inf,
-    )  # fmt: skip
-    if found_inf is not None:
-        torch._foreach_sub_(state_steps, [found_inf] * len(state_steps))
-
-
-def _sgd(opt: Any, g: dict[str, Any], params: list[Tensor], grads: list[Tensor],
-         lists: list[list[Any]], flags: Any) -> None:  # fmt: skip
-    (momentum_buffer_list,) = lists
-    _SGD.sgd(
-        params, grads, momentum_buffer_list, weight_decay=g["weight_decay"],
-        momentum=g["momentum"], lr=g["lr"], dampening=g["dampening"], nesterov=g["nesterov"],
-        maximize=g["maximize"], has_sparse_grad=flags, foreach=g["foreach"], fused=g["fused"],
-        grad_scale=getattr(opt, "grad_scale", None), found_inf=getattr(opt, "found_inf", None),
-    )  # fmt: skip
+# A kind says how one iteration of the torch class's ``step`` loop body after
+# ``_init_group`` calls its functional: the same functional, the same arguments,
+# read from the same places at each call.
 
 
 class _Kind:
     """How one torch optimizer class's ``step`` feeds its functional.
 
+    The functional gets ``params, grads, *lists`` and these keywords: each of
+    ``keys`` from the param group, ``flag`` = what ``_init_group`` returned,
+    ``grad_scale`` / ``found_inf`` from the optimizer's attributes (GradScaler's),
+    and with ``betas`` the group's ``betas`` as ``beta1`` / ``beta2``.
+
     Attributes:
         name: the torch class's name.
+        module / functional: ``torch.optim.<module>.<functional>`` (looked up at
+            each call, as ``step`` does).
         lists: how many lists ``_init_group`` fills after params and grads.
         options: group keys ``_init_group`` reads (a change rebuilds the lists).
-        call: one iteration of ``step``'s loop body after ``_init_group``.
+        keys / flag / betas: the keywords, as above.
         health_check: whether ``step`` starts with
             ``_accelerator_graph_capture_health_check()``.
         writeback: ``(list index, state key)`` that ``step`` stores back into the
             state after the functional (SGD's momentum buffers), if any.
-        fused: for a ``fused=True`` group whose bucket is one (device, dtype)
-            group, the functional's own loop body for that group (skipping the
-            per-call grouping), if any.
     """
 
-    __slots__ = ("name", "lists", "options", "call", "health_check", "writeback", "fused")
+    __slots__ = ("name", "module", "functional", "lists", "options", "keys", "flag", "betas",
+                 "health_check", "writeback")
 
-    def __init__(self, name: str, lists: int, options: tuple[str, ...], call: Callable[..., None],
-                 health_check: bool, writeback: tuple[int, str] | None = None,
-                 fused: Callable[..., None] | None = None) -> None:  # fmt: skip
-        self.name, self.lists, self.options, self.call = name, lists, options, call
-        self.health_check, self.writeback, self.fused = health_check, writeback, fused
+    def __init__(self, name: str, module: Any, functional: str, lists: int,
+                 options: tuple[str, ...], keys: tuple[str, ...], flag: str, betas: bool,
+                 health_check: bool, writeback: tuple[int, str] | None = None) -> None:  # fmt: skip
+        self.name, self.module, self.functional, self.lists = name, module, functional, lists
+        self.options, self.keys, self.flag, self.betas = options, keys, flag, betas
+        self.health_check, self.writeback = health_check, writeback
+
+    def keywords(self) -> set[str]:
+        """Every keyword a call passes (checked against torch's functional)."""
+        return {*self.keys, self.flag, "grad_scale", "found_inf",
+                *(("beta1", "beta2") if self.betas else ())}
 
 
-# (module, class, functional, _init_group's list arguments after params/grads,
-#  kind). A kind is used only if torch's signatures are the ones it was written for.
-_CANDIDATES: list[tuple[str, str, str, tuple[str, ...], _Kind]] = [
-    ("adam", "Adam", "adam",
+_ADAM_OPTIONS = ("amsgrad", "fused", "capturable", "differentiable", "foreach")
+_ADAM_KEYS = ("amsgrad", "lr", "weight_decay", "eps", "maximize", "foreach", "capturable",
+              "differentiable", "fused", "decoupled_weight_decay")
+# (module, class, _init_group's list arguments after params/grads, kind). A kind is
+# used only if torch's signatures are the ones it was written for.
+_CANDIDATES: list[tuple[str, str, tuple[str, ...], _Kind]] = [
+    ("adam", "Adam", ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps"),
+     _Kind("Adam", _ADAM, "adam", 4, _ADAM_OPTIONS, _ADAM_KEYS, "has_complex", True, True)),
+    ("adamw", "AdamW",  # AdamW is Adam with decoupled_weight_decay=True
      ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps"),
-     _Kind("Adam", 4, ("amsgrad", "fused", "capturable", "differentiable", "foreach"), _adam, True,
-           fused=_adam_fused)),
-    ("adamw", "AdamW", "adam",  # AdamW is Adam with decoupled_weight_decay=True
-     ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps"),
-     _Kind("AdamW", 4, ("amsgrad", "fused", "capturable", "differentiable", "foreach"), _adam, True,
-           fused=_adam_fused)),
-    ("sgd", "SGD", "sgd", ("momentum_buffer_list",),
-     _Kind("SGD", 1, ("momentum", "fused"), _sgd, False, writeback=(0, "momentum_buffer"))),
+     _Kind("AdamW", _ADAM, "adam", 4, _ADAM_OPTIONS, _ADAM_KEYS, "has_complex", True, True)),
+    ("sgd", "SGD", ("momentum_buffer_list",),
+     _Kind("SGD", _SGD, "sgd", 1, ("momentum", "fused"),
+           ("weight_decay", "momentum", "lr", "dampening", "nesterov", "maximize", "foreach",
+            "fused"), "has_sparse_grad", False, False, writeback=(0, "momentum_buffer"))),
 ]  # fmt: skip
-
-# The functional keyword arguments each call passes (checked against torch's).
-_CALL_KEYWORDS = {
-    "adam": {"amsgrad", "has_complex", "beta1", "beta2", "lr", "weight_decay", "eps", "maximize",
-             "foreach", "capturable", "differentiable", "fused", "grad_scale", "found_inf",
-             "decoupled_weight_decay"},
-    "sgd": {"weight_decay", "momentum", "lr", "dampening", "nesterov", "maximize",
-            "has_sparse_grad", "foreach", "fused", "grad_scale", "found_inf"},
-}  # fmt: skip
 
 
 @functools.cache
@@ -220,11 +152,10 @@ def supported() -> dict[type, _Kind]:
     table: dict[type, _Kind] = {}
     if torch.torch_version.TorchVersion(torch.__version__) < (2, 6):
         return table
-    for module, cls_name, fn_name, init_args, kind in _CANDIDATES:
+    for module, cls_name, init_args, kind in _CANDIDATES:
         try:
-            mod = _module(module)
-            cls = getattr(mod, cls_name)
-            fn = getattr(mod if module != "adamw" else _ADAM, fn_name)
+            cls = getattr(_module(module), cls_name)
+            fn = getattr(kind.module, kind.functional)
             init = inspect.signature(cls._init_group).parameters
             call = inspect.signature(fn).parameters
         except (AttributeError, TypeError, ValueError):
@@ -234,7 +165,7 @@ def supported() -> dict[type, _Kind]:
         if tuple(init)[1:] != ("group", "params_with_grad" if cls_name != "SGD" else "params",
                                "grads", *init_args):  # fmt: skip
             continue
-        if not _CALL_KEYWORDS[fn_name] <= set(call):
+        if not kind.keywords() <= set(call):
             continue
         table[cls] = kind
     return table
@@ -270,26 +201,11 @@ def fast_path_for(optimizer: Any) -> FastPath | None:
     return fast
 
 
-def _one_group(params: list[Tensor], grads: list[Tensor], lists: list[list[Any]]) -> Any:
-    """The device if torch's grouping leaves these lists one group, as they are; else None."""
-    if not params:
-        return None
-    lists_in = [params, grads, *lists]
-    grouped = Optimizer._group_tensors_by_device_and_dtype(lists_in)  # type: ignore[arg-type]
-    if len(grouped) != 1:
-        return None
-    ((device, _), (lists_out, _)), = grouped.items()
-    for a, b in zip(lists_in, lists_out):
-        if len(a) != len(b) or not all(map(is_, a, b)):
-            return None
-    return device
-
-
 class _Chunk:
     """One param group's share of a bucket: what ``step``'s loop body gets for it."""
 
     __slots__ = ("index", "group", "group_params", "group_len", "options", "params", "lists",
-                 "flags", "device")  # fmt: skip
+                 "flags")  # fmt: skip
 
     def __init__(self, index: int, group: dict[str, Any], options: tuple[Any, ...],
                  params: list[Tensor], lists: list[list[Any]], flags: Any) -> None:  # fmt: skip
@@ -297,7 +213,6 @@ class _Chunk:
         self.group_params = group["params"]
         self.group_len = len(self.group_params)
         self.params, self.lists, self.flags = params, lists, flags
-        self.device: torch.device | None = None  # set: the kind's fused loop body applies
 
 
 class _Entry:
@@ -413,12 +328,16 @@ class FastPath:
         kind = self.kind
         try:
             for c in entry.chunks:
-                grads = list(map(_GRAD, c.params))
-                if c.device is not None:  # a fused group that is one (device, dtype) group
-                    kind.fused(optimizer, c.group, c.params, grads, c.lists, c.device)  # type: ignore[misc]
-                    continue
+                g = c.group
+                keywords = dict(zip(kind.keys, map(g.__getitem__, kind.keys)))
+                keywords[kind.flag] = c.flags
+                keywords["grad_scale"] = getattr(optimizer, "grad_scale", None)
+                keywords["found_inf"] = getattr(optimizer, "found_inf", None)
+                if kind.betas:
+                    keywords["beta1"], keywords["beta2"] = g["betas"]
                 lists = list(map(list, c.lists))  # the functional may write into them
-                kind.call(optimizer, c.group, c.params, grads, lists, c.flags)
+                getattr(kind.module, kind.functional)(
+                    c.params, list(map(_GRAD, c.params)), *lists, **keywords)
                 if kind.writeback is not None and c.group["momentum"] != 0:
                     self._write_back(optimizer, c, lists, key)
         finally:
@@ -498,9 +417,6 @@ class FastPath:
             if len(got) != len(ps) or not all(map(is_, got, ps)):
                 return
             chunk = _Chunk(i, g, tuple(map(g.get, kind.options)), list(ps), lists, flags)
-            fused_body = kind.fused is not None and _to_scalar is not None
-            if fused_body and g["fused"] and not g["differentiable"]:
-                chunk.device = _one_group(ps, grads, lists)
             chunks.append(chunk)
         try:
             entry = _Entry(chunks, optimizer.state)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -47,11 +47,12 @@ from .between import snapshot
 from .nesting import _graph_task_id
 from .boundaries import Group
 from .rules import IDLE, Rules
-from .transforms import prepare_grads
+from .stepper import PLAIN, Stepper, Wrapper
 from ..errors import ORPHAN_WARNING, SPARSE_ERROR, AttachError, warn
-from ..checking.verify import Verifier
 
 __all__ = ["Bucket", "Engine", "Settings"]
+
+_W = TypeVar("_W", bound=Wrapper)
 
 
 @functools.cache
@@ -191,12 +192,31 @@ class Engine(Rules):
         # the hooks reach them only weakly)
         # id(param) -> (its attachment's Settings, its layer bucket's key), made when needed
         self._places: dict[int, tuple[Settings, tuple[int, str]]] | None = None
-        self.verifier: Verifier | None = None  # LAYEROPT_VERIFY's first training steps
+        self.stepper: Stepper = PLAIN  # how a step call updates (features wrap it)
         Rules.__init__(self)
 
-    def verify(self, steps: int) -> None:
-        """Run the next ``steps`` training steps both ways (``layeropt/checking/verify.py``); 0: stop."""
-        self.verifier = Verifier(self, steps) if steps > 0 else None
+    def wrap(self, outer: Wrapper) -> None:
+        """Install a feature: ``outer`` wraps the stepper (``layeropt/engine/stepper.py``)."""
+        outer.inner, self.stepper = self.stepper, outer
+
+    def unwrap(self, outer: Wrapper) -> None:
+        """Remove a feature :meth:`wrap` installed (wherever it is in the chain)."""
+        if self.stepper is outer:
+            self.stepper = outer.inner
+            return
+        s = self.stepper
+        while s.inner is not None:
+            if s.inner is outer:
+                s.inner = outer.inner
+                return
+            s = s.inner
+
+    def find(self, kind: type[_W]) -> _W | None:
+        """The installed feature of type ``kind``, or ``None``."""
+        s: Stepper | None = self.stepper
+        while s is not None and not isinstance(s, kind):
+            s = s.inner
+        return s
 
     # -- the hook ---------------------------------------------------------
     def hook(self, bucket: Bucket, index: int, attachment: Any) -> Callable[[Tensor], None]:
@@ -289,30 +309,9 @@ class Engine(Rules):
         t = self.transform
         if t is not None and t.inv_scale is None and t.coef is None:
             t = None  # (layeropt.backward without clipping or scaler)
-        if self.verifier is not None:  # LAYEROPT_VERIFY: on a shadow; .grad stays for step()
-            params = self.verifier.shadow(optimizer, groups, t)
-            if not params:
-                return
-        else:
-            for g in groups:  # unscaling and clipping are per bucket (one attachment's)
-                s = g.settings
-                if t is not None or (s is not None and (
-                        s.clip_value is not None or s.bucket_max_norm is not None)):
-                    prepare_grads(g.params, t, s)
-            try:
-                if "_lo_state_place" in optimizer.__dict__:  # state kept elsewhere (offload)
-                    optimizer._step_params(params)
-                else:  # _step_params' plain case, one frame less on every bucket
-                    optimizer._lo_stepper(optimizer, params, self.txn)
-                    optimizer._opt_called = True
-            except BaseException:
-                held = self.train_step.held
-                for p in params:  # refused or failed: drop these gradients, as an abort would
-                    if p not in held:
-                        p.grad = None
-                raise
-            for p in params:
-                p.grad = None
+        params = self.stepper.step(self, optimizer, groups, params, t)
+        if not params:
+            return
         step = self.train_step
         if step.held:
             for p in params:

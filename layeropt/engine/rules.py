@@ -213,9 +213,8 @@ class Rules(StepRules):
         # adds to the accumulated one in turn ((held + a) + b): measured in place then,
         # and restored from a copy; else set aside and added once (held + grad)
         in_place = bool(nesting._TORCH_SEGMENTS)
-        host = self._host_held() if in_place and self.train_step.held else None
-        if host:  # (the pieces add onto the held sum in .grad: brought back for good)
-            host.up(list(self.train_step.held))
+        if in_place and self.train_step.held:  # (the pieces add onto the held sum in
+            self.stepper.held.up(list(self.train_step.held))  # .grad: back for good)
         for p in self.train_step.held:
             if p.grad is not None:
                 m.stash[p] = p.grad.clone() if in_place else p.grad
@@ -228,10 +227,10 @@ class Rules(StepRules):
         """The measure pass ended (or raised): the held gradients back in ``.grad``."""
         m, self.measure = self.measure, None
         self._route()
-        host = self._host_held() if m is not None and self.train_step.held else None
-        for p in list(self.train_step.held) if host else ():
-            if p in host and id(p) not in m.seen:  # held in host memory, no gradient now
-                m.reduce(p, host.fetch(p))
+        store = self.stepper.held
+        for p in list(self.train_step.held) if m is not None and store else ():
+            if p in store and id(p) not in m.seen:  # held in a store, no gradient now
+                m.reduce(p, store.fetch(p))
         for p, held in m.stash.items() if m is not None else ():
             if id(p) not in m.seen:  # no gradient this pass: measure the held one
                 m.reduce(p, held.clone())
@@ -276,18 +275,15 @@ class Rules(StepRules):
             return False
         if self.no_step_depth or rec.hold or rec.graph:
             self.train_step.held[param] = bucket
-            host = self._host_held()
-            if host is not None:
-                if rec.hold or torch.is_grad_enabled():  # the loop reads .grad before step()
-                    host.up([param])
-                else:
-                    host.land(param, bucket, rec.serial, rec.defer)
+            store = self.stepper.held
+            if rec.hold or torch.is_grad_enabled():  # the loop reads .grad before step()
+                store.up([param])
+            else:
+                store.land(param, bucket, rec.serial, rec.defer)
             return False
         if rec.defer:
             if self.train_step.held:  # the pieces add onto the held sum, as autograd's
-                host = self._host_held()
-                if host:
-                    host.up([param])
+                self.stepper.held.up([param])
             rec.deferred[param] = bucket
             return False
         if nesting._PINS and nesting.pinned(param):
@@ -405,10 +401,10 @@ class Rules(StepRules):
             return
         self.backward = None
         held = self.train_step.held
-        host = self._host_held() if held else None
+        store = self.stepper.held
         try:
-            if host is not None:
-                host.flush()  # buckets that only partly landed in a holding backward
+            if held:
+                store.flush()  # buckets that only partly landed in a holding backward
             if self.measure is not None:
                 for p in rec.deferred:
                     if p.grad is not None:
@@ -420,11 +416,11 @@ class Rules(StepRules):
                     for p in self._swept():
                         held.setdefault(p, None)
             else:
-                if host:  # landed here but not stepped yet (partly landed buckets)
-                    host.up([p for p in held if p.grad is not None])
+                if held and store:  # landed here but not stepped yet (partly landed buckets)
+                    store.up([p for p in held if p.grad is not None])
                 self._step(rec.ready + self._leftovers(rec))
-                if host:
-                    self._step_host_held(host)
+                if held:
+                    self._step_stored()
                 held.clear()
         finally:
             self._route()
@@ -474,9 +470,8 @@ class Rules(StepRules):
     def _abort(self, rec: BackwardRecord) -> None:
         """The backward raised: free the gradients it left unstepped, keep held ones."""
         held = self.train_step.held
-        host = self._host_held() if held else None
-        if host is not None:
-            host.flush()  # what landed stays held, as torch keeps it in .grad
+        if held:
+            self.stepper.held.flush()  # what landed stays held, as torch keeps it in .grad
         for group in rec.ready + self._leftovers(rec):
             for p in group.params:
                 if p not in held:

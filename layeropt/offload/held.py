@@ -146,7 +146,12 @@ class HostHeld:
         self.up_bytes += acc.nbytes
         return work
 
-    def drop(self) -> None:
-        """Forget every held gradient (``zero_grad()``, a skipped step)."""
+    def drop(self, set_to_none: bool = True) -> None:
+        """Forget every held gradient (``zero_grad()``, a skipped step); with
+        ``set_to_none=False`` each parameter gets a zero ``.grad``, as torch's
+        ``zero_grad`` leaves a held gradient."""
+        if not set_to_none:
+            for p, acc in self.host.items():
+                p.grad = torch.zeros_like(acc, device=p.device)
         self.host.clear()
         self._pending.clear()

@@ -47,6 +47,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .held import HostHeld
 from .prefetch import LandingOrder
+from ..checking.verify import Verifier
+from ..engine.stepper import Wrapper
 from ..engine.subset import _MISSING
 from ..errors import OVERLAP_HELD_ERROR, VERIFY_OFFLOAD_ERROR, LayeroptError
 from ..optim import InBackwardOptimizer
@@ -81,6 +83,33 @@ def _hook(method: str, ref: weakref.ref, *args: Any) -> None:
     handle = ref()
     if handle is not None:
         getattr(handle, method)(*args)
+
+
+class OffloadStepper(Wrapper):
+    """``offload_state``'s seam (``layeropt/engine/stepper.py``): each update with its
+    parameters' state on the device around it; held gradients in the handle's host
+    store (``held_grads=True``), else where the inner stepper keeps them."""
+
+    def __init__(self, place: StateOffload) -> None:
+        super().__init__()
+        self.place = place
+
+    @property
+    def held(self) -> Any:
+        held = self.place.held
+        return self.inner.held if held is None else held
+
+    def step(self, engine: Any, optimizer: Any, groups: list[Any], params: list[Tensor],
+             transform: Any) -> list[Tensor]:
+        with self.place.stepping(optimizer, params):
+            return self.inner.step(engine, optimizer, groups, params, transform)
+
+    def apply(self, optimizer: Any, params: list[Tensor], txn: int) -> None:
+        with self.place.stepping(optimizer, params):
+            self.inner.apply(optimizer, params, txn)
+
+    def loading(self, optimizer: Any) -> contextlib.AbstractContextManager[None]:
+        return self.place.loading(optimizer)
 
 
 class StateOffload:
@@ -119,6 +148,7 @@ class StateOffload:
         self._flights: deque[_Flight] = deque()
         self._loading: dict[int, Tensor] = {}  # id(stand-in) -> parameter, during a load
         self._streams: dict[torch.device, Any] = {}
+        self.stepper = OffloadStepper(self)  # installed by _install, removed by remove()
         ref = weakref.ref(self)
         self._hooks = [
             optimizer.register_state_dict_pre_hook(
@@ -418,8 +448,8 @@ class StateOffload:
             h.remove()
         self._hooks = []
         self._hosts.clear()
-        if opt.__dict__.get("_lo_state_place") is self:
-            del opt._lo_state_place
+        if opt._lo_engine.find(OffloadStepper) is self.stepper:
+            opt._lo_engine.unwrap(self.stepper)
             opt._lo_stepper.fast = _MISSING  # learned again from the device state
 
     @property
@@ -474,12 +504,12 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
         )
     if isinstance(max_buckets, bool) or not isinstance(max_buckets, int) or max_buckets < 1:
         raise ValueError(f"offload_state(max_buckets=...) must be an int >= 1, got {max_buckets!r}")
-    if optimizer.__dict__.get("_lo_state_place") is not None:
+    if optimizer._lo_engine.find(OffloadStepper) is not None:
         raise LayeroptError(
             "this optimizer's state is already offloaded; call remove() on the handle "
             "offload_state() returned before offloading it again."
         )
-    if optimizer._lo_engine.verifier is not None:  # (its first steps run both ways)
+    if optimizer._lo_engine.find(Verifier) is not None:  # (its first steps run both ways)
         raise LayeroptError(VERIFY_OFFLOAD_ERROR)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     odd = sorted({type(p).__name__ for p in params if type(p) not in (Tensor, torch.nn.Parameter)})
@@ -507,5 +537,5 @@ def _install(optimizer: Any, handle: StateOffload) -> StateOffload:
     """Make ``handle`` where ``optimizer``'s state lives (its state moved to the host now)."""
     handle._to_host_all()
     optimizer._lo_stepper.fast = None  # it caches state tensors per bucket
-    optimizer._lo_state_place = handle
+    optimizer._lo_engine.wrap(handle.stepper)
     return handle
