@@ -13,7 +13,11 @@ Prints, for the package in this checkout (or ``--package PATH``'s copy):
   ``bucket_cap_mb=0``, ``Adam(foreach=True)``) and how deep layeropt's frames
   nest at the deepest;
 * the core's classes and module-level mutable states that
-  ``docs/how-it-works.md`` does not name.
+  ``docs/how-it-works.md`` does not name;
+* the seams (issue 37): the modules at the top of ``layeropt/``; the lines of
+  the engine's own modules (the engine class's and those of the classes it
+  inherits) that name a feature installed beside it (offload, host memory,
+  prefetch, verify).
 
 Usage:
     python benchmarks/engine_report.py [--package /path/to/checkout]
@@ -32,6 +36,27 @@ from pathlib import Path
 
 OUTSIDE_CORE = {"plan", "integrations", "demo.py", "models.py", "report.py", "memory.py",
                 "__main__.py"}
+
+
+# A feature the engine's own modules must not name: it installs beside them.
+FEATURE_WORDS = re.compile(r"offload|prefetch|verif|host|HostHeld|_lo_state_place", re.I)
+
+
+def top_level_modules(pkg: Path) -> list[str]:
+    return sorted(p.name for p in pkg.glob("*.py"))
+
+
+def engine_modules(engine_cls: type) -> list[Path]:
+    """The files of the engine class and of every layeropt class it inherits from."""
+    files = {sys.modules[k.__module__].__file__ for k in engine_cls.__mro__
+             if k.__module__.startswith("layeropt")}
+    return sorted(Path(f).resolve() for f in files)
+
+
+def feature_lines(paths: list[Path]) -> list[str]:
+    """``file:line text`` for every line (code, comment or docstring) naming a feature."""
+    return [f"{p.parent.name}/{p.name}:{i} {line.strip()}" for p in paths
+            for i, line in enumerate(p.read_text().splitlines(), 1) if FEATURE_WORDS.search(line)]
 
 
 def core_modules(pkg: Path) -> list[Path]:
@@ -201,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
 
     pkg = Path(layeropt.__file__).resolve().parent
     assert pkg == root / "layeropt", f"imported {pkg}, not {root / 'layeropt'}"
-    engine_file = sys.modules[type(layeropt.Adam([__import__("torch").zeros(1, requires_grad=True)])._lo_engine).__module__].__file__
+    engine_cls = type(layeropt.Adam([__import__("torch").zeros(1, requires_grad=True)])._lo_engine)
+    engine_file = sys.modules[engine_cls.__module__].__file__
     engine_module = str(Path(engine_file).resolve().relative_to(pkg))
     attrs = engine_attributes()
     writes = outside_writes(pkg, engine_module)
@@ -226,6 +252,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(missing)}")
     for m in missing:
         print(f"  {m}")
+    top = top_level_modules(pkg)
+    print(f"modules at the top of layeropt/: {len(top)} ({', '.join(top)}); subpackages: "
+          f"{', '.join(sorted(d.name for d in pkg.iterdir() if (d / '__init__.py').exists()))}")
+    own = engine_modules(engine_cls)
+    named = feature_lines(own)
+    print(f"lines of the engine's own modules ({', '.join(p.name for p in own)}) naming a "
+          f"feature installed beside them: {len(named)}")
+    for line in named:
+        print(f"  {line}")
     return 0
 
 

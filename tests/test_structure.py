@@ -8,6 +8,9 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+import torch
+
 import layeropt
 
 ROOT = pathlib.Path(layeropt.__file__).parent
@@ -136,3 +139,38 @@ def test_the_plain_path_stays_short(monkeypatch):
     assert len(report.engine_attributes()) <= 15, report.engine_attributes()
     sizes = {p.name: report.code_lines(p) for p in report.core_modules(ROOT)}
     assert max(sizes.values()) <= 400, sizes
+
+
+def test_the_engine_names_no_feature_and_the_top_stays_small():
+    """Issue 37's seams: the engine's own modules (its class's and those of the classes
+    it inherits) name no offload, host memory, prefetch or verify - those install
+    beside it as stepper wrappers - and ``layeropt/`` keeps at most 14 modules at its
+    top, the rest in subpackages."""
+    report = _engine_report()
+    engine_cls = type(layeropt.Adam([torch.zeros(1, requires_grad=True)])._lo_engine)
+    own = report.engine_modules(engine_cls)
+    assert {p.name for p in own} == {"landing.py", "rules.py", "boundaries.py"}, own
+    assert report.feature_lines(own) == []
+    assert len(report.top_level_modules(ROOT)) <= 14, report.top_level_modules(ROOT)
+
+
+def test_a_feature_wraps_the_stepper_and_unwraps_it():
+    """offload_state and LAYEROPT_VERIFY install as wrappers around the plain stepper and
+    leave it as they found it: after removal the engine steps through ``PLAIN`` again."""
+    from layeropt.engine.stepper import IN_GRAD, PLAIN
+    from layeropt.offload import offload_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = layeropt.Adam(model.parameters(), lr=0.1)
+    engine = opt._lo_engine
+    assert engine.stepper is PLAIN and engine.stepper.held is IN_GRAD
+    handle = offload_state(opt)
+    assert engine.stepper.inner is PLAIN and engine.stepper.held is handle.held
+    handle.remove()
+    assert engine.stepper is PLAIN
+    with layeropt.attach(model, opt, verify=1):
+        assert engine.stepper.inner is PLAIN
+        model(torch.randn(3, 4)).sum().backward()
+        with pytest.warns(UserWarning, match="1 training step"):
+            opt.step()
+        assert engine.stepper is PLAIN  # verified its one step: unwrapped
