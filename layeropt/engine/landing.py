@@ -253,10 +253,11 @@ class Engine(Rules):
                 if engine is None or bucket is None:
                     _orphaned(param, attachment_ref)
                     return
-                if (task_id() != engine.plain_task or pins) and not engine.on_grad(
-                        bucket, index, param):
-                    return
-                rec = engine.backward  # the plain path: rules 1-3
+                rec = engine.backward
+                if rec is None or rec.route != task_id() or pins:
+                    if not engine.on_grad(bucket, index, param):
+                        return
+                    rec = engine.backward  # the plain path: rules 1-3
                 if bucket.serial != rec.serial:  # its first gradient in this backward
                     bucket.serial, bucket.arrived = rec.serial, 0
                 arrived = bucket.arrived = bucket.arrived | bit

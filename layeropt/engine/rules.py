@@ -87,7 +87,13 @@ from ..errors import (
 
 __all__ = ["BackwardRecord", "Rules", "hooked_last", "IDLE"]
 
-IDLE = -2  # Rules.plain_task when no gradient may take the plain path
+# A backward's route (BackwardRecord.route): where its gradients go. Its graph task
+# id (>= 0): the plain path, in the hook; else one of these, through Rules.on_grad.
+IDLE = -2  # no backward in progress (a record's task before it has one)
+MEASURE = -3  # layeropt.backward's measure pass: reduced to a norm, not stepped
+HOLD = -4  # held for a later step (no_step(), GradScaler, step(closure), a kept graph)
+DEFER = -5  # kept to the end of the backward (a torch reentrant segment in it)
+CHECK = -6  # stepped, each gradient checked first (several processes: not a replica's)
 _SERIALS = itertools.count(1)  # one id per backward record (buckets compare it)
 _ENTERED = Transform(None, None)  # inside layeropt.backward, nothing to apply
 
@@ -107,6 +113,9 @@ class BackwardRecord:
     Attributes:
         task: the autograd graph task.
         serial: this record's id (a bucket's arrivals belong to one serial).
+        route: where its gradients go (``MEASURE``, ``HOLD``, ...; its ``task``: the
+            plain path), set by :meth:`Rules._route` only: when it begins and when a
+            mode is entered or left.
         ready: complete buckets queued, and their gradient bytes.
         partial / incomplete: buckets whose first gradient landed, how many still
             incomplete.
@@ -123,13 +132,14 @@ class BackwardRecord:
         zeroed: a ``zero_grad()`` came after it (its updates are not the next one's).
     """
 
-    __slots__ = ("task", "serial", "ready", "ready_bytes", "partial", "incomplete", "gated",
+    __slots__ = ("task", "serial", "route", "ready", "ready_bytes", "partial", "incomplete", "gated",
                  "deferred", "defer", "hold", "graph", "sweep", "unchecked", "scaled",
                  "distributed", "stepped", "steps", "counted", "zeroed")
 
     def __init__(self, task: int) -> None:
         self.task = task
         self.serial = next(_SERIALS)
+        self.route = IDLE
         self.ready: list[Any] = []
         self.ready_bytes = 0
         self.partial: list[Any] = []
@@ -150,7 +160,6 @@ class Rules(StepRules):
     _optimizer: Callable[[], Any]
 
     def __init__(self) -> None:
-        self.plain_task = IDLE  # the backward whose gradients take the plain path
         self.backward: BackwardRecord | None = None  # the backward in progress
         self.last = BackwardRecord(IDLE)  # the latest backward that reached the engine
         self.train_step = StepRecord()  # the training step in progress
@@ -165,11 +174,16 @@ class Rules(StepRules):
         self.transform: Transform | None = None  # layeropt.backward's step pass
 
     def _route(self) -> None:
-        """Which graph task takes the plain path: the backward's, unless a mode is on."""
-        rec = self.backward
-        self.plain_task = IDLE if (
-            rec is None or rec.distributed or rec.defer or rec.hold or rec.graph
-            or self.measure is not None or self.no_step_depth) else rec.task
+        """Decide the route of the backward in progress (and of the latest one: a DDP
+        step's, whose averaged buckets ask it) from the modes and what it found."""
+        for rec in (self.backward, self.last):
+            if rec is not None:
+                rec.route = (
+                    MEASURE if self.measure is not None
+                    else HOLD if self.no_step_depth or rec.hold or rec.graph
+                    else DEFER if rec.defer
+                    else CHECK if rec.distributed
+                    else rec.task)
 
     # -- modes ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -267,13 +281,14 @@ class Rules(StepRules):
             return False
         if grad.is_sparse:
             raise AttachError(SPARSE_ERROR)
-        if self.measure is not None:
+        route = rec.route
+        if route == MEASURE:
             if rec.defer or not hooked_last(param):  # (measured at the end)
                 rec.deferred[param] = bucket
             else:
                 self._take(param)
             return False
-        if self.no_step_depth or rec.hold or rec.graph:
+        if route == HOLD:
             self.train_step.held[param] = bucket
             store = self.stepper.held
             if rec.hold or torch.is_grad_enabled():  # the loop reads .grad before step()
@@ -281,7 +296,7 @@ class Rules(StepRules):
             else:
                 store.land(param, bucket, rec.serial, rec.defer)
             return False
-        if rec.defer:
+        if route == DEFER:
             if self.train_step.held:  # the pieces add onto the held sum, as autograd's
                 self.stepper.held.up([param])
             rec.deferred[param] = bucket
@@ -352,12 +367,8 @@ class Rules(StepRules):
         """Where a DDP bucket's averaged gradients go, as :meth:`on_grad` routes a hook's:
         the measure pass's ``Measure``; ``None``, held for ``step()`` (the comm hook
         leaves them in ``.grad``, as DDP would); or this engine, to step them."""
-        if self.measure is not None:
-            return self.measure
-        rec = self.last
-        if self.no_step_depth or rec.hold or rec.graph:
-            return None
-        return self
+        route = self.last.route
+        return self.measure if route == MEASURE else None if route == HOLD else self
 
     def _decide(self, rec: BackwardRecord) -> None:
         """Rules 6 and 7 for a backward that reaches this engine's parameters."""
