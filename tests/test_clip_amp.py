@@ -105,6 +105,43 @@ def test_per_bucket_clipping_equals_torch_per_bucket(mode):
     assert_same(ref_opt.state_dict(), opt.state_dict())
 
 
+@pytest.mark.parametrize("cap", [0.0, 25.0], ids=["bucket-per-call", "one-call"])
+@pytest.mark.parametrize("second", [None, dict(clip_value=0.5), dict(bucket_max_norm=0.02)],
+                         ids=["unclipped", "other-value", "per-bucket-norm"])
+def test_one_step_call_mixing_two_attachments_clips_each_by_its_own(second, cap):
+    """Two models attached to one optimizer with different clipping, their buckets in one
+    step call (``bucket_cap_mb=25``: all of them at the end of backward) or one call
+    each: each bucket is clipped by its attachment's settings, as torch's loop clips each
+    model's gradients before one ``step()``."""
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)) for _ in range(2)]
+    refs = copy.deepcopy(models)
+    params = [p for m in models for p in m.parameters()]
+    opt = layeropt.Adam(params, lr=0.01)
+    ref_opt = torch.optim.Adam([p for m in refs for p in m.parameters()], lr=0.01)
+    layeropt.attach(models[0], opt, bucket_cap_mb=cap, clip_value=0.01)
+    layeropt.attach(models[1], opt, bucket_cap_mb=cap, **(second or {}))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(5, 6, generator=gen)
+        (refs[1](refs[0](x)) ** 2).sum().backward()
+        for layer in refs[0]:
+            torch.nn.utils.clip_grad_value_(layer.parameters(), 0.01)
+        for layer in refs[1]:
+            if second and "clip_value" in second:
+                torch.nn.utils.clip_grad_value_(layer.parameters(), 0.5)
+            elif second:
+                torch.nn.utils.clip_grad_norm_(layer.parameters(), 0.02)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        (models[1](models[0](x)) ** 2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    for m, r in zip(models, refs):
+        assert_models_equal(r, m)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
 def _scaler(**kw):
     return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, **kw)
 

@@ -83,11 +83,15 @@ class Stepper:
         """One step call in backward: ``groups``' gradients unscaled and clipped per
         bucket, ``params`` (theirs, each with a gradient) updated and freed. Returns
         the parameters updated."""
-        for g in groups:  # unscaling and clipping are per bucket (one attachment's)
-            s = g.settings
-            if transform is not None or (s is not None and (
-                    s.clip_value is not None or s.bucket_max_norm is not None)):
-                prepare_grads(g.params, transform, s)
+        s = groups[0].settings
+        if all(g.settings is s for g in groups) and (s is None or s.bucket_max_norm is None):
+            if transform is not None or (s is not None and s.clip_value is not None):
+                prepare_grads(params, transform, s)  # elementwise: once for the call
+        else:
+            for g in groups:  # a norm per bucket (one attachment's)
+                s = g.settings
+                if transform is not None or (s is not None and s.clips):
+                    prepare_grads(g.params, transform, s)
         try:  # (apply()'s body, one frame less on every bucket)
             optimizer._lo_stepper(optimizer, params, engine.txn)
             optimizer._opt_called = True  # an LR scheduler sees that a step happened

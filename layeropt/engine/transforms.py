@@ -3,7 +3,11 @@
 Used by ``Engine._step`` (before each step) and by ``layeropt.backward``'s
 measure pass. Every op is the one torch itself uses
 (``GradScaler.unscale_``, ``clip_grad_norm_``, ``clip_grad_value_``), so the
-results stay bit-identical.
+results stay bit-identical. Clipping by value runs ``clip_grad_value_``'s
+own body (:func:`clip_value`) rather than the public function: the same
+grouping and the same clamps, without its wrapper and the watcher layeropt
+puts on it for the loop's own calls - a third of its cost on a small bucket,
+which ``bucket_cap_mb=0`` pays once per layer (``benchmarks/bench_clip.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,36 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
+
+def clip_value(params: list[Tensor], value: float) -> None:
+    """``torch.nn.utils.clip_grad_value_(params, value)``'s body: each (device, dtype)
+    group of gradients clamped to ``[-value, value]`` in place, by ``_foreach_clamp_min_``
+    and ``_foreach_clamp_max_`` where torch's check allows them, else ``clamp_``."""
+    grads = [p.grad for p in params if p.grad is not None]
+    value = float(value)
+    prior = torch.is_grad_enabled()
+    if prior:  # (torch's runs under no_grad)
+        torch._C._set_grad_enabled(False)
+    try:
+        first = grads[0] if grads else None
+        if first is not None and all(  # one group, as torch's grouping would return it
+                g.device == first.device and g.dtype == first.dtype for g in grads):
+            groups: Any = [(first.device, grads)]
+        else:
+            groups = [(d, gs) for (d, _), ([gs], _)
+                      in _group_tensors_by_device_and_dtype([grads]).items()]
+        for device, group in groups:
+            if _has_foreach_support(group, device):
+                torch._foreach_clamp_min_(group, -value)
+                torch._foreach_clamp_max_(group, value)
+            else:
+                for g in group:
+                    g.clamp_(min=-value, max=value)
+    finally:
+        if prior:
+            torch._C._set_grad_enabled(True)
+
 
 def by_device_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:
     groups: dict[tuple[Any, Any], list[Tensor]] = {}
@@ -107,6 +141,6 @@ def prepare_grads(params: list[Tensor], transform: Transform | None, settings: A
     if settings is None:
         return
     if settings.clip_value is not None:
-        torch.nn.utils.clip_grad_value_(params, settings.clip_value)
+        clip_value(params, settings.clip_value)
     if settings.bucket_max_norm is not None:
         torch.nn.utils.clip_grad_norm_(params, settings.bucket_max_norm, settings.norm_type)
