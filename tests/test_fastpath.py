@@ -80,6 +80,12 @@ def test_buckets_across_param_groups(cfg):
     assert any(len(e.chunks) == 2 for e in fast._entries.values())
 
 
+def test_fused_adam_calls_torch_kernel_directly_for_one_device_and_dtype():
+    _, _, _, lo_opt = train_pair("mlp", "Adam", dict(lr=0.01, fused=True), steps=3)
+    entries = list(_fast(lo_opt)._entries.values())
+    assert entries and all(c.device is not None for e in entries for c in e.chunks)
+
+
 def test_default_bucket_cap_takes_the_fast_path(monkeypatch):
     monkeypatch.setitem(layeropt.attach.__kwdefaults__, "bucket_cap_mb", 1.0)  # tests use 0
     ref, ref_opt, model, lo_opt = train_pair("gpt", "Adam", dict(lr=0.01, fused=True), steps=3)

@@ -84,9 +84,14 @@ class Stepper:
         bucket, ``params`` (theirs, each with a gradient) updated and freed. Returns
         the parameters updated."""
         s = groups[0].settings
-        if all(g.settings is s for g in groups) and (s is None or s.bucket_max_norm is None):
+        one = s is None or s.bucket_max_norm is None  # elementwise: once for the call
+        for g in groups:  # (a loop, not all(): no frame on the plain path)
+            if g.settings is not s:
+                one = False
+                break
+        if one:
             if transform is not None or (s is not None and s.clip_value is not None):
-                prepare_grads(params, transform, s)  # elementwise: once for the call
+                prepare_grads(params, transform, s)
         else:
             for g in groups:  # a norm per bucket (one attachment's)
                 s = g.settings
