@@ -40,7 +40,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["HostHeld"]
+__all__ = ["HostHeld", "empty_like"]
+
+
+def empty_like(t: Tensor, device: torch.device | str) -> Tensor:
+    """An empty tensor like ``t`` (its strides) on ``device``: the one way offload makes
+    its tensors. On the host it is pinned when ``t`` is on CUDA (copies overlap)."""
+    pin = torch.device(device).type == "cpu" and t.device.type == "cuda"
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device,
+                               pin_memory=pin)
 
 
 class HostHeld:
@@ -73,8 +81,7 @@ class HostHeld:
 
     def _new_host(self, like: Tensor) -> Tensor:
         """An empty host tensor for ``like`` (pinned when ``like`` is on CUDA)."""
-        return torch.empty_strided(like.size(), like.stride(), dtype=like.dtype, device="cpu",
-                                   pin_memory=like.device.type == "cuda")
+        return empty_like(like, "cpu")
 
     # -- down: a holding backward ----------------------------------------------
     def land(self, param: Tensor, bucket: Any, serial: int, at_once: bool) -> None:
@@ -140,8 +147,7 @@ class HostHeld:
         acc = self.host[param]
         work = None if self.ahead is None else self.ahead(param, acc)
         if work is None:
-            work = torch.empty_strided(acc.size(), acc.stride(), dtype=acc.dtype,
-                                       device=param.device)
+            work = empty_like(acc, param.device)
             work.copy_(acc, non_blocking=param.device.type == "cuda")
         self.up_bytes += acc.nbytes
         return work

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .held import HostHeld
+from .held import HostHeld, empty_like
 from .prefetch import LandingOrder
 from ..checking.verify import Verifier
 from ..engine.stepper import Wrapper
@@ -65,11 +65,6 @@ def _offloadable(p: Tensor, v: Any) -> bool:
     """A state tensor that lives on its parameter's device and is worth moving."""
     return (isinstance(v, Tensor) and not is_traceable_wrapper_subclass(v)  # DTensor, torchao
             and v.dim() > 0 and v.device == p.device)
-
-
-def _empty_like(t: Tensor, device: torch.device | str, pin: bool = False) -> Tensor:
-    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device,
-                               pin_memory=pin)
 
 
 class _Flight:
@@ -168,7 +163,7 @@ class StateOffload:
         return ref is not None and ref() is v
 
     def _new_host(self, p: Tensor, key: Any, v: Tensor) -> Tensor:
-        host = _empty_like(v, "cpu", pin=v.device.type == "cuda")
+        host = empty_like(v, "cpu")
         self._hosts.setdefault(id(p), {})[key] = weakref.ref(host)
         return host
 
@@ -219,7 +214,7 @@ class StateOffload:
                 self._fetch_ahead(self.order.upcoming(self.max_buckets))
 
     def _to_device(self, host: Tensor, device: torch.device) -> Tensor:
-        work = _empty_like(host, device)
+        work = empty_like(host, device)
         work.copy_(host, non_blocking=device.type == "cuda")  # (pinned host: asynchronous)
         return work
 
@@ -335,11 +330,7 @@ class StateOffload:
         if not moves:
             self.device_bytes -= nbytes
             return
-        device = moves[0][2].device
-        side = self._streams.get(device)
-        if side is None:
-            side = self._streams[device] = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
+        side = self._side_stream(moves[0][2].device)
         with torch.cuda.stream(side):
             for s, k, v, host in moves:
                 host.copy_(v, non_blocking=True)
