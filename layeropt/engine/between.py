@@ -2,7 +2,7 @@
 
 torch applies the update in ``step()``, reading ``.grad`` and ``param_groups``
 then; an attached backward has already applied it. Three things a loop can do
-in between therefore need a word (``Engine.flush_leftovers`` and
+in between therefore need a word (``Engine.step_call`` and
 ``Engine.check_boundary`` call these):
 
 * **hyperparameters set after backward** (a learning-rate warm-up written

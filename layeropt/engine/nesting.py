@@ -143,6 +143,11 @@ def _segment_exit(grad_inputs: Any, grad_outputs: Any) -> None:
     segment_depth[0] = max(0, segment_depth[0] - 1)
 
 
+def outside_segments() -> None:
+    """A backward began (or ended) outside every torch reentrant segment: none runs."""
+    segment_depth[0] = 0
+
+
 _FUNCTION_BACKWARD_CODES = {
     getattr(torch.autograd.function.BackwardCFunction, name).__code__
     for name in ("apply", "apply_boxed")

@@ -329,7 +329,7 @@ class Rules(StepRules):
         if task == -1:  # before any state changes: nothing of this backward is applied
             raise BackwardStateError(NO_GRAPH_TASK_ERROR)
         if not defer:
-            nesting.segment_depth[0] = 0  # a first hook outside any segment: nothing is nested
+            nesting.outside_segments()  # a first hook outside any segment: nothing is nested
         self.last = self.backward = rec = BackwardRecord(task)
         self.txn += 1  # a transaction of its own
         rec.scaled = _watch.scaled_backward()
@@ -487,7 +487,7 @@ class Rules(StepRules):
             for p in group.params:
                 if p not in held:
                     p.grad = None
-        nesting.segment_depth[0] = 0
+        nesting.outside_segments()
         if rec.counted:  # a backward that raised is not a step of its own
             self.train_step.stepped_backwards -= 1
             rec.counted = False

@@ -214,6 +214,11 @@ class SubsetStepper:
         self._saved: list[_Saved] = []  # undo records of the probe calls
         self.fast: Any = _MISSING  # narrowed calls: torch's update on prepared lists, or None
 
+    def use_fast_path(self, on: bool) -> None:
+        """Let narrowed calls take the fast path (learned afresh), or not: a feature that
+        moves the state tensors it keeps lists of (``offload_state``) turns it off."""
+        self.fast = _MISSING if on else None
+
     # -- transactions ------------------------------------------------------
     def open(self, key: object) -> None:
         """Start the transaction ``key`` unless it is the open one."""

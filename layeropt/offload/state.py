@@ -49,7 +49,6 @@ from .held import HostHeld, empty_like
 from .prefetch import LandingOrder
 from ..checking.verify import Verifier
 from ..engine.stepper import Wrapper
-from ..engine.subset import _MISSING
 from ..errors import OVERLAP_HELD_ERROR, VERIFY_OFFLOAD_ERROR, LayeroptError
 from ..optim import InBackwardOptimizer
 
@@ -441,7 +440,7 @@ class StateOffload:
         self._hosts.clear()
         if opt._lo_engine.find(OffloadStepper) is self.stepper:
             opt._lo_engine.unwrap(self.stepper)
-            opt._lo_stepper.fast = _MISSING  # learned again from the device state
+            opt._lo_stepper.use_fast_path(True)  # learned again from the device state
 
     @property
     def host_bytes(self) -> int:
@@ -527,6 +526,6 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
 def _install(optimizer: Any, handle: StateOffload) -> StateOffload:
     """Make ``handle`` where ``optimizer``'s state lives (its state moved to the host now)."""
     handle._to_host_all()
-    optimizer._lo_stepper.fast = None  # it caches state tensors per bucket
+    optimizer._lo_stepper.use_fast_path(False)  # it keeps lists of the state tensors
     optimizer._lo_engine.wrap(handle.stepper)
     return handle
