@@ -554,3 +554,52 @@ def test_zero_grad_mid_window_drops_the_held_sums(set_to_none, cap):
             o.step()
             o.zero_grad(set_to_none=set_to_none)
     _assert_all_same(runs)
+
+
+@CAPS
+@pytest.mark.parametrize("share", [0.0, 0.3, 0.6, 1.0], ids=["none", "30%", "60%", "all"])
+def test_a_device_budget_keeps_the_first_buckets_held_gradients_on_the_device(share, cap):
+    """``held_device_bytes``: the held gradients of whole buckets stay in ``.grad`` up to
+    the budget - the first to land in a window - and only the rest go to host memory;
+    every result stays torch's bit for bit, whichever part moved."""
+    model, batch_fn, loss_fn = make_model("gpt")
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = int(share * grads)
+    runs, handle, _, _ = _three("gpt", "AdamW", dict(lr=0.01), cap, model=model,
+                                held_device_bytes=budget)
+    (ref, ref_opt), (m1, o1), (m2, o2) = runs
+    gen = torch.Generator().manual_seed(3)
+    for n in (3, 2):
+        micro = _micro(batch_fn, gen, n)
+        for mb in micro:
+            (loss_fn(ref, mb) / n).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for m, o in ((m1, o1), (m2, o2)):
+            for k, mb in enumerate(micro):
+                if k < n - 1:
+                    with o.no_step():
+                        (loss_fn(m, mb) / n).backward()
+                    if o is o2:
+                        on_device = sum(p.grad.nbytes for p in m.parameters() if p.grad is not None)
+                        assert on_device <= budget  # whole buckets, the first that fit
+                        assert on_device + handle.held.host_bytes == grads
+                        assert (on_device == grads) if share == 1.0 else (
+                            (on_device > 0) == (share > 0))
+                else:
+                    (loss_fn(m, mb) / n).backward()
+            o.step()
+            o.zero_grad()
+        assert len(handle.held) == 0 and not handle.held.kept
+    _assert_all_same(runs)
+    if share == 1.0:
+        assert handle.held.down_bytes == 0  # all of it fit: nothing moved
+    if share == 0.0:
+        assert handle.held.down_bytes == (2 + 1) * grads
+
+
+def test_the_device_budget_must_be_bytes():
+    opt = layeropt.AdamW(torch.nn.Linear(2, 2).parameters())
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="held_device_bytes"):
+            offload_state(opt, held_device_bytes=bad)

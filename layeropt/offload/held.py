@@ -59,8 +59,13 @@ class HostHeld:
         up_bytes: bytes copied host -> device so far (each sum, once, for its step).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device_bytes: int = 0) -> None:
         self.host: dict[Tensor, Tensor] = {}  # parameter -> its held gradient, on the host
+        # held gradients of whole buckets left in .grad, up to device_bytes (budget)
+        self.budget = device_bytes
+        self.kept: dict[Tensor, int] = {}  # parameter -> its gradient's bytes, left in .grad
+        self._kept_buckets: set[int] = set()  # id(bucket): its held gradients stay in .grad
+        self._kept_bytes = 0
         self._pending: dict[int, list[Tensor]] = {}  # id(bucket) -> landed, not moved yet
         self._serial = -1  # the backward record the pending gradients landed in
         self.down_bytes = 0
@@ -88,6 +93,9 @@ class HostHeld:
         """``param``'s gradient landed in a holding backward (record ``serial``): moved
         with its bucket once the bucket has landed, or now (``at_once``: the backward
         may deliver it again)."""
+        if id(bucket) in self._kept_buckets or self._keep(bucket):
+            self.kept[param] = param.grad.nbytes
+            return  # (stays in .grad: autograd sums it there, as without offload)
         if at_once:
             self.down([param])
             return
@@ -99,6 +107,15 @@ class HostHeld:
         if len(landed) == len(bucket.params):
             del self._pending[id(bucket)]
             self.down(landed)
+
+    def _keep(self, bucket: Any) -> bool:
+        """Whether ``bucket``'s held gradients fit the device budget (decided at its first
+        landing in a window, for the window: the first-landed buckets stay)."""
+        if bucket is None or self._kept_bytes + bucket.nbytes > self.budget:
+            return False
+        self._kept_buckets.add(id(bucket))
+        self._kept_bytes += bucket.nbytes
+        return True
 
     def flush(self) -> None:
         """Move what landed and waits for the rest of its bucket (a backward ended)."""
@@ -132,6 +149,9 @@ class HostHeld:
         """Each parameter's host sum back in ``.grad``, plus what landed there since
         (``held + new``, autograd's order); the host tensor is dropped."""
         for p in params:
+            if self.kept and self.kept.pop(p, None) is not None and not self.kept:
+                self._kept_buckets.clear()  # every kept gradient is back with the engine:
+                self._kept_bytes = 0  # the window's budget is free again
             if p not in self.host:
                 continue
             work = self.fetch(p)
@@ -160,4 +180,7 @@ class HostHeld:
             for p, acc in self.host.items():
                 p.grad = torch.zeros_like(acc, device=p.device)
         self.host.clear()
+        self.kept.clear()
+        self._kept_buckets.clear()
+        self._kept_bytes = 0
         self._pending.clear()

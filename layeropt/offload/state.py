@@ -122,11 +122,12 @@ class StateOffload:
     """
 
     def __init__(self, optimizer: InBackwardOptimizer, max_buckets: int, overlap: bool,
-                 held_grads: bool = True, prefetch: bool = False) -> None:
+                 held_grads: bool = True, prefetch: bool = False,
+                 held_device_bytes: int = 0) -> None:
         self._optimizer = weakref.ref(optimizer)  # (the optimizer keeps this handle)
         self.max_buckets = max_buckets
         self.overlap = overlap
-        self.held: HostHeld | None = HostHeld() if held_grads else None
+        self.held: HostHeld | None = HostHeld(held_device_bytes) if held_grads else None
         self.order: LandingOrder | None = LandingOrder() if prefetch else None
         self.prefetched_bytes = self.wasted_bytes = 0
         self._calls: dict[tuple[int, ...], list[Tensor]] = {}  # step call key -> its params
@@ -452,7 +453,8 @@ class StateOffload:
 
 
 def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False,
-                  held_grads: bool = True, prefetch: bool = False) -> StateOffload:
+                  held_grads: bool = True, prefetch: bool = False,
+                  held_device_bytes: int = 0) -> StateOffload:
     """Keep ``optimizer``'s state in host memory; each bucket's comes to the device to step.
 
     Exact: parameters and optimizer state equal the same loop without offload
@@ -472,6 +474,9 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
             moved as soon as it has landed and brought back for its step
             (``layeropt/offload/held.py``); ``.grad`` is ``None`` meanwhile. ``False``
             keeps them in ``.grad`` on the device.
+        held_device_bytes: with ``held_grads``, the held gradients of whole buckets
+            stay in ``.grad`` on the device up to this many bytes (the first buckets
+            to land in a window); only the rest move. Default 0: all of them move.
         prefetch: fetch the state (and held gradient sums) of the buckets expected
             next, in the order they landed in the previous backward, while the
             backward goes on, at most ``max_buckets`` ahead (``layeropt/offload/prefetch.py``;
@@ -492,6 +497,10 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
             f"layeropt.in_backward(X)), got {type(optimizer).__qualname__}: only updates "
             "made inside backward, one bucket at a time, can bring the state in piece by piece."
         )
+    if isinstance(held_device_bytes, bool) or not isinstance(held_device_bytes, int) or \
+            held_device_bytes < 0:
+        raise ValueError("offload_state(held_device_bytes=...) must be an int >= 0 (bytes), "
+                         f"got {held_device_bytes!r}")
     if isinstance(max_buckets, bool) or not isinstance(max_buckets, int) or max_buckets < 1:
         raise ValueError(f"offload_state(max_buckets=...) must be an int >= 1, got {max_buckets!r}")
     if optimizer._lo_engine.find(OffloadStepper) is not None:
@@ -520,7 +529,8 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
                 "default): the same results, the copies in line with the steps."
             )
     return _install(optimizer,
-                    StateOffload(optimizer, max_buckets, overlap, held_grads, prefetch))
+                    StateOffload(optimizer, max_buckets, overlap, held_grads, prefetch,
+                                 held_device_bytes))
 
 
 def _install(optimizer: Any, handle: StateOffload) -> StateOffload:
