@@ -1,4 +1,4 @@
-"""Calibrate ``layeropt plan``'s margin on a GPU: planned peak vs the allocator's.
+"""Check ``layeropt plan``'s need against a GPU: planned and replayed vs the allocator's.
 
 For a few models and configurations, plan the step (fake tensors, the
 ``"cuda"`` target), then run the same step for real on the GPU (a warm-up step,
@@ -12,11 +12,14 @@ then the measured one) and print, in MiB:
   from the driver: allocated plus rounding and fragmentation);
 * ``used``: the device's used memory (``torch.cuda.mem_get_info``) at the end:
   reserved plus the CUDA context and libraries;
+* ``replayed``: what the plan's replay of the caching allocator reserves
+  (``Measurement.reserved_bytes``), to compare with ``reserved``;
+* ``need``: the plan's need (replayed + ``layeropt.plan.Margin``'s fixed part),
+  to compare with ``used``;
 
-and the margin each one implies: ``(reserved - planned) / planned`` (the
-margin's fraction) and ``used - reserved`` (its fixed part). The plan's
-default margin is ``1 GiB + 5%`` (``layeropt.plan.Margin``); a GPU session
-should paste this output into ``docs/plan.md`` and adjust the default.
+then ``replay-res`` (the replay's error), ``used-res`` (the CUDA context, what
+``Margin.fixed`` stands for) and ``need-used`` (negative: the plan promised a fit
+the device did not have). ``docs/plan.md`` keeps the 2026-12-04 H200 run.
 
 Usage (one GPU, a few minutes):
     python benchmarks/plan_calibrate.py                  # gpt2 and llama-3.2-1b
@@ -32,7 +35,7 @@ import sys
 import torch
 
 import layeropt
-from layeropt.plan import Variant, plan
+from layeropt.plan import Margin, Variant, plan
 from layeropt.plan.workloads import load_config
 
 VARIANTS = [
@@ -101,27 +104,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}")
-    print(f"{'model':<14}{'configuration':<46}{'planned':>9}{'allocated':>11}{'reserved':>10}"
-          f"{'used':>9}{'alloc-plan':>11}{'res/plan-1':>11}{'used-res':>10}  (MiB)")  # fmt: skip
-    worst_fraction, worst_fixed = 0.0, 0
+    print(f"{'model':<14}{'configuration':<46}{'planned':>8}{'allocated':>10}{'reserved':>9}"
+          f"{'used':>7}{'replayed':>9}{'need':>7}{'replay-res':>11}{'used-res':>9}"
+          f"{'need-used':>10}  (MiB)")  # fmt: skip
+    short = []
     for name in args.models:
         p = plan(name, seq=args.seq, batch=args.batch, dtype=args.dtype, variants=VARIANTS)
         for row in p.rows:
             real = real_step(name, row.variant, p.seq, args.batch, dtype)
             gc.collect()  # the model and optimizer of that step are gone
             torch.cuda.empty_cache()
-            fraction = real["reserved"] / row.peak_bytes - 1
-            fixed = real["used"] - real["reserved"]
-            worst_fraction, worst_fixed = max(worst_fraction, fraction), max(worst_fixed, fixed)
+            need = p.need(row)
+            if need < real["used"]:
+                short.append(f"{name} {row.variant.label}")
             print(
-                f"{name:<14}{row.variant.label:<46}{row.peak_bytes / MiB:>9.0f}"
-                f"{real['allocated'] / MiB:>11.0f}{real['reserved'] / MiB:>10.0f}"
-                f"{real['used'] / MiB:>9.0f}{(real['allocated'] - row.peak_bytes) / MiB:>11.0f}"
-                f"{fraction:>11.1%}{fixed / MiB:>10.0f}",
+                f"{name:<14}{row.variant.label:<46}{row.peak_bytes / MiB:>8.0f}"
+                f"{real['allocated'] / MiB:>10.0f}{real['reserved'] / MiB:>9.0f}"
+                f"{real['used'] / MiB:>7.0f}{row.reserved_bytes / MiB:>9.0f}{need / MiB:>7.0f}"
+                f"{(row.reserved_bytes - real['reserved']) / MiB:>11.0f}"
+                f"{(real['used'] - real['reserved']) / MiB:>9.0f}"
+                f"{(need - real['used']) / MiB:>10.0f}",
                 flush=True,
             )
-    print(f"margin that covers every row: {worst_fixed / 2**30:.2f} GiB + {worst_fraction:.1%} "
-          "(layeropt.plan.Margin(fixed, fraction); the default is 1 GiB + 5%)")  # fmt: skip
+    print(f"need = replayed + {Margin().describe()} (layeropt.plan.Margin()); "
+          + (f"short of the device's use in {len(short)} rows: {'; '.join(short)}" if short
+             else "it covers the device's use in every row"))  # fmt: skip
     return 0
 
 

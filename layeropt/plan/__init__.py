@@ -14,9 +14,13 @@ whether it fits a GPU's memory with a stated margin, and which one to use
 (:attr:`Variant.run_on_a_gpu`) says so where the plan says it fits.
 
 On CPU the planned peak equals the live tensor bytes of the real run to the
-byte (``tests/test_plan.py``); on a GPU it leaves out what no tensor count
-sees (CUDA context, allocator fragmentation, library workspaces), which the
-margin covers (``docs/plan.md``).
+byte (``tests/test_plan.py``). A GPU holds more than the live bytes: the step's
+allocations and frees are replayed through PyTorch's CUDA caching allocator
+(:mod:`layeropt.plan.allocator`: its segments, rounding and fragmentation, and
+cuBLAS's workspaces), and what it reserves plus the CUDA context
+(:class:`Margin`) is the row's *need*, which decides whether it fits; on an
+H200 the need covered the device's use in each of the 10 steps measured
+(``docs/plan.md``).
 
 Command line: ``python -m layeropt plan llama-2-7b --gpu-memory 24GiB``.
 
@@ -129,7 +133,9 @@ def plan(
             1 TiB (:data:`GPU_MEMORY_RANGE`), and more
             than the margin's fixed part: anything else is refused before
             planning.
-        margin: what fitting leaves free (:class:`Margin`, or ``"1GiB+5%"``).
+        margin: what a row needs beyond the memory the caching allocator
+            reserves (:class:`Margin`, or ``"832MiB"``, ``"1GiB+5%"``; default:
+            the CUDA context measured on an H200 and a safety, 832 MiB).
         variants: the configurations (default: :func:`default_variants`);
             ``"all"`` for every combination.
         optimizers: keep only these optimizer names (:data:`OPTIMIZERS`).

@@ -75,8 +75,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "here, as GPU makers mean it): say what fits",
     )  # fmt: skip
     p.add_argument(
-        "--margin", metavar="SPEC", default="1GiB+5%",
-        help="left free on the GPU: fixed + %% of the peak (default 1GiB+5%%)",
+        "--margin", metavar="SPEC", default=None,
+        help="what a row needs beyond the CUDA caching allocator's reserved memory (replayed): "
+        "fixed [+ %% of it] (default 832MiB: the CUDA context an H200 held, 768 MiB, + 64 MiB "
+        "for the replay's error)",
     )  # fmt: skip
     p.add_argument(
         "--optimizer", action="append", metavar="NAME", choices=OPTIMIZERS,

@@ -19,9 +19,10 @@ checkpointing saves the CPU generator state. (Python scalars that torch wraps
 into 8-byte tensors and autograd saves - GPT-2's GELU keeps three per layer -
 reach the dispatcher as Python numbers: not counted.)
 
-What neither target sees - cuBLAS/cuDNN workspaces, the CUDA context, the
-caching allocator's rounding and fragmentation - is the plan's margin
-(``docs/plan.md``).
+What neither target sees at the dispatcher - cuBLAS's workspaces, the caching
+allocator's rounding and fragmentation - is what the allocator replay adds on
+``"cuda"`` (:mod:`layeropt.plan.allocator`); the CUDA context is the plan's
+margin (``docs/plan.md``).
 
 Example:
     >>> target("cuda").name

@@ -9,11 +9,20 @@ loss.backward(); opt.step(); opt.zero_grad()`` is counted by
 * *in-backward* (layeropt) variants: every trainable parameter gets a zero
   gradient and the optimizer steps once, which creates its state exactly as a
   first real step would; then the model is attached (:func:`layeropt.attach`)
-  and the whole step is measured;
+  and the whole step is measured. On the ``"cuda"`` target (state offload
+  apart) a real first step after attaching makes the state instead, each
+  bucket's as its gradients land, as a real run places it;
 * optimizers that step after backward leave forward and backward alone, so
   those are measured once per (checkpointing, loss) and the optimizer's state
   added; then each optimizer steps once on the gradients (warm-up) and its
   second ``step()`` is measured. The larger peak is the step's.
+
+On the ``"cuda"`` target the tracker also logs every allocation and free
+(:attr:`~layeropt.plan.tracker.LiveBytes.log`), and a run of steps made of
+them - the model built, the first step, steady-state steps until the
+allocator's blocks repeat - is replayed through PyTorch's caching allocator
+(:mod:`layeropt.plan.allocator`): what it reserves is each row's
+``reserved_bytes``.
 
 Gradients are recognised by a post-accumulate-grad hook registered before
 layeropt's, parameters and optimizer state by identity. Library code that
@@ -35,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .allocator import Event, alive, steady_reserved
 from .devices import Target, _patched, target
 from .tracker import GRADIENTS, PARAMETERS, STATE, LiveBytes
 from .variants import Variant
@@ -71,6 +81,12 @@ class Measurement:
             host link each way (offloaded state in and out; held gradients down
             once per held micro-batch, their sums up once), counted as the
             offload code copies them.
+        reserved_bytes: what PyTorch's CUDA caching allocator reserves over a
+            run of these steps (``torch.cuda.max_memory_reserved``: the model
+            built, then steps until its blocks repeat), their allocations and
+            frees replayed in order through
+            :class:`~layeropt.plan.allocator.CachingAllocator` with cuBLAS's
+            workspaces; 0 when not replayed (the ``"cpu"`` target).
     """
 
     variant: Variant
@@ -85,6 +101,7 @@ class Measurement:
     to_device_bytes: int = 0
     to_host_bytes: int = 0
     held_host_bytes: int = 0
+    reserved_bytes: int = 0
 
 
 def simulate(
@@ -146,6 +163,7 @@ def simulate(
 
     _prime_caches(variants)
     live = LiveBytes()
+    live.log = [] if tgt.name == "cuda" else None
     with contextlib.ExitStack() as stack:
         fake = stack.enter_context(FakeTensorMode())
         stack.enter_context(live)
@@ -161,6 +179,7 @@ def simulate(
         for p in trainable:
             p.register_post_accumulate_grad_hook(_GradMarker(live))
         batch = workload.inputs(model)
+        built = _taken(live)
         done = [0]
 
         def tick(v: Variant) -> None:
@@ -168,7 +187,8 @@ def simulate(
                 progress(done[0], len(variants), v)
             done[0] += 1
 
-        run = _Run(model, batch, trainable, workload, live, bucket_cap_mb, tick, accumulate)
+        run = _Run(model, batch, trainable, workload, live, bucket_cap_mb, tick, accumulate,
+                   built)
         results: dict[Variant, Measurement] = {}
         for unit in units:
             if unit[0].in_backward:
@@ -241,11 +261,29 @@ class _Run:
     bucket_cap_mb: float | None
     tick: Callable[[Variant], None]
     accumulate: int = 1
+    built: list[Event] | None = None  # the allocations before the steps (None: not logged)
 
     @property
     def micro(self) -> int:
         """Micro-batches run: the first, one of the middle ones, the last."""
         return min(self.accumulate, 3)
+
+
+def _taken(live: LiveBytes) -> list[Event]:
+    """The tracker's log so far, and an empty log from here (``[]`` if not logging)."""
+    if live.log is None:
+        return []
+    out, live.log = live.log, []
+    return out
+
+
+def _reserved(run: _Run, first: list[Event], keep: list[Event], step: list[Event]) -> int:
+    """What the caching allocator reserves over the built model, the ``first`` step and
+    steady-state ``step`` (:func:`~layeropt.plan.allocator.steady_reserved`; 0 without a
+    log: the ``"cpu"`` target)."""
+    if run.live.log is None or run.built is None:
+        return 0
+    return steady_reserved(run.built, first, keep, step).reserved
 
 
 def _snapshot(live: LiveBytes) -> dict[str, Any]:
@@ -301,6 +339,7 @@ def _measure_plain(
     loss_fn = run.workload.chunked_loss if chunked else run.workload.loss
     out = []
     with _configured(run, checkpointing), _gc_paused():
+        _taken(live)
         live.start()
         try:
             for _ in range(run.micro):  # (torch sums the micro-batches' gradients)
@@ -311,6 +350,7 @@ def _measure_plain(
         finally:
             live.phase = "idle"
         start, passes = live.start_bytes, _snapshot(live)
+        passes_log = _taken(live)
         for v in variants:
             run.tick(v)
             before = live.total
@@ -318,6 +358,7 @@ def _measure_plain(
             opt.step()  # warm-up on these gradients: creates the state
             live.track(list(opt.state.values()), STATE)
             kept = live.total - before  # the optimizer's state (and its maps)
+            warm_up = _taken(live)
             live.start()
             try:
                 live.phase = "optimizer step"
@@ -325,11 +366,16 @@ def _measure_plain(
             finally:
                 live.phase = "idle"
             step = _snapshot(live)
+            # a run: forward and backward, the first step (making the state), zero_grad;
+            # then forward and backward, the step, zero_grad; ...
+            step["reserved_bytes"] = _reserved(run, passes_log + warm_up, alive(warm_up),
+                                               passes_log + _taken(live))  # fmt: skip
             del opt
             top = dict(passes)
             top["peak_bytes"] += kept
             top["at_peak"] = dict(passes["at_peak"])
             top["at_peak"][STATE] += kept
+            top["reserved_bytes"] = step["reserved_bytes"]
             best = step if step["peak_bytes"] > top["peak_bytes"] else top
             out.append(Measurement(v, start_bytes=start + kept, end_bytes=start + kept, **best))
         del loss
@@ -337,38 +383,65 @@ def _measure_plain(
 
 
 def _measure_in_backward(run: _Run, variant: Variant) -> Measurement:
-    """A layeropt variant: warm up, attach, and run the whole step."""
-    import layeropt
-
+    """A layeropt variant: make the optimizer state (:func:`_first_step`), attach, and
+    measure a step."""
     run.tick(variant)
     live = run.live
     loss_fn = run.workload.chunked_loss if variant.chunked_loss else run.workload.loss
     opt = variant.make_optimizer(run.params)
-    handle = None
+    attached: list[Any] = []
     try:
         with _configured(run, variant.checkpointing):
-            with torch.no_grad():  # warm-up: the state a first step creates
-                for p in run.params:
-                    p.grad = torch.zeros_like(p)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            live.track(list(opt.state.values()), STATE)
-            offload = _offloaded(opt, live, variant.held_on_host) if variant.offload else None
-            cap = {} if run.bucket_cap_mb is None else {"bucket_cap_mb": run.bucket_cap_mb}
-            handle = layeropt.attach(run.model, opt, **cap)
+            offload, first = _first_step(run, variant, opt, loss_fn, attached)
             with _gc_paused():
                 live.start()
                 _step(run.model, run.batch, loss_fn, opt, live, run.micro)
             host, link = _link(offload, run)
+            reserved = _reserved(run, first, alive(first), _taken(live))
             return Measurement(
                 variant, start_bytes=live.start_bytes, end_bytes=live.total, **_snapshot(live),
                 host_bytes=sum(host), held_host_bytes=host[1], to_device_bytes=link[0],
-                to_host_bytes=link[1],
+                to_host_bytes=link[1], reserved_bytes=reserved,
             )
     finally:
-        if handle is not None:
+        for handle in attached:
             handle.remove()
         del opt
+
+
+def _first_step(
+    run: _Run, variant: Variant, opt: Any, loss_fn: Any, attached: list[Any]
+) -> tuple[Any, list[Event]]:
+    """Make ``opt``'s state and attach the model (the handle appended to ``attached``);
+    ``(the state offload or None, the log of the first step)``.
+
+    Where the caching allocator is replayed (the ``"cuda"`` target), a real first
+    step makes the state, each bucket's as its gradients land in backward, as in
+    a real run: where the state lands among the activations sets what the run
+    reserves. Otherwise, and with state offload (the state must exist to be moved
+    to host memory before the model is attached), every gradient is set to zero
+    and the optimizer steps once: the same state, without a forward and backward.
+    """
+    import layeropt
+
+    live = run.live
+    cap = {} if run.bucket_cap_mb is None else {"bucket_cap_mb": run.bucket_cap_mb}
+    _taken(live)
+    if variant.offload or live.log is None:
+        with torch.no_grad():
+            for p in run.params:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        live.track(list(opt.state.values()), STATE)
+        offload = _offloaded(opt, live, variant.held_on_host) if variant.offload else None
+        attached.append(layeropt.attach(run.model, opt, **cap))
+        return offload, alive(_taken(live))  # the state (the zero gradients are gone)
+    attached.append(layeropt.attach(run.model, opt, **cap))
+    with _gc_paused():
+        _step(run.model, run.batch, loss_fn, opt, live, run.micro)
+    live.track(list(opt.state.values()), STATE)
+    return None, _taken(live)
 
 
 def _link(offload: Any, run: _Run) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -3,12 +3,13 @@
 :class:`Plan` holds one :class:`~layeropt.plan.execute.Measurement` per
 configuration, sorted by peak, and renders them as a text table
 (:meth:`Plan.table`), one JSON object (:meth:`Plan.to_dict`) or stacked bars
-(:meth:`Plan.plot`). A configuration *fits* when its peak plus the
-:class:`Margin` is at most the GPU's memory.
+(:meth:`Plan.plot`). A configuration *fits* when its need - what PyTorch's
+caching allocator reserves over its steps (simulated) plus the
+:class:`Margin` - is at most the GPU's memory.
 
 Example:
     >>> round(Margin().budget(24 * 2**30) / 2**30, 2)
-    21.9
+    23.19
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from .tracker import ACTIVATIONS, CATEGORIES, GRADIENTS, OTHER, STATE
 from .variants import LOW_BIT, Variant
 from .workloads import PlanError
 
-__all__ = ["Margin", "Plan", "parse_size", "parse_gpu_memory", "GPU_MEMORY_RANGE"]
+__all__ = ["Margin", "Plan", "parse_size", "parse_gpu_memory", "GPU_MEMORY_RANGE",
+           "CUDA_CONTEXT", "REPLAY_SAFETY"]
 
 #: The GPU memory a plan accepts, in bytes: no GPU has less than 1 GiB or more than 1 TiB.
 GPU_MEMORY_RANGE = (2**30, 2**40)
@@ -96,40 +98,65 @@ def parse_gpu_memory(text: str | int) -> tuple[int, str]:
     return size, note
 
 
+#: Device memory a process holds outside PyTorch's caching allocator - the CUDA context,
+#: kernels, cuBLAS/cuDNN handles: the device's used memory less
+#: ``torch.cuda.max_memory_reserved``, 767-769 MiB in each of the 10 steps measured on an
+#: H200 (torch 2.11, CUDA 13, 2026-12-04, ``docs/plan.md``).
+CUDA_CONTEXT = 768 * 2**20
+#: What the need adds for the allocator replay's error: its reserved bytes were 6 MiB
+#: under to 40 MiB over the real ones on the same H200 (``docs/plan.md``).
+REPLAY_SAFETY = 64 * 2**20
+
+
 @dataclasses.dataclass(frozen=True)
 class Margin:
-    """What a GPU needs beyond the live tensor bytes a plan counts.
+    """What a GPU needs beyond the memory PyTorch's caching allocator reserves.
 
-    A configuration fits when ``peak * (1 + fraction) + fixed <= gpu_memory``.
+    A configuration's *need* is ``reserved * (1 + fraction) + fixed``; it fits
+    when its need is at most the GPU's memory. ``reserved`` is the row's
+    :attr:`~layeropt.plan.execute.Measurement.reserved_bytes`: the segments the
+    caching allocator takes over a run of the step (the model built, then
+    steps until its blocks repeat), its allocations and frees replayed through
+    the allocator's rules (:mod:`layeropt.plan.allocator`: 512-byte rounding,
+    2 and 20 MiB segments, best-fit reuse, and the fragmentation that
+    interleaved lifetimes leave, as checkpointing's recomputation among the
+    gradients does), with cuBLAS's workspaces. Without a replay (the ``"cpu"``
+    target, rows made by hand) it is the peak.
 
     Attributes:
-        fixed: bytes for the CUDA context, cuBLAS/cuDNN workspaces and the
-            NCCL/driver reserve (default 1 GiB).
-        fraction: share of the peak for the caching allocator's rounding and
-            fragmentation (reserved minus allocated; default 5%).
+        fixed: bytes outside the allocator: :data:`CUDA_CONTEXT` (768 MiB) and
+            :data:`REPLAY_SAFETY` (64 MiB) by default.
+        fraction: a share of ``reserved`` on top (default 0).
 
-    Both are estimates, not calibrated on a GPU yet: run
-    ``benchmarks/plan_calibrate.py`` on one and see ``docs/plan.md``.
+    Calibrated on one H200 (torch 2.11, CUDA 13, bf16, 2026-12-04): on each of
+    the 10 steps of ``benchmarks/plan_calibrate.py`` (gpt2 and llama-3.2-1b)
+    the default need was 57 to 105 MiB above the device's used memory
+    (``docs/plan.md``). Another GPU, driver or CUDA version holds another
+    context: that script prints it (``used-res``); pass it as ``fixed``.
     """
 
-    fixed: int = 2**30
-    fraction: float = 0.05
+    fixed: int = CUDA_CONTEXT + REPLAY_SAFETY
+    fraction: float = 0.0
+
+    def need(self, row: Measurement) -> int:
+        """The GPU memory ``row`` needs: its reserved bytes (else its peak) plus the margin."""
+        return self.gpu_memory_for(row.reserved_bytes or row.peak_bytes)
 
     def budget(self, gpu_memory: int) -> int:
-        """The largest peak that fits in ``gpu_memory`` bytes."""
+        """The most reserved bytes that fit in ``gpu_memory`` bytes."""
         return int((gpu_memory - self.fixed) / (1 + self.fraction))
 
-    def gpu_memory_for(self, peak: int) -> int:
-        """The least GPU memory in which ``peak`` fits (the inverse of :meth:`budget`)."""
-        return math.ceil(peak * (1 + self.fraction) + self.fixed)
+    def gpu_memory_for(self, reserved: int) -> int:
+        """The least GPU memory in which ``reserved`` bytes fit (the inverse of :meth:`budget`)."""
+        return math.ceil(reserved * (1 + self.fraction) + self.fixed)
 
     def describe(self) -> str:
-        """``"1.0 GiB + 5% of the peak"``."""
-        return f"{format_bytes(self.fixed)} + {self.fraction:.0%} of the peak"
+        """``"832.0 MiB"``; ``"1.0 GiB + 5%"`` with a fraction."""
+        return format_bytes(self.fixed) + (f" + {self.fraction:.0%}" if self.fraction else "")
 
     @classmethod
     def parse(cls, text: str) -> Margin:
-        """``"1GiB+5%"`` -> ``Margin(2**30, 0.05)``; ``"0"`` -> no margin."""
+        """``"1GiB+5%"`` -> ``Margin(2**30, 0.05)``; ``"0"`` -> no margin (the bare replay)."""
         fixed, fraction = 0, 0.0
         for part in (p.strip() for p in text.split("+") if p.strip()):
             if part.endswith("%"):
@@ -198,13 +225,25 @@ class Plan:
     # -- answers ------------------------------------------------------------
     @property
     def budget(self) -> int | None:
-        """The largest peak that fits (``None`` without ``gpu_memory``)."""
+        """The most reserved bytes that fit (``None`` without ``gpu_memory``)."""
         return None if self.gpu_memory is None else self.margin.budget(self.gpu_memory)
 
+    def need(self, row: Measurement) -> int:
+        """The GPU memory ``row`` needs (:meth:`Margin.need`)."""
+        return self.margin.need(row)
+
     def fits(self, row: Measurement) -> bool | None:
-        """Whether ``row`` fits on the GPU (``None`` without ``gpu_memory``)."""
-        budget = self.budget
-        return None if budget is None else row.peak_bytes <= budget
+        """Whether ``row``'s need is at most the GPU's memory (``None`` without
+        ``gpu_memory``)."""
+        return None if self.gpu_memory is None else self.need(row) <= self.gpu_memory
+
+    @property
+    def smallest(self) -> Measurement:
+        """The row to show when nothing fits: the smallest need with ``gpu_memory``,
+        else the smallest peak."""
+        if self.gpu_memory is None:
+            return self.rows[0]
+        return min(self.rows, key=lambda r: (self.need(r), r.peak_bytes))
 
     def row(self, variant: Variant) -> Measurement | None:
         """The measurement of ``variant``, if it was planned."""
@@ -339,13 +378,19 @@ class Plan:
             f"run on fake tensors, with {kernels}",
         ]
         if self.gpu_memory is not None:
+            replayed = any(r.reserved_bytes for r in self.rows)
+            base = ("reserved" if replayed else "peak")
             lines.append(
-                f"fits in {format_bytes(self.gpu_memory)}: peak + {self.margin.describe()} "
-                f"<= {format_bytes(self.gpu_memory)}, i.e. peak <= {format_bytes(self.budget)}"
+                f"fits in {format_bytes(self.gpu_memory)}: need = {base} + "
+                f"{self.margin.describe()} <= {format_bytes(self.gpu_memory)}"
+                + (" (reserved: the CUDA caching allocator's segments, replayed)"
+                   if replayed else "")
             )
             if self.margin == Margin():
-                lines.append("(the default margin is an estimate: on an H200 it was short of the "
-                             "device's use in 4 of 10 steps measured, docs/plan.md)")
+                lines.append(f"({self.margin.describe()} = {format_bytes(CUDA_CONTEXT)} the CUDA "
+                             f"context took on an H200 + {format_bytes(REPLAY_SAFETY)} for the "
+                             "replay's error; there the need covered the device's use in 10 "
+                             "of 10 steps measured, docs/plan.md)")
         return "\n".join(lines + self.notes)
 
     def table(self) -> str:
@@ -355,10 +400,12 @@ class Plan:
         host = any(r.host_bytes for r in self.rows)
         link = any(r.to_device_bytes or r.to_host_bytes for r in self.rows)
         peak_col = _Column("peak", [r.peak_bytes for r in self.rows])
+        need_col = _Column("need", [self.need(r) for r in self.rows])
         host_col = _Column("host", [r.host_bytes for r in self.rows if r.host_bytes])
         link_col = _Column("link/step", [r.to_device_bytes + r.to_host_bytes for r in self.rows
                                          if r.to_device_bytes or r.to_host_bytes])  # fmt: skip
-        head = f"{peak_col.title:>10}  " + "".join(f"{names[c]:>12}" for c in CATEGORIES)
+        head = f"{peak_col.title:>10}  {need_col.title:>10}  "
+        head += "".join(f"{names[c]:>12}" for c in CATEGORIES)
         head += f"  {'peak falls in':<22}" + ("fits  " if self.gpu_memory else "")
         head += f"{host_col.title:>10}  " if host else ""
         head += f"{link_col.title:>15}{'floor':>8}  " if link else ""
@@ -377,10 +424,11 @@ class Plan:
                          if moved else f"{'-':>15}{'-':>8}  ")
             mark = "  <- recommended" if r is choice else ""
             lines.append(
-                f"{peak_col.cell(r.peak_bytes):>10}  {cells}  {_where(r, short=True):<22}{fit}"
-                f"{kept}{self._named(r)}{mark}"
+                f"{peak_col.cell(r.peak_bytes):>10}  {need_col.cell(self.need(r)):>10}  {cells}  "
+                f"{_where(r, short=True):<22}{fit}{kept}{self._named(r)}{mark}"
             )
-        lines.append(f"(categories in {unit}, at the peak"
+        lines.append(f"(categories in {unit}, at the peak; need: the GPU memory the row needs, "
+                     f"{self._need_told()}"
                      + ("; host: host memory the offloaded optimizer state takes"
                         + (" and the held gradients' sums" if self.accumulate > 1 else "")
                         if host else "") + ")")
@@ -406,7 +454,7 @@ class Plan:
         that kind gives). The rest cheapest first, in the rule's order; at most
         8 rows.
         """
-        first = self.choice or self.rows[0]
+        first = self.choice or self.smallest
 
         def smallest(rows: list[Measurement]) -> Measurement:
             return min(rows, key=lambda r: (r.peak_bytes, len(r.variant.changes())))
@@ -434,8 +482,10 @@ class Plan:
         host = any(r.host_bytes for r in shown)
         link = any(r.to_device_bytes or r.to_host_bytes for r in shown)
         peak_col = _Column("peak", [r.peak_bytes for r in shown])
+        need_col = _Column("need", [self.need(r) for r in shown])
         host_col = _Column("host", [r.host_bytes for r in shown if r.host_bytes])
-        cols = [(peak_col.title, lambda r: peak_col.cell(r.peak_bytes))]
+        cols = [(peak_col.title, lambda r: peak_col.cell(r.peak_bytes)),
+                (need_col.title, lambda r: need_col.cell(self.need(r)))]
         if self.gpu_memory is not None:
             cols.append(("fits", lambda r: {True: "yes*" if not r.variant.run_on_a_gpu else
                                             "yes", False: "no"}[bool(self.fits(r))]))  # fmt: skip
@@ -454,7 +504,8 @@ class Plan:
 
         lines = [x for h in self.header().splitlines() for x in _wrap(h, "", _WIDTH)]
         lines += ["", line([t for t, _ in cols]) + "configuration"]
-        mark = "  <- recommended" if choice is not None else "  <- smallest peak"
+        mark = ("  <- recommended" if choice is not None else "  <- smallest peak"
+                if self.gpu_memory is None else "  <- smallest need")
         for r, cells in zip(shown, texts):
             lines += _fill(line(cells), r.variant.label + (mark if r is shown[0] else ""))
         kinds = ", ".join(_KINDS[k] for k in sorted({_kind(r) for r in self.rows}))
@@ -465,6 +516,8 @@ class Plan:
             + ("the least invasive row that fits, else " if self.gpu_memory else "")
             + "the smallest peak; --all: every row, with what is alive at each peak"
         ]
+        if self.gpu_memory is None:  # (else the header says it)
+            notes.append(f"need: the GPU memory the row needs, {self._need_told()}")
         if any(self.fits(r) and not r.variant.run_on_a_gpu for r in shown):
             notes.append("yes*: fits on paper; layeropt has not run this configuration on a "
                          "GPU yet")
@@ -481,6 +534,13 @@ class Plan:
         first, row = self._first_answer()
         lines += ["", *_wrap(first, "", _WIDTH), *_wrap(self._short_why(row), "", _WIDTH)]
         return "\n".join(lines)
+
+    def _need_told(self) -> str:
+        """What a row's need is, in words (the tables' notes)."""
+        if any(r.reserved_bytes for r in self.rows):
+            return (f"what the CUDA caching allocator reserves over its steps (replayed) + "
+                    f"{self.margin.describe()}")
+        return f"its peak + {self.margin.describe()}"
 
     def _short_why(self, row: Measurement) -> str:
         """``why:`` in one sentence: each change from the baseline and what it saves."""
@@ -514,21 +574,22 @@ class Plan:
         """The answer's first sentence, and the row it is about."""
         if self.gpu_memory is None:
             best = self.rows[0]
-            first = (f"smallest peak: {best.variant.label} ({format_bytes(best.peak_bytes)}); "
-                     "pass --gpu-memory to see what fits")  # fmt: skip
+            first = (f"smallest peak: {best.variant.label} ({format_bytes(best.peak_bytes)}, "
+                     f"needs {format_bytes(self.need(best))}); pass --gpu-memory to see what "
+                     "fits")  # fmt: skip
             return first, best
         choice = self.choice
         if choice is None:
-            best = self.rows[0]
-            need = best.peak_bytes - (self.budget or 0)
+            best = self.smallest
+            need = self.need(best)
+            over = need - self.gpu_memory
             first = (
-                f"nothing fits in {format_bytes(self.gpu_memory)}: the smallest peak, "
-                f"{best.variant.label} ({format_bytes(best.peak_bytes)}), is "
-                f"{format_bytes(need)} over what fits (peak <= {format_bytes(self.budget)}). "
-                f"Its peak must drop by {format_bytes(need)}, or it needs a GPU of "
-                f"{format_bytes(self.margin.gpu_memory_for(best.peak_bytes))}: try a shorter "
-                "--seq or a smaller --batch (with gradient accumulation), or shard the "
-                "model across GPUs (FSDP)."
+                f"nothing fits in {format_bytes(self.gpu_memory)}: the smallest need, "
+                f"{best.variant.label}'s ({format_bytes(need)}; peak "
+                f"{format_bytes(best.peak_bytes)}), is {format_bytes(over)} over. "
+                f"Its need must drop by {format_bytes(over)}, or it needs a GPU of "
+                f"{format_bytes(need)}: try a shorter --seq or a smaller --batch (with "
+                "gradient accumulation), or shard the model across GPUs (FSDP)."
             )
             return first, best
         rule = "with the fewest changes"
@@ -542,8 +603,9 @@ class Plan:
             rule += " once optimizer states are 8-bit (no exact AdamW fits)"
         elif "low-bit" in choice.variant.changes():
             rule += " once optimizer states are 4-bit (neither exact AdamW nor 8-bit states fit)"
-        first = (f"fits in {format_bytes(self.gpu_memory)} {rule}: "
-                 f"{self._named(choice)} ({format_bytes(choice.peak_bytes)})")  # fmt: skip
+        first = (f"fits in {format_bytes(self.gpu_memory)} {rule}: {self._named(choice)} "
+                 f"(peak {format_bytes(choice.peak_bytes)}, needs "
+                 f"{format_bytes(self.need(choice))})")  # fmt: skip
         return first, choice
 
     def _why_lines(self, row: Measurement) -> list[str]:
@@ -561,7 +623,9 @@ class Plan:
             "recommendation", "notes"}``; each variant has ``optimizer``,
             ``implementation``, ``checkpointing``, ``chunked_loss``,
             ``offload``, ``in_backward``, ``label``, ``peak_bytes``,
-            ``start_bytes``, ``at_peak`` (bytes per category), ``phase``,
+            ``reserved_bytes`` (the caching allocator's, replayed; 0 without a
+            replay), ``need_bytes`` (:meth:`need`), ``start_bytes``,
+            ``at_peak`` (bytes per category), ``phase``,
             ``phase_progress``, ``fits`` (``None`` without ``gpu_memory``),
             ``run_on_a_gpu`` (whether layeropt has run the configuration on a
             GPU: :attr:`Variant.run_on_a_gpu`), ``host_bytes`` (host memory
@@ -594,6 +658,8 @@ class Plan:
                     "in_backward": r.variant.in_backward,
                     "label": r.variant.label,
                     "peak_bytes": r.peak_bytes,
+                    "reserved_bytes": r.reserved_bytes,
+                    "need_bytes": self.need(r),
                     "start_bytes": r.start_bytes,
                     "at_peak": dict(r.at_peak),
                     "phase": r.phase,
@@ -618,7 +684,7 @@ class Plan:
 
     def plot(self, path: str | os.PathLike[str]) -> str:
         """Save a PNG: one stacked bar per configuration (the recommended one outlined,
-        its name in bold), the GPU's memory and the budget as lines.
+        its name in bold), each row's need as a tick, the GPU's memory as a line.
 
         Args:
             path: where to write the image.
@@ -656,12 +722,12 @@ class Plan:
             ax.barh(i, choice.peak_bytes / 2**30, fill=False, edgecolor="black", lw=1.5,
                     label="recommended")  # fmt: skip
             ax.get_yticklabels()[i].set_fontweight("bold")
+        ax.scatter([self.need(r) / 2**30 for r in rows], range(len(rows)), marker="|", s=200,
+                   color="black", label="need")  # fmt: skip
         if self.gpu_memory is not None:
             ax.axvline(self.gpu_memory / 2**30, color="black", lw=1.2,
                        label=f"GPU memory ({format_bytes(self.gpu_memory)})")  # fmt: skip
-            ax.axvline((self.budget or 0) / 2**30, color="black", lw=1, ls="--",
-                       label=f"fits (margin: {self.margin.describe()})")  # fmt: skip
-        ax.set_xlabel("GiB at the peak of the step")
+        ax.set_xlabel(f"GiB at the peak of the step; need: {self._need_told()}")
         ax.set_ylim(-0.7, len(rows) - 0.3)
         title = self.header().splitlines()[0].removeprefix("layeropt plan: ")
         fig.suptitle(textwrap.fill(title, 110), fontsize="medium")

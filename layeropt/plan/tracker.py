@@ -122,12 +122,13 @@ def _python_body(func: Any) -> Any:
 
 
 class _Storage:
-    __slots__ = ("nbytes", "fake_nbytes", "category", "ref")
+    __slots__ = ("nbytes", "fake_nbytes", "category", "ref", "serial")
 
-    def __init__(self, nbytes: int, category: str) -> None:
+    def __init__(self, nbytes: int, category: str, serial: int = 0) -> None:
         self.nbytes = self.fake_nbytes = nbytes
         self.category = category
         self.ref: Any = None
+        self.serial = serial
 
 
 class LiveBytes(TorchDispatchMode):
@@ -149,6 +150,10 @@ class LiveBytes(TorchDispatchMode):
         peak_op_in_phase: index of that operator within its phase.
         ops_per_phase: operators seen per phase since :meth:`start`.
         start_bytes: ``total`` when :meth:`start` was called.
+        log: ``None``, or a list to which every allocation and free is appended
+            in order, as ``(serial, nbytes)`` for an allocation and
+            ``(serial, 0)`` for its free (a kernel's workspace is both, at once):
+            what :class:`~layeropt.plan.allocator.CachingAllocator` replays.
     """
 
     def __init__(self) -> None:
@@ -175,6 +180,8 @@ class LiveBytes(TorchDispatchMode):
         #: ``(func, args, kwargs, out) -> nbytes | None``: the real size of
         #: ``out``'s storage when it differs from the fake one.
         self.storage_size: Any = None
+        self.log: list[tuple[int, int]] | None = None
+        self._serial = 0
 
     # -- counting ---------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -206,6 +213,9 @@ class LiveBytes(TorchDispatchMode):
                 if real is not None:
                     self._count_as(out.untyped_storage(), real)
         extra = self.workspace(func, args, kwargs or {}) if self.workspace is not None else 0
+        if extra and self.log is not None:
+            self._serial += 1
+            self.log += ((self._serial, extra), (self._serial, 0))
         self._ops += 1
         n = self.ops_per_phase.get(self.phase, 0)
         self.ops_per_phase[self.phase] = n + 1
@@ -245,10 +255,13 @@ class LiveBytes(TorchDispatchMode):
                 info.fake_nbytes = st.nbytes()
                 self._count_as(st, info.fake_nbytes)
             return
-        info = _Storage(st.nbytes(), category)
+        self._serial += 1
+        info = _Storage(st.nbytes(), category, self._serial)
         info.ref = weakref.ref(st, _Freed(self, key, info))
         self._live[key] = info
         self._add(category, info.nbytes)
+        if self.log is not None and info.nbytes:
+            self.log.append((info.serial, info.nbytes))
 
     def _add(self, category: str, nbytes: int) -> None:
         self.by_category[category] += nbytes
@@ -258,12 +271,27 @@ class LiveBytes(TorchDispatchMode):
         if self._live.get(key) is info:
             del self._live[key]
             self._add(info.category, -info.nbytes)
+            if self.log is not None and info.nbytes:
+                self.log.append((info.serial, 0))
 
     def _count_as(self, st: Any, nbytes: int) -> None:
         info = self._live.get(id(st))
         if info is not None and info.nbytes != nbytes:
             self._add(info.category, nbytes - info.nbytes)
+            if self.log is not None:
+                self._relog(info, nbytes)
             info.nbytes = nbytes
+
+    def _relog(self, info: _Storage, nbytes: int) -> None:
+        """Log a storage's new size as a new block, then the old one freed (as
+        ``resize_`` does: allocate, copy, free)."""
+        old = info.serial
+        self._serial += 1
+        info.serial = self._serial
+        if nbytes:
+            self.log.append((info.serial, nbytes))
+        if info.nbytes:
+            self.log.append((old, 0))
 
     def _new_peak(self, func: Any, op_in_phase: int, workspace: int = 0) -> None:
         self.peak = self.total + workspace
