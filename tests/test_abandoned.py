@@ -31,6 +31,8 @@ from torch import nn
 
 import layeropt
 
+_TORCH = torch.torch_version.TorchVersion(torch.__version__)
+
 
 def _equal(model: nn.Module, ref: nn.Module) -> None:
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -265,6 +267,7 @@ def _resume_from_interrupted(tmp_path: Any, cls: Any) -> tuple[nn.Module, Any]:
     return model, (initial, resumed)
 
 
+@pytest.mark.skipif(_TORCH < (2, 6), reason="transformers' torch.load (its resume) needs torch >= 2.6")
 def test_hf_resume_from_interrupted_training(tmp_path):
     """transformers' test_resume_from_interrupted_training with every Trainer a
     LayeroptTrainer: the parameters of the plain Trainer + torch.optim.AdamW, bit for bit.
@@ -294,6 +297,7 @@ def _different_batch_size(tmp_path: Any, cls: Any) -> tuple[nn.Module, Any]:
     return model, second
 
 
+@pytest.mark.skipif(_TORCH < (2, 6), reason="transformers' torch.load (its resume) needs torch >= 2.6")
 def test_hf_resume_training_with_different_batch_size(tmp_path):
     """transformers' test_resume_training_with_different_batch_size with LayeroptTrainer:
     bit for bit the plain Trainer's (refused at the second Trainer's first step before)."""
@@ -363,6 +367,7 @@ def test_hf_callback_after_a_train_that_raised(tmp_path):
     assert not layeropt.optim.unwrap_optimizer(first.optimizer).attached
 
 
+@pytest.mark.skipif(_TORCH < (2, 6), reason="transformers' torch.load (its resume) needs torch >= 2.6")
 def test_hf_run_interrupted_between_backward_and_step(tmp_path):
     """A LayeroptTrainer interrupted after a backward that updated the model and before
     its optimizer step: torch would never apply that update; the model has it. A Trainer

@@ -455,6 +455,7 @@ def test_cli_is_quiet(tmp_path):
                "layeropt.in_backward(torchao.optim.AdamW4bit)"]
     proc = subprocess.run(
         [sys.executable, "-m", "layeropt", "plan", "gpt2", "--seq", "32", "--gpu-memory", "8GiB",
+         "--optimizer", "torch.optim.AdamW",  # (something to plan without the low-bit extras)
          *(a for name in low_bit for a in ("--optimizer", name))],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )  # fmt: skip
@@ -1100,8 +1101,10 @@ def test_replay_reproduces_the_calibration_rows():
     p = plan("gpt2", seq=1024, variants=[FUSED_CKPT, LAYEROPT_CKPT])
     for model, variant, planned, _, _, used, replayed in CALIBRATION[:2]:
         row = p.row(variant)
-        assert round(row.peak_bytes / MiB) == planned
-        assert abs(row.reserved_bytes / MiB - replayed) <= 16, (variant.label, row.reserved_bytes)
+        if torch.torch_version.TorchVersion(torch.__version__) >= (2, 6):  # (the GPU ran
+            assert round(row.peak_bytes / MiB) == planned  # 2.11; 2.4's checkpointing
+            assert abs(row.reserved_bytes / MiB - replayed) <= 16, (  # keeps 12 MiB more)
+                variant.label, row.reserved_bytes)
         assert p.need(row) >= used * MiB
     cpu = plan("gpt2", seq=64, variants=[FUSED], device="cpu")
     assert cpu.rows[0].reserved_bytes == 0  # no replay of a CPU step: its need is its peak's

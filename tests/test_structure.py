@@ -134,8 +134,11 @@ def test_the_plain_path_stays_short(monkeypatch):
     no core module has over 400 code lines."""
     monkeypatch.delenv("LAYEROPT_VERIFY", raising=False)
     report = _engine_report()
-    calls, depth, counts = report.calls_per_backward()
-    assert calls <= 40 and depth <= 6, (calls, depth, counts)
+    from layeropt.engine.fastpath import supported
+
+    if supported():  # (torch < 2.6: torch's own step serves every bucket, with its hooks)
+        calls, depth, counts = report.calls_per_backward()
+        assert calls <= 40 and depth <= 6, (calls, depth, counts)
     assert len(report.engine_attributes()) <= 15, report.engine_attributes()
     sizes = {p.name: report.code_lines(p) for p in report.core_modules(ROOT)}
     assert max(sizes.values()) <= 400, sizes
