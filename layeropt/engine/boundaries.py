@@ -21,6 +21,7 @@ update read them. Here also:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -77,10 +78,21 @@ class StepRecord:
 class StepRules:
     """The engine's training-step side (see the module docstring)."""
 
+    # What it uses of the rest of the engine: its state (set in Rules.__init__ and
+    # Engine.__init__) and the methods Rules and Engine define.
     train_step: StepRecord
     attachments: dict[Any, None]
     _optimizer: Callable[[], Any]
     stepper: Any  # how a step call updates; its ``held`` store (layeropt/engine/stepper.py)
+    last: Any  # the latest BackwardRecord (rules.py)
+    measure: Any  # layeropt.backward's measure pass, or None
+    no_step_depth: int
+    calls: set[str]
+    clips: bool  # (Engine.clips)
+    _step: Callable[[list[Any]], None]  # (Engine._step: one step call)
+    placed: Callable[[list[Tensor]], list[Group]]  # (Engine.placed)
+    name_of: Callable[[Tensor], str]  # (Engine.name_of)
+    closure: Callable[[], contextlib.AbstractContextManager[None]]  # (Rules.closure)
 
     # -- held gradients ----------------------------------------------------------
     def _take(self, param: Tensor) -> None:
