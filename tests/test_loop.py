@@ -592,6 +592,29 @@ def _main_params(model: Sino) -> list[Tensor]:
     return [p for name, p in model.named_parameters() if not name.startswith("cell")]
 
 
+def _early_extra_windows(ref: Sino, ref_opts: list, m: Sino, acc: LoopAccumulator, n: int,
+                         clip: float | None, ref_scaler: Any) -> list[Tensor | None]:
+    """Two windows of ``_early_extra_loss``: torch's clipped step on ``ref``, the
+    accumulator's on ``m``; returns torch's norms."""
+    norms = []
+    for s in range(2):
+        x, t = batch(s, n)
+        torch.manual_seed(s)
+        norms.append(_torch_clip_step(
+            ref, ref_opts, lambda model: [_early_extra_loss(model, x, t, i, n)
+                                          for i in range(n)], n, clip, ref_scaler))
+        torch.manual_seed(s)
+        for i in range(n):
+            acc.backward(_early_extra_loss(m, x, t, i, n))
+        acc.step()
+        if clip is not None:
+            assert torch.equal(acc.grad_norm, norms[-1])
+        else:
+            assert acc.grad_norm is None
+        assert all(p.grad is None for p in m.parameters())  # stepped and freed
+    return norms
+
+
 @pytest.mark.parametrize("use_scaler", [False, True], ids=["noscaler", "scaler"])
 def test_clipping_with_parameters_only_early_iterations_reach(use_scaler):
     """Two attached optimizers, ``cell``'s reached only before the last iteration: its
@@ -605,18 +628,7 @@ def test_clipping_with_parameters_only_early_iterations_reach(use_scaler):
     ref_scaler, scaler = (_scaler(), _scaler()) if use_scaler else (None, None)
     acc = LoopAccumulator(n, opts, max_norm=CLIP, scaler=scaler)
     with layeropt.attach(m, opts):
-        for s in range(2):
-            x, t = batch(s, n)
-            torch.manual_seed(s)
-            ref_norm = _torch_clip_step(
-                ref, ref_opts, lambda model: [_early_extra_loss(model, x, t, i, n)
-                                              for i in range(n)], n, CLIP, ref_scaler)
-            torch.manual_seed(s)
-            for i in range(n):
-                acc.backward(_early_extra_loss(m, x, t, i, n))
-            acc.step()
-            assert torch.equal(acc.grad_norm, ref_norm)
-            assert all(p.grad is None for p in m.parameters())
+        _early_extra_windows(ref, ref_opts, m, acc, n, CLIP, ref_scaler)
     assert_models_equal(ref, m)
     for o, r in zip(opts, ref_opts):
         assert_same(r.state_dict(), o.state_dict())
@@ -637,19 +649,7 @@ def test_clipping_with_an_attached_and_a_plain_optimizer(clip, use_scaler):
     ref_scaler, scaler = (_scaler(), _scaler()) if use_scaler else (None, None)
     acc = LoopAccumulator(n, [lo, plain], max_norm=clip, scaler=scaler)
     with layeropt.attach(m, lo):
-        for s in range(2):
-            x, t = batch(s, n)
-            torch.manual_seed(s)
-            ref_norm = _torch_clip_step(
-                ref, ref_opts, lambda model: [_early_extra_loss(model, x, t, i, n)
-                                              for i in range(n)], n, clip, ref_scaler)
-            torch.manual_seed(s)
-            for i in range(n):
-                acc.backward(_early_extra_loss(m, x, t, i, n))
-            acc.step()
-            assert (acc.grad_norm is None) == (clip is None)
-            if clip:
-                assert torch.equal(acc.grad_norm, ref_norm)
+        _early_extra_windows(ref, ref_opts, m, acc, n, clip, ref_scaler)
         # both: the plain optimizer's gradient would have to be unscaled before the norm
         both = LoopAccumulator(n, [lo, plain], max_norm=CLIP, scaler=_scaler())
         x, t = batch(5, n)

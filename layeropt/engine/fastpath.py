@@ -478,8 +478,9 @@ class FastPath:
             if len(got) != len(ps) or not all(map(is_, got, ps)):
                 return
             chunk = _Chunk(i, g, tuple(map(g.get, kind.options)), list(ps), lists, flags)
-            if kind.betas and _to_scalar is not None and g["fused"] and not g["differentiable"]:
-                chunk.device = _one_group(ps, grads, lists)  # (Adam's, as one group)
+            if (kind.functional == "adam" and _to_scalar is not None and g["fused"]
+                    and not g["differentiable"]):
+                chunk.device = _one_group(ps, grads, lists)  # (fused Adam, as one group)
             chunks.append(chunk)
         try:
             entry = _Entry(chunks, optimizer.state)

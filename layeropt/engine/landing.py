@@ -16,9 +16,11 @@ nothing else:
    hook registered later than layeropt's on the parameter that completed the
    queue has run, as torch's ``step()`` comes after them;
 3. then they are stepped with one call of torch's ``step`` on exactly their
-   parameters (:meth:`Engine._step`: unscaling and clipping per bucket first,
-   ``layeropt/engine/transforms.py``; the update itself one call of the optimizer's
-   ``SubsetStepper``, ``layeropt/engine/subset.py``), and their gradients freed.
+   parameters, through the engine's stepper (:meth:`Engine._step`, then
+   ``Stepper.step`` in ``layeropt/engine/stepper.py``: unscaling and clipping
+   first, ``layeropt/engine/transforms.py``, per bucket where they differ by
+   bucket; the update itself one call of the optimizer's ``SubsetStepper``,
+   ``layeropt/engine/subset.py``), and their gradients freed.
 
 Everything else - the start and end of a backward, modes that hold gradients
 (``no_step()``, a GradScaler-scaled loss, ``step(closure)``, a kept graph),

@@ -1,6 +1,6 @@
 """Gradient transforms around a bucket step: unscale, clip, and the measure pass.
 
-Used by ``Engine._step`` (before each step) and by ``layeropt.backward``'s
+Used by the plain stepper (``layeropt/engine/stepper.py``, before each step) and by ``layeropt.backward``'s
 measure pass. Every op is the one torch itself uses
 (``GradScaler.unscale_``, ``clip_grad_norm_``, ``clip_grad_value_``), so the
 results stay bit-identical. Clipping by value runs ``clip_grad_value_``'s

@@ -63,7 +63,7 @@ class HostHeld:
         self.host: dict[Tensor, Tensor] = {}  # parameter -> its held gradient, on the host
         # held gradients of whole buckets left in .grad, up to device_bytes (budget)
         self.budget = device_bytes
-        self.kept: dict[Tensor, int] = {}  # parameter -> its gradient's bytes, left in .grad
+        self.kept: set[Tensor] = set()  # parameters whose held gradient is left in .grad
         self._kept_buckets: set[int] = set()  # id(bucket): its held gradients stay in .grad
         self._kept_bytes = 0
         self._pending: dict[int, list[Tensor]] = {}  # id(bucket) -> landed, not moved yet
@@ -94,7 +94,7 @@ class HostHeld:
         with its bucket once the bucket has landed, or now (``at_once``: the backward
         may deliver it again)."""
         if id(bucket) in self._kept_buckets or self._keep(bucket):
-            self.kept[param] = param.grad.nbytes
+            self.kept.add(param)
             return  # (stays in .grad: autograd sums it there, as without offload)
         if at_once:
             self.down([param])
@@ -149,9 +149,11 @@ class HostHeld:
         """Each parameter's host sum back in ``.grad``, plus what landed there since
         (``held + new``, autograd's order); the host tensor is dropped."""
         for p in params:
-            if self.kept and self.kept.pop(p, None) is not None and not self.kept:
-                self._kept_buckets.clear()  # every kept gradient is back with the engine:
-                self._kept_bytes = 0  # the window's budget is free again
+            if p in self.kept:
+                self.kept.discard(p)
+                if not self.kept:  # every kept gradient is back with the engine:
+                    self._kept_buckets.clear()  # the window's budget is free again
+                    self._kept_bytes = 0
             if p not in self.host:
                 continue
             work = self.fetch(p)
