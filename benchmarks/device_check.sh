@@ -58,6 +58,6 @@ part gpt23m-bf16 70 $BENCH --rounds 10
 part gpt1b-bf16 70 $BENCH --model gpt --size 1b --rounds 3 --contenders adam-fused layeropt floor
 part plan-calibrate 50 python benchmarks/plan_calibrate.py
 part offload-tests 60 python -m pytest tests/test_cuda_offload.py -q -p no:cacheprovider
-part offload-bench 90 python benchmarks/offload_bench.py --layers 4 --steps 3 --accumulate 2 --trace "$OUT/offload-trace.json"
+part offload-bench 90 python benchmarks/offload_bench.py --layers 4 --steps 3 --accumulate 2 --unproven --trace "$OUT/offload-trace.json"
 part offload-7b 240 python benchmarks/offload_7b.py --modes torch sync overlap-prefetch --micro 2 --steps 3
 echo "logs in $OUT/"

@@ -246,12 +246,10 @@ VERIFY_CAUSES = {
 }
 OVERLAP_HELD_ERROR = (
     "offload_state(overlap=True) without prefetch=True, with held gradients in host memory "
-    "(held_grads=True, the default), gave parameters that differ from torch.optim on a GPU "
-    "(an H200, 2026-12-04: benchmarks/offload_bench.py --accumulate 2), so it is refused: "
-    "the overlapped copies race with the held gradients' copies. Use "
-    "offload_state(opt, overlap=True, prefetch=True) (bit-identical there, also at 7B), "
-    "held_grads=False (held gradients stay in .grad on the device), or overlap=False "
-    "(the default)."
+    "(held_grads=True, the default), has not been shown bit-identical to torch.optim on a "
+    "GPU yet, so it is refused. Use offload_state(opt, overlap=True, prefetch=True) "
+    "(bit-identical on an H200, 2026-12-04, also at 7B), held_grads=False (held gradients "
+    "stay in .grad on the device), or overlap=False (the default)."
 )
 
 VERIFY_OFFLOAD_ERROR = (

@@ -31,7 +31,8 @@ from layeropt.distributed.fsdp_offload import has_offload_race, offloaded_shards
 from layeropt.errors import LayeroptError
 from layeropt.models import make_model
 from layeropt.engine.stepper import PLAIN
-from layeropt.offload import offload_state
+from layeropt.offload import StateOffload, offload_state
+from layeropt.offload.state import _install
 
 try:
     from torch.distributed.fsdp import CPUOffloadPolicy
@@ -261,9 +262,9 @@ def test_overlap_state_dict_round_trip_resumes_exactly():
 
 
 def test_overlap_without_prefetch_with_held_grads_is_refused():
-    """overlap=True alone, held gradients in host memory (the default): refused, as on
-    the H200 (2026-12-04) its numbers differed from torch.optim over accumulation; the
-    message names prefetch=True. The modes it names are accepted."""
+    """overlap=True alone, held gradients in host memory (the default): refused until a
+    GPU run has shown it exact (the next test is that run); the message names
+    prefetch=True. The modes it names are accepted."""
     model, _, _ = make_model("gpt")
     model = model.cuda()
     opt = layeropt.AdamW(model.parameters(), lr=0.01)
@@ -273,6 +274,26 @@ def test_overlap_without_prefetch_with_held_grads_is_refused():
     assert opt._lo_engine.stepper is PLAIN  # nothing installed
     handle = offload_state(opt, overlap=True, prefetch=True)
     assert handle.overlap and handle.order is not None and handle.held is not None
+
+
+@pytest.mark.parametrize("max_buckets", [1, 2])
+@pytest.mark.parametrize("cap", [0.0, 1.0], ids=["cap0", "default-cap"])
+def test_refused_overlap_with_held_grads_built_anyway(cap, max_buckets):
+    """The refused mode, built past offload_state's refusal, over accumulation windows:
+    bit for bit with torch.optim, or the refusal stays. (2026-12-04's "not equal" for
+    it was the benchmark's traced backward stepping that model once more: see
+    docs/results/gpu-h200.md.)"""
+    runs, batch_fn, loss_fn = _runs("AdamW", dict(lr=0.01, fused=True), cap, [None])
+    m, o, _ = runs[1]
+    handle = _install(o, StateOffload(o, max_buckets, overlap=True, held_grads=True))
+    runs[1] = (m, o, handle)
+    _window(runs, batch_fn, loss_fn, steps=3)
+    (m0, o0, _), (m, o, handle) = runs
+    assert_models_equal(m0, m)
+    ref, sd = o0.state_dict(), o.state_dict()
+    _assert_same_values(ref, sd)
+    _assert_state_devices(ref, sd, offloaded=True)
+    assert handle.held.down_bytes > 0 and handle.held.up_bytes > 0
 
 
 # -- FSDP2 with CPUOffloadPolicy ------------------------------------------------------

@@ -358,7 +358,7 @@ def test_refusals():
     opt = layeropt.AdamW(model.parameters(), lr=0.01)
     with pytest.raises(ValueError, match="max_buckets"):
         offload_state(opt, max_buckets=0)
-    # overlap alone, with held gradients in host memory: a GPU run found it wrong
+    # overlap alone, with held gradients in host memory: no GPU run has shown it exact
     with pytest.raises(LayeroptError, match="prefetch=True.*held_grads=False.*overlap=False"):
         offload_state(opt, overlap=True)
     if not torch.cuda.is_available():

@@ -467,8 +467,8 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
             at once (>= 1); without it, one bucket's is.
         overlap: copy each bucket's state back on a side stream while the next one
             steps (CUDA only). With ``held_grads`` it needs ``prefetch`` too: overlap
-            alone gave other numbers than torch.optim on an H200 (2026-12-04) and is
-            refused.
+            alone with held gradients in host memory has not run exact on a GPU yet and
+            is refused (docs/offload.md).
         held_grads: gradients held for a later step (``no_step()`` accumulation, a
             ``retain_graph=True`` backward) wait in host memory too, each bucket's
             moved as soon as it has landed and brought back for its step
@@ -518,7 +518,7 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
             "(FSDP2's DTensor shards, or another tensor subclass). Use it on a model that "
             "is not sharded, or without offload."
         )
-    if overlap and held_grads and not prefetch:  # (the one mode a GPU run found wrong)
+    if overlap and held_grads and not prefetch:  # (the one mode no GPU run has shown exact)
         raise LayeroptError(OVERLAP_HELD_ERROR)
     for name, on in (("overlap", overlap), ("prefetch", prefetch)):
         where = sorted({str(p.device) for p in params if p.device.type != "cuda"})
