@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import streams
+
 __all__ = ["HostHeld", "empty_like"]
 
 
@@ -131,12 +133,12 @@ class HostHeld:
             if g is None:
                 continue
             buf = self._new_host(g)
-            buf.copy_(g, non_blocking=g.device.type == "cuda")
+            buf.copy_(g, non_blocking=streams.asynchronous(g.device))
             staged.append((p, buf, g.device))
             p.grad = None
             self.down_bytes += buf.nbytes
-        for device in {d for _, _, d in staged if d.type == "cuda"}:
-            torch.cuda.current_stream(device).synchronize()  # the copies have landed
+        for device in {d for _, _, d in staged if streams.asynchronous(d)}:
+            streams.host_waits(device)  # the copies have landed
         for p, buf, _ in staged:
             acc = self.host.get(p)
             if acc is None:
@@ -170,7 +172,7 @@ class HostHeld:
         work = None if self.ahead is None else self.ahead(param, acc)
         if work is None:
             work = empty_like(acc, param.device)
-            work.copy_(acc, non_blocking=param.device.type == "cuda")
+            work.copy_(acc, non_blocking=streams.asynchronous(param.device))
         self.up_bytes += acc.nbytes
         return work
 

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from . import streams
 from .held import HostHeld, empty_like
 from .prefetch import LandingOrder
 from ..checking.verify import Verifier
@@ -189,8 +190,8 @@ class StateOffload:
         state = optimizer.state
         working: dict[tuple[int, Any], tuple[Tensor, Tensor]] = {}  # -> (host, work)
         if self._flights:  # the copies back this bucket's host tensors may wait for
-            streams = {p.device: torch.cuda.current_stream(p.device) for p in params}
-            for s in streams.values():
+            waiting = {p.device: streams.current(p.device) for p in params}
+            for s in waiting.values():
                 for f in self._flights:
                     s.wait_event(f.event)
         key = tuple(map(id, params)) if self.order is not None else ()
@@ -215,7 +216,7 @@ class StateOffload:
 
     def _to_device(self, host: Tensor, device: torch.device) -> Tensor:
         work = empty_like(host, device)
-        work.copy_(host, non_blocking=device.type == "cuda")  # (pinned host: asynchronous)
+        work.copy_(host, non_blocking=streams.asynchronous(device))  # (pinned host)
         return work
 
     def _write_back(self, state: Any, params: list[Tensor],
@@ -271,16 +272,16 @@ class StateOffload:
                 if self.held is not None and p in self.held.host:
                     sources.append((_HELD, self.held.host[p]))
                 for k, v in sources:
-                    if side is None and p.device.type == "cuda":
+                    if side is None and streams.asynchronous(p.device):
                         side = self._side_stream(p.device)
-                    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    with streams.on(side):
                         work = self._to_device(v, p.device)
                     self._copies[(id(p), k)] = (v, v._version, work, None)
                     entries.append((id(p), k))
                     self._count(v.nbytes, copied=k is not _HELD)
                     self.prefetched_bytes += v.nbytes
             if side is not None:
-                event = torch.cuda.Event()
+                event = streams.new_event()
                 event.record(side)
                 for e in entries:
                     self._copies[e] = (*self._copies[e][:3], event)
@@ -290,8 +291,8 @@ class StateOffload:
     def _side_stream(self, device: torch.device) -> Any:
         side = self._streams.get(device)
         if side is None:
-            side = self._streams[device] = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))  # (copies back it must follow)
+            side = self._streams[device] = streams.new_stream(device)
+        side.wait_stream(streams.current(device))  # (copies back it must follow)
         return side
 
     def _take(self, p: Tensor, k: Any, host: Tensor) -> Tensor | None:
@@ -306,9 +307,9 @@ class StateOffload:
             self.wasted_bytes += work.nbytes
             return None
         if event is not None:
-            current = torch.cuda.current_stream(work.device)
+            current = streams.current(work.device)
             current.wait_event(event)
-            work.record_stream(current)
+            streams.keep_for(work, current)
         if k is _HELD:  # a gradient from now on, not state
             self.device_bytes -= work.nbytes
         return work
@@ -331,12 +332,12 @@ class StateOffload:
             self.device_bytes -= nbytes
             return
         side = self._side_stream(moves[0][2].device)
-        with torch.cuda.stream(side):
+        with streams.on(side):
             for s, k, v, host in moves:
                 host.copy_(v, non_blocking=True)
-                v.record_stream(side)
+                streams.keep_for(v, side)
                 s[k] = host  # (its values arrive with the event: see synchronize())
-        event = torch.cuda.Event()
+        event = streams.new_event()
         event.record(side)
         self._flights.append(_Flight(event, [v for _, _, v, _ in moves], nbytes))
 

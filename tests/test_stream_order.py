@@ -1,0 +1,170 @@
+"""Offload's copy pipeline, in order, on the CPU: every mode with simulated CUDA streams.
+
+``tests/streamsim.py`` runs offload with every copy asynchronous, as on CUDA,
+and reports each read or write of a tensor not ordered after what it depends
+on (a race a GPU could show as a wrong number, or never). Each mode trains
+the same model as torch.optim, through accumulation windows and clipping,
+and must end with no race and the same parameters and optimizer state bit
+for bit. The first tests show the checker fails: each removes one wait the
+pipeline needs and expects the race it leaves.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any
+
+import pytest
+import torch
+
+import layeropt
+from harness import assert_models_equal, assert_same
+from layeropt.models import make_model
+from layeropt.offload.state import StateOffload, _install
+from streamsim import Sim, SimEvent, SimStream, simulate
+
+CAPS = pytest.mark.parametrize("cap", [0.0, 1.0], ids=["cap0", "default-cap"])
+
+# name -> StateOffload arguments (built directly: offload_state refuses the streams on CPU)
+MODES = {
+    "sync": dict(overlap=False),
+    "overlap, held on device": dict(overlap=True, held_grads=False),
+    "overlap, one bucket": dict(overlap=True, held_grads=False, max_buckets=1),
+    "prefetch": dict(prefetch=True),
+    "overlap + prefetch": dict(overlap=True, prefetch=True),
+    "overlap + prefetch, 3 buckets": dict(overlap=True, prefetch=True, max_buckets=3),
+    "overlap + prefetch, half held on device": dict(overlap=True, prefetch=True,
+                                                     held_device_bytes=-2),
+    "overlap alone, held in host memory (refused)": dict(overlap=True),
+}
+
+
+def _handle(opt: Any, kw: dict[str, Any]) -> StateOffload:
+    kw = dict(kw)
+    if kw.get("held_device_bytes") == -2:  # half of the model's gradient bytes
+        kw["held_device_bytes"] = sum(p.nbytes for g in opt.param_groups
+                                      for p in g["params"]) // 2
+    kw.setdefault("overlap", False)
+    return _install(opt, StateOffload(opt, kw.pop("max_buckets", 2), **kw))
+
+
+def _train(monkeypatch: Any, kw: dict[str, Any], cap: float, micro: int, clip: float | None,
+           query: Any = lambda: False, steps: int = 3):
+    """torch.optim AdamW(fused) and layeropt offloaded in the mode ``kw``, simulated;
+    returns (reference model, its optimizer, model, optimizer, the Sim)."""
+    model, batch_fn, loss_fn = make_model("gpt")
+    ref, ours = copy.deepcopy(model), copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, fused=True)
+    opt = layeropt.AdamW(ours.parameters(), lr=0.01, fused=True)
+    layeropt.attach(ours, opt, bucket_cap_mb=cap)
+    gen = torch.Generator().manual_seed(0)
+    with simulate(monkeypatch, query) as sim:
+        handle = _handle(opt, kw)
+        for _ in range(steps):
+            batches = [batch_fn(gen) for _ in range(micro)]
+            for data in batches:
+                (loss_fn(ref, data) / micro).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            for k, data in enumerate(batches):
+                loss = loss_fn(ours, data) / micro
+                if k < micro - 1:
+                    with opt.no_step():
+                        loss.backward()
+                elif clip is not None:
+                    layeropt.backward(loss, max_norm=clip)
+                else:
+                    loss.backward()
+            opt.step()
+            opt.zero_grad()
+        state = opt.state_dict()  # (waits for the copies back itself)
+    return ref, ref_opt, ours, state, sim, handle
+
+
+# -- the checker fails where a wait is missing ------------------------------------------
+def test_copy_back_without_waiting_for_the_step_races(monkeypatch):
+    """The side stream's copy back must wait for the step that wrote the working state."""
+    monkeypatch.setattr(SimStream, "wait_stream", lambda self, other: None)
+    *_, sim, _ = _train(monkeypatch, MODES["overlap, held on device"], 0.0, 1, None, steps=2)
+    assert any("copy_" in r and "reads default" in r for r in sim.races), sim.races[:3]
+
+
+def test_a_step_not_waiting_for_the_copy_back_races(monkeypatch):
+    """The next bring-in of a host tensor must wait for its copy back (an event)."""
+    monkeypatch.setattr(SimStream, "wait_event", lambda self, event: None)
+    # (the default cap: few buckets, so a bucket's copy back is still in flight when it
+    # steps again; with many, retiring older copies has made the host wait already)
+    *_, sim, _ = _train(monkeypatch, MODES["overlap, held on device"], 1.0, 1, None, steps=2)
+    assert any("reads side" in r or "read by side" in r for r in sim.races), sim.races[:3]
+
+
+def test_host_sum_before_the_copy_down_lands_races(monkeypatch):
+    """Held gradients: the host adds a micro-batch's copy only after it has landed."""
+    *_, sim, _ = _train(monkeypatch, MODES["sync"], 0.0, 3, None, steps=1)
+    assert not sim.races
+    monkeypatch.setattr(Sim, "host_waits", lambda self, device: None)
+    *_, sim, _ = _train(monkeypatch, MODES["sync"], 0.0, 3, None, steps=1)
+    assert any("on host reads default" in r for r in sim.races), sim.races[:3]
+
+
+def test_reading_host_state_without_synchronize_races(monkeypatch):
+    """Overlapped copies back land later: the host reads them after synchronize()."""
+    _, _, _, _, sim, handle = _train(monkeypatch, MODES["overlap, held on device"], 0.0, 1,
+                                     None, steps=1)
+    assert not sim.races
+    with simulate(monkeypatch) as sim:
+        model, batch_fn, loss_fn = make_model("gpt")
+        opt = layeropt.AdamW(model.parameters(), lr=0.01, fused=True)
+        layeropt.attach(model, opt, bucket_cap_mb=0.0)
+        _handle(opt, MODES["overlap, held on device"])
+        loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
+        for s in opt.state.values():  # read directly, no synchronize(): a race
+            s["exp_avg"].sum()
+    assert any("on host reads side" in r for r in sim.races), sim.races[:3]
+
+
+# -- every mode: ordered, and torch's numbers ----------------------------------------------
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("micro", [1, 3])
+@CAPS
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_is_ordered_and_exact(monkeypatch, mode, cap, micro, clip):
+    ref, ref_opt, ours, state, sim, handle = _train(monkeypatch, MODES[mode], cap, micro, clip)
+    assert sim.races == []
+    if handle.overlap or (handle.order is not None and cap == 0.0):  # (the default cap:
+        assert sim.ops.get("side1", 0) > 0  # one step call, nothing to fetch ahead)
+    assert_models_equal(ref, ours)
+    assert_same(ref_opt.state_dict(), state)
+
+
+@pytest.mark.parametrize("mode", ["overlap + prefetch", "overlap alone, held in host memory (refused)"])
+def test_events_done_at_any_time(monkeypatch, mode):
+    """Whether an event has finished when queried changes which copies are retired when;
+    the order holds either way."""
+    rng = random.Random(0)
+    for query in (lambda: True, lambda: rng.random() < 0.5):
+        ref, ref_opt, ours, state, sim, _ = _train(monkeypatch, MODES[mode], 0.0, 2, 0.05,
+                                                   query=query)
+        assert sim.races == []
+        assert_models_equal(ref, ours)
+        assert_same(ref_opt.state_dict(), state)
+
+
+def test_simulated_events_order_only_what_they_record(monkeypatch):
+    """The checker itself: an event orders a stream after what was queued before its
+    record, not after what came later."""
+    with simulate(monkeypatch) as sim:
+        side = sim.new_stream(torch.device("cpu"))
+        a = torch.zeros(4)  # (on the default stream)
+        side.wait_stream(sim.default)
+        with sim.on(side):
+            a.add_(1)
+            done = SimEvent(sim)
+            done.record(side)
+            a.add_(1)  # after the event
+        sim.default.wait_event(done)
+        a.sum()  # default stream reads the second add: unordered
+    assert len(sim.races) == 1 and "reads side" in sim.races[0]
