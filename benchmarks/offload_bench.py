@@ -10,8 +10,9 @@ memory by default, and, as one more contender, on the GPU: held_grads=False).
 Prints per contender the median step time, the allocator's peak, the bytes
 copied per step and the PCIe rate they imply, and checks that the offloaded
 runs equal layeropt without offload bit for bit. ``--unproven`` also runs the
-modes ``offload_state`` refuses until a GPU run has shown them exact (overlap
-without prefetch over an accumulation window). ``--trace`` profiles one more
+modes ``offload_state`` refuses or does not offer until a GPU run has shown them
+exact: overlap without prefetch over an accumulation window, and overlap + prefetch
+with copies in and out on two streams (``StateOffload(copy_streams=2)``). ``--trace`` profiles one more
 backward of the overlapped run after its results are taken: that backward
 steps the model. (On 2026-12-04 it ran before them, so the overlapped run with
 ``--accumulate 2`` had stepped once more than the others: the "not equal" and
@@ -55,15 +56,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _offload(opt: torch.optim.Optimizer, unproven: bool, **kw: bool) -> StateOffload:
-    """``offload_state(opt, **kw)``; with ``unproven``, a mode it refuses because no GPU
-    run has shown it exact is built anyway (that run is how it gets shown)."""
-    try:
-        return offload_state(opt, **kw)
-    except layeropt.LayeroptError:
-        if not unproven:
-            raise
-    return _install(opt, StateOffload(opt, max_buckets=2, **kw))
+def _offload(opt: torch.optim.Optimizer, unproven: bool, copy_streams: int = 1,
+             **kw: bool) -> StateOffload:
+    """``offload_state(opt, **kw)``; with ``unproven``, a mode it refuses or does not offer
+    because no GPU run has shown it exact is built anyway (that run is how it gets shown)."""
+    if copy_streams == 1:
+        try:
+            return offload_state(opt, **kw)
+        except layeropt.LayeroptError:
+            if not unproven:
+                raise
+    return _install(opt, StateOffload(opt, max_buckets=2, copy_streams=copy_streams, **kw))
 
 
 def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | None,
@@ -80,7 +83,8 @@ def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | No
         layeropt.attach(model, opt)
     handle = None
     if name.startswith("offload"):
-        handle = _offload(opt, unproven, overlap="overlap" in name, prefetch="prefetch" in name,
+        handle = _offload(opt, unproven, 2 if "2 streams" in name else 1,
+                          overlap="overlap" in name, prefetch="prefetch" in name,
                           held_grads="held on GPU" not in name)
     times = []
     for _ in range(steps):
@@ -144,6 +148,8 @@ def main() -> None:
         names.append("offload sync, held on GPU")
     if device.type == "cuda":
         names += ["offload overlap", "offload overlap prefetch"]  # (a CUDA side stream)
+        if args.unproven:  # copies in and out on streams of their own
+            names.append("offload overlap prefetch 2 streams")
     for name in names:
         try:
             results.append(run(name, base, x, args.steps, args.trace, args.accumulate,
@@ -161,7 +167,7 @@ def main() -> None:
         if r["copied"] and ref is not None:
             extra = (r["ms"] - ref["ms"]) / 1e3
             rate = f"  {r['copied'] / 2**30:.2f} GiB copied/step ({r['copied'] / max(extra, 1e-9) / 1e9:.1f} GB/s over layeropt's time)"
-        print(f"{r['name']:>26}: {r['ms']:8.1f} ms/step  peak {r['peak'] / 2**30:6.2f} GiB{rate}{same}")
+        print(f"{r['name']:>34}: {r['ms']:8.1f} ms/step  peak {r['peak'] / 2**30:6.2f} GiB{rate}{same}")
 
 
 if __name__ == "__main__":

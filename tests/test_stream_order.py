@@ -37,6 +37,10 @@ MODES = {
     "overlap + prefetch, half held on device": dict(overlap=True, prefetch=True,
                                                      held_device_bytes=-2),
     "overlap alone, held in host memory (refused)": dict(overlap=True),
+    # copies in and out on streams of their own (not offered by offload_state yet)
+    "overlap + prefetch, 2 copy streams": dict(overlap=True, prefetch=True, copy_streams=2),
+    "overlap + prefetch, 2 copy streams, all in flight": dict(
+        overlap=True, prefetch=True, copy_streams=2, max_buckets=64),
 }
 
 
@@ -99,6 +103,20 @@ def test_a_step_not_waiting_for_the_copy_back_races(monkeypatch):
     # steps again; with many, retiring older copies has made the host wait already)
     *_, sim, _ = _train(monkeypatch, MODES["overlap, held on device"], 1.0, 1, None, steps=2)
     assert any("reads side" in r or "read by side" in r for r in sim.races), sim.races[:3]
+
+
+def test_copies_in_not_waiting_for_copies_back_race(monkeypatch):
+    """Two copy streams: a copy in reads host state a copy back may still be writing, so
+    it waits for the copies back in flight."""
+    *_, sim, _ = _train(monkeypatch, MODES["overlap + prefetch, 2 copy streams, all in flight"],
+                        0.0, 1, None, steps=2)
+    assert not sim.races and sim.ops.get("side2", 0) > 0  # (side2: the copies in)
+    wait = SimStream.wait_event
+    monkeypatch.setattr(SimStream, "wait_event",
+                        lambda self, e: None if self.name == "side2" else wait(self, e))
+    *_, sim, _ = _train(monkeypatch, MODES["overlap + prefetch, 2 copy streams, all in flight"],
+                        0.0, 1, None, steps=2)
+    assert any("on side2 reads side1" in r for r in sim.races), sim.races[:3]
 
 
 def test_host_sum_before_the_copy_down_lands_races(monkeypatch):

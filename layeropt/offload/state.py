@@ -124,10 +124,11 @@ class StateOffload:
 
     def __init__(self, optimizer: InBackwardOptimizer, max_buckets: int, overlap: bool,
                  held_grads: bool = True, prefetch: bool = False,
-                 held_device_bytes: int = 0) -> None:
+                 held_device_bytes: int = 0, copy_streams: int = 1) -> None:
         self._optimizer = weakref.ref(optimizer)  # (the optimizer keeps this handle)
         self.max_buckets = max_buckets
         self.overlap = overlap
+        self.copy_streams = copy_streams  # 2: copies in and out on streams of their own
         self.held: HostHeld | None = HostHeld(held_device_bytes) if held_grads else None
         self.order: LandingOrder | None = LandingOrder() if prefetch else None
         self.prefetched_bytes = self.wasted_bytes = 0
@@ -143,7 +144,7 @@ class StateOffload:
         self._hosts: dict[int, dict[Any, weakref.ref]] = {}  # id(param) -> key -> host tensor
         self._flights: deque[_Flight] = deque()
         self._loading: dict[int, Tensor] = {}  # id(stand-in) -> parameter, during a load
-        self._streams: dict[torch.device, Any] = {}
+        self._streams: dict[tuple[torch.device, str], Any] = {}  # (device, in/out) ->
         self.stepper = OffloadStepper(self)  # installed by _install, removed by remove()
         ref = weakref.ref(self)
         self._hooks = [
@@ -273,7 +274,7 @@ class StateOffload:
                     sources.append((_HELD, self.held.host[p]))
                 for k, v in sources:
                     if side is None and streams.asynchronous(p.device):
-                        side = self._side_stream(p.device)
+                        side = self._side_stream(p.device, "in")
                     with streams.on(side):
                         work = self._to_device(v, p.device)
                     self._copies[(id(p), k)] = (v, v._version, work, None)
@@ -288,11 +289,21 @@ class StateOffload:
             self._ahead[key] = entries
         self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
 
-    def _side_stream(self, device: torch.device) -> Any:
-        side = self._streams.get(device)
+    def _side_stream(self, device: torch.device, direction: str = "out") -> Any:
+        """The stream for copies ``"in"`` (fetched ahead) or ``"out"`` (copies back).
+        One stream for both (``copy_streams=1``) keeps them in issue order, after the
+        steps queued so far. With two, copies in run beside copies back: each waits
+        only for the copies back still in flight (the host tensors it may read)."""
+        apart = self.copy_streams == 2 and direction == "in"
+        key = (device, "in" if apart else "out")
+        side = self._streams.get(key)
         if side is None:
-            side = self._streams[device] = streams.new_stream(device)
-        side.wait_stream(streams.current(device))  # (copies back it must follow)
+            side = self._streams[key] = streams.new_stream(device)
+        if apart:
+            for f in self._flights:
+                side.wait_event(f.event)
+        else:
+            side.wait_stream(streams.current(device))  # (the steps it copies back)
         return side
 
     def _take(self, p: Tensor, k: Any, host: Tensor) -> Tensor | None:
