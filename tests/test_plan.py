@@ -112,10 +112,10 @@ def real_step(build, make_batch, loss_fn, make_opt, checkpoint=None, in_backward
 def _device_start(model, batch, opt, offloaded, handle) -> int:
     """Bytes alive on the device before a step (parameters, buffers, batch, optimizer
     state; without the state kept in host memory); then the offload and the hooks go."""
-    start = _live_bytes(list(model.parameters()), list(model.buffers()), batch,
-                        list(opt.state.values()))  # fmt: skip
+    state = [{k: v for k, v in s.items() if offloaded is None or not offloaded._host(p, k, v)}
+             for p, s in opt.state.items()]  # (host memory: not the device's)
+    start = _live_bytes(list(model.parameters()), list(model.buffers()), batch, state)
     if offloaded is not None:
-        start -= offloaded.host_bytes
         offloaded.remove()
     if handle is not None:
         handle.remove()

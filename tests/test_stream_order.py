@@ -21,6 +21,7 @@ import torch
 import layeropt
 from harness import assert_models_equal, assert_same
 from layeropt.models import make_model
+from layeropt.offload.pool import HostPool
 from layeropt.offload.state import StateOffload, _install
 from streamsim import Sim, SimEvent, SimStream, simulate
 
@@ -50,7 +51,8 @@ def _handle(opt: Any, kw: dict[str, Any]) -> StateOffload:
         kw["held_device_bytes"] = sum(p.nbytes for g in opt.param_groups
                                       for p in g["params"]) // 2
     kw.setdefault("overlap", False)
-    return _install(opt, StateOffload(opt, kw.pop("max_buckets", 2), **kw))
+    return _install(opt, StateOffload(opt, kw.pop("max_buckets", 2),
+                                      pool=HostPool.for_optimizer(opt), **kw))
 
 
 def _train(monkeypatch: Any, kw: dict[str, Any], cap: float, micro: int, clip: float | None,

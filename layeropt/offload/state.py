@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import streams
 from .held import HostHeld, empty_like
+from .pool import HostPool
 from .prefetch import LandingOrder
 from ..checking.verify import Verifier
 from ..engine.stepper import Wrapper
@@ -120,15 +121,23 @@ class StateOffload:
             (:class:`layeropt.offload.prefetch.LandingOrder`); else ``None``.
         prefetched_bytes / wasted_bytes: bytes fetched ahead, and of those the ones
             dropped unused (out of order, stale).
+        pool: the state's host memory, allocated when offload started
+            (:class:`layeropt.offload.pool.HostPool`; ``None`` where the layout was not
+            known: host tensors are then allocated as the state is created).
+        copy_streams: 1 (the default): copies in and out share one side stream; 2: each
+            direction has its own (not offered by ``offload_state`` until a GPU run shows
+            it; ``tests/test_stream_order.py`` checks its order on the CPU).
     """
 
     def __init__(self, optimizer: InBackwardOptimizer, max_buckets: int, overlap: bool,
                  held_grads: bool = True, prefetch: bool = False,
-                 held_device_bytes: int = 0, copy_streams: int = 1) -> None:
+                 held_device_bytes: int = 0, copy_streams: int = 1,
+                 pool: HostPool | None = None) -> None:
         self._optimizer = weakref.ref(optimizer)  # (the optimizer keeps this handle)
         self.max_buckets = max_buckets
         self.overlap = overlap
         self.copy_streams = copy_streams  # 2: copies in and out on streams of their own
+        self.pool = pool
         self.held: HostHeld | None = HostHeld(held_device_bytes) if held_grads else None
         self.order: LandingOrder | None = LandingOrder() if prefetch else None
         self.prefetched_bytes = self.wasted_bytes = 0
@@ -165,7 +174,9 @@ class StateOffload:
         return ref is not None and ref() is v
 
     def _new_host(self, p: Tensor, key: Any, v: Tensor) -> Tensor:
-        host = empty_like(v, "cpu")
+        host = None if self.pool is None else self.pool.take((id(p), key), v)
+        if host is None:
+            host = empty_like(v, "cpu")
         self._hosts.setdefault(id(p), {})[key] = weakref.ref(host)
         return host
 
@@ -451,6 +462,7 @@ class StateOffload:
             h.remove()
         self._hooks = []
         self._hosts.clear()
+        self.pool = None
         if opt._lo_engine.find(OffloadStepper) is self.stepper:
             opt._lo_engine.unwrap(self.stepper)
             opt._lo_stepper.use_fast_path(True)  # learned again from the device state
@@ -542,7 +554,7 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
             )
     return _install(optimizer,
                     StateOffload(optimizer, max_buckets, overlap, held_grads, prefetch,
-                                 held_device_bytes))
+                                 held_device_bytes, pool=HostPool.for_optimizer(optimizer)))
 
 
 def _install(optimizer: Any, handle: StateOffload) -> StateOffload:

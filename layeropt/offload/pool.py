@@ -1,0 +1,154 @@
+"""The offloaded state's host memory, allocated once when offload starts.
+
+Without a pool each host tensor is allocated when its state first reaches the
+host, in the first step, from torch's caching host allocator. On CUDA that
+allocator pins each request the first time its size is asked for, and rounds
+it up to a power of two (``ATen/core/CachingHostAllocator.h``). A Llama-2-7B
+MLP weight of 4096 x 11008 bf16 values (86 MiB) then takes 128 MiB of pinned
+memory.
+
+:class:`HostPool` learns the state's layout (which tensors, their shapes,
+strides and dtypes) by stepping a copy of the optimizer on meta tensors: no
+memory, no numbers. It then allocates one block of exactly those bytes (pinned
+when the parameters are on CUDA) and carves one tensor per state entry from it.
+:meth:`StateOffload._new_host <layeropt.offload.state.StateOffload>` takes an
+entry's tensor from the pool when the layout matches. Otherwise (an
+optimizer the meta step cannot run, a state tensor of another shape) it
+allocates as before. Held gradients are not in the pool: their host sums come
+and go with each accumulation window.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["HostPool", "state_layout"]
+
+_ALIGN = 512  # bytes: each tensor's start (CUDA's own allocation granularity)
+Layout = dict[Hashable, tuple[torch.Size, tuple[int, ...], torch.dtype]]
+
+
+def state_layout(optimizer: Any) -> Layout | None:
+    """``{(id(param), state key): (size, stride, dtype)}`` of the state tensors with one
+    or more dimensions the optimizer's first step creates on its parameters' device;
+    ``None`` where stepping a meta copy of it fails (its layout is then learned as it
+    is created). Found by stepping a fresh instance of the optimizer's torch class on
+    meta parameters with meta gradients; ``fused``, ``foreach`` and ``capturable`` are
+    turned off for it (they change how the state is computed, not its layout), and a
+    value it reads on the host is 1."""
+    base = getattr(type(optimizer), "_lo_base", type(optimizer))
+    metas: dict[int, Tensor] = {}
+    groups = []
+    for g in optimizer.param_groups:
+        params = []
+        for p in g["params"]:
+            m = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device="meta",
+                                    requires_grad=p.requires_grad)
+            if p.requires_grad:
+                m.grad = torch.empty_like(m)
+            metas[id(m)] = p
+            params.append(m)
+        group = {k: v for k, v in g.items() if k != "params"}
+        group.update({k: False for k in ("fused", "foreach", "capturable") if k in group})
+        groups.append({**group, "params": params})
+    try:
+        with warnings.catch_warnings(), torch.no_grad(), _HostReadsAnswered():
+            warnings.simplefilter("ignore")
+            shadow = base(groups)
+            shadow.step()
+    except Exception:  # noqa: BLE001 - any optimizer: no pool, state allocated as created
+        return None
+    layout: Layout = {}
+    for m, state in shadow.state.items():
+        for key, v in state.items():
+            if isinstance(v, Tensor) and v.device.type == "meta" and v.dim() > 0:
+                layout[(id(metas[id(m)]), key)] = (v.size(), v.stride(), v.dtype)
+    return layout
+
+
+class _HostReadsAnswered(TorchDispatchMode):
+    """A meta tensor's value read on the host (``.item()``, Adafactor's norm) answers 1:
+    the step goes on to create its state, whose layout does not depend on the value."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return True if args[0].dtype == torch.bool else 1
+        return func(*args, **(kwargs or {}))
+
+
+def _extent(size: torch.Size, stride: tuple[int, ...]) -> int:
+    """Elements a tensor of ``size`` and ``stride`` spans in its storage."""
+    if any(s == 0 for s in size):
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(size, stride))
+
+
+class HostPool:
+    """One block of host memory carved into a tensor per state entry (see the module
+    docstring). ``take(key, like)`` gives the entry's tensor when ``like`` has its
+    layout, the same tensor each time (state written back lands in it).
+
+    Attributes:
+        nbytes: the block's size in bytes (the entries, each aligned to 512 bytes).
+        pinned: whether the block is pinned (parameters on CUDA).
+    """
+
+    def __init__(self, layout: Layout, pin: bool) -> None:
+        offsets = {}
+        end = 0
+        for key, (size, stride, dtype) in layout.items():
+            end = -(-end // _ALIGN) * _ALIGN
+            offsets[key] = end
+            end += _extent(size, stride) * dtype.itemsize
+        self.nbytes = end
+        self.pinned = pin
+        block = torch.empty(end, dtype=torch.uint8, pin_memory=pin).untyped_storage()
+        self._entries = {
+            key: torch.empty(0, dtype=dtype).set_(block, offsets[key] // dtype.itemsize,
+                                                  size, stride)
+            for key, (size, stride, dtype) in layout.items()}
+        self._taken: dict[Hashable, weakref.ref] = {}
+
+    @classmethod
+    def for_optimizer(cls, optimizer: Any) -> HostPool | None:
+        """The pool for ``optimizer``'s state; ``None`` if its layout is unknown or the
+        block cannot be allocated (a warning says so; state is then allocated as it is
+        created, as without a pool)."""
+        layout = state_layout(optimizer)
+        if not layout:
+            return None
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        pin = any(p.device.type == "cuda" for p in params)
+        try:
+            return cls(layout, pin)
+        except RuntimeError as exc:  # (pinned memory limits: ulimit -l, a container's)
+            warnings.warn(
+                f"offload_state: could not allocate the state's host memory in one block "
+                f"({sum(_extent(s, st) * d.itemsize for s, st, d in layout.values()):,} "
+                f"bytes{', pinned' if pin else ''}: {exc}); allocating it tensor by tensor "
+                "as the state is created instead.", RuntimeWarning, stacklevel=3)
+            return None
+
+    def take(self, key: Hashable, like: Tensor) -> Tensor | None:
+        """The entry ``key``'s tensor if ``like`` has its size, stride and dtype; else
+        ``None``. Once taken the pool keeps only a weak reference to it: the state owns
+        its memory, freed with the optimizer as torch.optim's state is (the block goes
+        when no entry of it is left: the pool keeps the entries never taken)."""
+        t = self._entries.get(key)
+        if t is None:
+            ref = self._taken.get(key)
+            t = None if ref is None else ref()
+        if t is None or t.size() != like.size() or t.stride() != like.stride() \
+                or t.dtype != like.dtype:
+            return None
+        if self._entries.pop(key, None) is not None:
+            self._taken[key] = weakref.ref(t)
+        return t

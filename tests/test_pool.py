@@ -1,0 +1,134 @@
+"""The offloaded state's host memory, allocated once (``layeropt/offload/pool.py``).
+
+``offload_state`` learns the state's layout from a meta step, allocates one
+block of exactly its bytes, and every host state tensor is carved from it: no
+host allocation in the first step, nothing rounded up. Exactness with the
+pool is what ``tests/test_offload.py`` checks (it is on by default); here: the
+layout against the state torch creates, the allocations, and the fallbacks.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import layeropt
+from harness import OPTIMIZER_CONFIGS, assert_models_equal, assert_same, clone_kwargs, config_id
+from layeropt.models import make_model
+from layeropt.offload import offload_state
+from layeropt.offload import state as offload_module
+from layeropt.offload.pool import HostPool, state_layout
+
+
+def _dense(state: dict) -> dict:
+    """(param index, key) -> (size, stride, dtype) of a state dict's state tensors of one
+    or more dimensions."""
+    return {(i, k): (v.size(), v.stride(), v.dtype) for i, s in state.items()
+            for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+
+
+@pytest.mark.parametrize("cfg", OPTIMIZER_CONFIGS, ids=config_id)
+def test_layout_is_the_state_torch_creates(cfg):
+    """The meta step's layout equals the state torch.optim creates in its first step, for
+    every optimizer and option of the exactness table."""
+    name, kw = cfg
+    model, batch_fn, loss_fn = make_model("gpt")
+    ref = copy.deepcopy(model)
+    ref_opt = getattr(torch.optim, name)(ref.parameters(), **clone_kwargs(kw))
+    loss_fn(ref, batch_fn(torch.Generator().manual_seed(0))).backward()
+    ref_opt.step()
+    opt = layeropt.in_backward(getattr(torch.optim, name))(model.parameters(),
+                                                           **clone_kwargs(kw))
+    layout = state_layout(opt)
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    assert {(index[pid], k): v for (pid, k), v in layout.items()} == \
+        _dense(ref_opt.state_dict()["state"])
+
+
+def test_the_first_step_allocates_no_host_memory(monkeypatch):
+    """Every host state tensor comes from the block allocated by offload_state(); none is
+    allocated in a step; the block is exactly the state's bytes (each tensor aligned)."""
+    made = []
+    real = offload_module.empty_like
+    monkeypatch.setattr(offload_module, "empty_like",
+                        lambda t, device: made.append(device) or real(t, device))
+    model, batch_fn, loss_fn = make_model("gpt")
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = layeropt.AdamW(model.parameters(), lr=0.01)
+    layeropt.attach(model, opt, bucket_cap_mb=0.0)
+    handle = offload_state(opt)
+    block = handle.pool.nbytes
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        data = batch_fn(gen)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            loss_fn(m, data).backward()
+            o.step()
+            o.zero_grad()
+    assert "cpu" not in made  # (working tensors on the "device" only)
+    storages = {v.untyped_storage().data_ptr() for s in opt.state.values()
+                for v in s.values() if v.dim() > 0}
+    assert len(storages) == 1
+    state = handle.host_bytes
+    assert state <= block < state + 512 * sum(len(s) for s in opt.state.values())
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_state_is_freed_with_the_optimizer_and_after_remove():
+    model, batch_fn, loss_fn = make_model("mlp")
+    opt = layeropt.AdamW(model.parameters())
+    handle = layeropt.attach(model, opt)
+    offloaded = offload_state(opt)
+    loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
+    assert offloaded.pool is not None and not offloaded.pool._entries  # all taken
+    handle.remove()
+    offloaded.remove()
+    assert offloaded.pool is None
+
+
+class _Inspecting(torch.optim.SGD):
+    """A third-party-style optimizer whose step copies a gradient to the CPU: its meta
+    step fails (a meta tensor has no data to copy), so there is no layout and no pool."""
+
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None and bool(p.grad.cpu().abs().sum() < 0):
+                    raise AssertionError
+        return super().step(closure)
+
+
+def test_an_optimizer_the_meta_step_cannot_run_has_no_pool():
+    model, batch_fn, loss_fn = make_model("mlp")
+    ref = copy.deepcopy(model)
+    ref_opt = _Inspecting(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = layeropt.in_backward(_Inspecting)(model.parameters(), lr=0.1, momentum=0.9)
+    layeropt.attach(model, opt)
+    handle = offload_state(opt)
+    assert handle.pool is None
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        data = batch_fn(gen)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            loss_fn(m, data).backward()
+            o.step()
+            o.zero_grad()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_a_block_that_cannot_be_allocated_warns_and_goes_on(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no pinned memory")
+
+    monkeypatch.setattr(HostPool, "__init__", refuse)
+    model, _, _ = make_model("mlp")
+    opt = layeropt.AdamW(model.parameters())
+    layeropt.attach(model, opt)
+    with pytest.warns(RuntimeWarning, match="one block.*tensor by tensor"):
+        handle = offload_state(opt)
+    assert handle.pool is None
