@@ -19,8 +19,7 @@ CUDA, and watches every aten op (a ``TorchDispatchMode``):
 The values are computed at once (the CPU runs each op when issued), so a
 race does not change a number here: it is reported instead. Host memory is
 what offload allocates as host memory (``HostHeld._new_host``,
-``StateOffload._new_host``; each entry of a ``HostPool`` block counts as a
-storage of its own) and what host-only ops make; everything else is device
+``StateOffload._new_host``, ``HostPool.take``) and what host-only ops make; everything else is device
 memory. Not modelled: the caching allocator's reuse of freed memory
 across streams (``record_stream``); events are never done when queried
 unless ``query`` says otherwise.
@@ -28,7 +27,6 @@ unless ``query`` says otherwise.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import itertools
 from collections.abc import Callable, Iterator
@@ -110,7 +108,7 @@ class Sim:
         self._names = itertools.count(1)
         self.records: dict[int, _Record] = {}
         self.host: set[int] = set()  # storages (or pool entries) in host memory
-        self.entries: dict[int, list[int]] = {}  # a pool's storage -> its entries' starts
+        self.pooled: set[int] = set()  # storages of HostPool entries (given again and again)
         self.races: list[str] = []
         self.ops: dict[str, int] = {}
 
@@ -167,56 +165,47 @@ class Sim:
     def make_host(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` is host memory from now on: a fresh allocation (no accesses yet), or a
         pool's entry given again (its accesses so far still count)."""
-        key = self._key(t)
-        if key is not None and key not in self.entries.get(_storage(t), ()):
+        key = _key(t)
+        if key is not None and key not in self.pooled:
             self.host.add(key)
             self.records[key] = _Record()
         return t
 
     def pool_entry(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """``t`` is a pool's entry: one storage holds many, each its own key."""
-        if t is not None:
-            starts = self.entries.setdefault(_storage(t), [])
-            if t.data_ptr() not in starts:
-                bisect.insort(starts, t.data_ptr())
-                self.host.add(t.data_ptr())
-                self.records[t.data_ptr()] = _Record()
+        """``t`` is a pool's entry: host memory, whose accesses count across the times
+        it is given."""
+        key = None if t is None else _key(t)
+        if key is not None and key not in self.pooled:
+            self.pooled.add(key)
+            self.host.add(key)
+            self.records[key] = _Record()
         return t
-
-    def _key(self, t: torch.Tensor) -> int | None:
-        """The storage ``t`` is in, or the pool entry it is in."""
-        key = _storage(t)
-        starts = self.entries.get(key)
-        if starts:
-            i = bisect.bisect_right(starts, t.data_ptr()) - 1
-            return starts[i] if i >= 0 else key
-        return key
 
     # -- the ops --------------------------------------------------------------
     def observe(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         reads, writes = _accesses(func, args, kwargs)
-        inputs = {self._key(t) for t in reads + writes} - {None}
-        fresh = [k for k in map(self._key, _tensors(out)) if k is not None and k not in inputs]
+        inputs = {_key(t) for t in reads + writes} - {None}
+        fresh = [k for k in map(_key, _tensors(out)) if k is not None and k not in inputs]
         touched = inputs | set(fresh)
         agent = HOST if inputs and inputs <= self.host else self.current.name
         tick = self._tick(agent)
         for t in reads + writes:
-            rec = self.records.get(self._key(t))
+            rec = self.records.get(_key(t))
             if rec is not None and not self._after(agent, rec.write):
                 self._race(func, agent, "reads", rec.write, t)
         for t in writes:
-            rec = self.records.get(self._key(t))
+            rec = self.records.get(_key(t))
             if rec is None:
                 continue
             for other in rec.reads.items():
                 if not self._after(agent, other):
                     self._race(func, agent, "overwrites what was read by", other, t)
         for t in reads:
-            key = self._key(t)
+            key = _key(t)
             if key is not None:
                 self.records.setdefault(key, _Record()).reads[agent] = tick
         for t in writes:
-            key = self._key(t)
+            key = _key(t)
             if key is not None:
                 self.records[key] = _Record(write=(agent, tick))
         for key in fresh:
@@ -231,10 +220,10 @@ class Sim:
               t: torch.Tensor) -> None:
         self.races.append(f"{func} on {agent} {what} {other[0]}'s op #{other[1]} unordered "
                           f"(tensor {tuple(t.shape)} {t.dtype}, "
-                          f"{'host' if self._key(t) in self.host else 'device'} memory)")
+                          f"{'host' if _key(t) in self.host else 'device'} memory)")
 
 
-def _storage(t: torch.Tensor) -> int | None:
+def _key(t: torch.Tensor) -> int | None:
     try:
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError):

@@ -48,8 +48,9 @@ def test_layout_is_the_state_torch_creates(cfg):
 
 
 def test_the_first_step_allocates_no_host_memory(monkeypatch):
-    """Every host state tensor comes from the block allocated by offload_state(); none is
-    allocated in a step; the block is exactly the state's bytes (each tensor aligned)."""
+    """Every host state tensor comes from the block allocated by offload_state(), each a
+    storage of its own (``torch.save`` of one saves it alone); none is allocated in a
+    step; the block is exactly the state's bytes (each tensor aligned)."""
     made = []
     real = offload_module.empty_like
     monkeypatch.setattr(offload_module, "empty_like",
@@ -69,9 +70,11 @@ def test_the_first_step_allocates_no_host_memory(monkeypatch):
             o.step()
             o.zero_grad()
     assert "cpu" not in made  # (working tensors on the "device" only)
-    storages = {v.untyped_storage().data_ptr() for s in opt.state.values()
-                for v in s.values() if v.dim() > 0}
-    assert len(storages) == 1
+    for p, s in opt.state.items():  # each the pool's tensor for its entry
+        for k, v in s.items():
+            if v.dim() > 0:
+                assert handle.pool.take((id(p), k), v) is v
+                assert v.untyped_storage().nbytes() == v.nbytes  # (a storage of its own)
     state = handle.host_bytes
     assert state <= block < state + 512 * sum(len(s) for s in opt.state.values())
     assert_models_equal(ref, model)

@@ -188,3 +188,47 @@ def test_simulated_events_order_only_what_they_record(monkeypatch):
         sim.default.wait_event(done)
         a.sum()  # default stream reads the second add: unordered
     assert len(sim.races) == 1 and "reads side" in sim.races[0]
+
+
+class _Skipping(torch.nn.Module):
+    """Three layers; a step with ``short=True`` uses only the last, so the state fetched
+    ahead for the other two after it steps is never used in that backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, short: bool) -> torch.Tensor:
+        if not short:
+            x = self.layers[1](self.layers[0](x))
+        return self.layers[2](x).square().mean()
+
+
+@pytest.mark.parametrize("mode", ["prefetch", "overlap + prefetch",
+                                  "overlap + prefetch, 2 copy streams"])
+def test_copies_fetched_ahead_and_dropped_are_waited_for(monkeypatch, mode):
+    """State fetched ahead and never used (buckets that did not land) is still being
+    read when a load_state_dict writes the same host tensors: synchronize() waits for
+    those copies too, so the load is ordered after them."""
+    torch.manual_seed(0)
+    model = _Skipping()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = layeropt.AdamW(model.parameters(), lr=0.01)
+    layeropt.attach(model, opt, bucket_cap_mb=0.0)
+    xs = torch.randn(5, 4, 8)
+    with simulate(monkeypatch) as sim:
+        handle = _handle(opt, MODES[mode])
+        for i, short in enumerate([False, True, False, True, False]):
+            for m, o in ((ref, ref_opt), (model, opt)):
+                m(xs[i], short).backward()
+                o.step()
+                o.zero_grad()
+            if i == 1:  # the two skipped buckets' state was fetched ahead, unused
+                assert handle._ahead
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+                ref_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+        state = opt.state_dict()
+    assert sim.races == []
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), state)

@@ -10,7 +10,9 @@ memory.
 :class:`HostPool` learns the state's layout (which tensors, their shapes,
 strides and dtypes) by stepping a copy of the optimizer on meta tensors: no
 memory, no numbers. It then allocates one block of exactly those bytes (pinned
-when the parameters are on CUDA) and carves one tensor per state entry from it.
+when the parameters are on CUDA) and carves one tensor per state entry from it,
+each a storage of its own over its bytes (``torch.save`` of one state tensor
+saves that tensor, not the block).
 :meth:`StateOffload._new_host <layeropt.offload.state.StateOffload>` takes an
 entry's tensor from the pool when the layout matches. Otherwise (an
 optimizer the meta step cannot run, a state tensor of another shape) it
@@ -91,6 +93,16 @@ def _extent(size: torch.Size, stride: tuple[int, ...]) -> int:
     return 1 + sum((s - 1) * st for s, st in zip(size, stride))
 
 
+def _entry(block: Any, offset: int, size: torch.Size, stride: tuple[int, ...],
+           dtype: torch.dtype) -> Tensor:
+    """A tensor of ``size``/``stride``/``dtype`` over ``block``'s bytes from ``offset``."""
+    count = _extent(size, stride)
+    if count == 0:
+        return torch.empty_strided(size, stride, dtype=dtype)
+    flat = torch.frombuffer(block, dtype=dtype, count=count, offset=offset)
+    return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, size, stride)
+
+
 class HostPool:
     """One block of host memory carved into a tensor per state entry (see the module
     docstring). ``take(key, like)`` gives the entry's tensor when ``like`` has its
@@ -110,11 +122,11 @@ class HostPool:
             end += _extent(size, stride) * dtype.itemsize
         self.nbytes = end
         self.pinned = pin
-        block = torch.empty(end, dtype=torch.uint8, pin_memory=pin).untyped_storage()
-        self._entries = {
-            key: torch.empty(0, dtype=dtype).set_(block, offsets[key] // dtype.itemsize,
-                                                  size, stride)
-            for key, (size, stride, dtype) in layout.items()}
+        # Each entry is a storage of its own over its bytes of the block (torch.save of one
+        # state tensor saves that tensor, not the block); each keeps the block alive.
+        block = torch.empty(end, dtype=torch.uint8, pin_memory=pin).numpy()
+        self._entries = {key: _entry(block, offsets[key], size, stride, dtype)
+                         for key, (size, stride, dtype) in layout.items()}
         self._taken: dict[Hashable, weakref.ref] = {}
 
     @classmethod

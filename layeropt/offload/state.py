@@ -325,8 +325,7 @@ class StateOffload:
             return None
         source, version, work, event = entry
         if source is not host or source._version != version:  # written since: stale
-            self.device_bytes -= work.nbytes
-            self.wasted_bytes += work.nbytes
+            self._wasted(work, event)
             return None
         if event is not None:
             current = streams.current(work.device)
@@ -339,14 +338,26 @@ class StateOffload:
     def _take_held(self, p: Tensor, acc: Tensor) -> Tensor | None:
         return self._take(p, _HELD, acc) if self._copies else None
 
-    def _drop_ahead(self, key: tuple[int, ...] | None = None) -> None:
-        """Forget the copies fetched ahead for ``key`` (all: ``None``) not used yet."""
+    def _drop_ahead(self, key: tuple[int, ...] | None = None, host: bool = False) -> None:
+        """Forget the copies fetched ahead for ``key`` (all: ``None``) not used yet; what
+        runs next (the host too, with ``host``) waits for them."""
         for k in list(self._ahead) if key is None else [key]:
             for entry in self._ahead.pop(k, ()):
                 copy = self._copies.pop(entry, None)
                 if copy is not None:
-                    self.device_bytes -= copy[2].nbytes
-                    self.wasted_bytes += copy[2].nbytes
+                    self._wasted(copy[2], copy[3], host)
+
+    def _wasted(self, work: Tensor, event: Any, host: bool = False) -> None:
+        """A copy fetched ahead, dropped: it may still be reading its host tensor, which
+        a later write (a step's copy back, a load into the pool's tensors) must follow,
+        so the current stream - and with ``host`` the host - waits for it."""
+        self.device_bytes -= work.nbytes
+        self.wasted_bytes += work.nbytes
+        if event is not None:
+            if host:
+                event.synchronize()
+            else:
+                streams.current(work.device).wait_event(event)
 
     # -- overlap (CUDA) ------------------------------------------------------
     def _copy_back_async(self, moves: list[Any], nbytes: int) -> None:
@@ -374,7 +385,7 @@ class StateOffload:
     def synchronize(self) -> None:
         """Wait until every copy back has landed in host memory (``overlap=True``)."""
         self._retire(block_until=0)
-        self._drop_ahead()
+        self._drop_ahead(host=True)
 
     # -- optimizer hooks -------------------------------------------------------
     def _before_read(self, *args: Any) -> None:
