@@ -218,7 +218,8 @@ def reference(r: dict, args: argparse.Namespace, cuda: bool) -> dict:
     state = None
     if not args.no_state:
         # still to come: torch's state (2x the parameters' bytes), then the offloaded
-        # state and held gradients, pinned in powers of two (~4x), and a margin
+        # state (2x, in offload's pool) and held gradients (1x, in powers of two: up to
+        # 2x), and a margin
         need = 6 * sum(v.nbytes for v in params.values()) + 4 * GiB
         if not cuda or host_free_bytes(args.host_gib) >= need:
             state = {(i, k): v.cpu() for i, k, v in state_tensors(r["state"])}

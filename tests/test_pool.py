@@ -19,7 +19,7 @@ from harness import OPTIMIZER_CONFIGS, assert_models_equal, assert_same, clone_k
 from layeropt.models import make_model
 from layeropt.offload import offload_state
 from layeropt.offload import state as offload_module
-from layeropt.offload.pool import HostPool, state_layout
+from layeropt.offload.pool import HELD_SUM, HostPool, state_layout
 
 
 def _dense(state: dict) -> dict:
@@ -75,27 +75,44 @@ def test_the_first_step_allocates_no_host_memory(monkeypatch):
             if v.dim() > 0:
                 assert handle.pool.take((id(p), k), v) is v
                 assert v.untyped_storage().nbytes() == v.nbytes  # (a storage of its own)
-    state = handle.host_bytes
-    assert state <= block < state + 512 * sum(len(s) for s in opt.state.values())
+    state = handle.host_bytes  # (and a held gradient sum per parameter: none held here)
+    sums = sum(p.nbytes for p in model.parameters())
+    assert state + sums <= block < state + sums + 512 * (len(opt.state) * 3 + 1)
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), opt.state_dict())
 
 
-def test_state_is_freed_with_the_optimizer_and_after_remove():
+def test_the_block_is_freed_with_the_optimizer():
+    """Deleting the optimizer frees the block, though the handle lives on (as deleting a
+    torch.optim optimizer frees its state); ``remove()`` lets go of it too."""
+    import gc
+
     model, batch_fn, loss_fn = make_model("mlp")
+    gc.collect()
+    gc.disable()
+    try:
+        opt = layeropt.AdamW(model.parameters())
+        handle = layeropt.attach(model, opt)
+        offloaded = offload_state(opt)
+        loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
+        pool = offloaded.pool
+        assert pool.allocated
+        handle.remove()
+        del opt, handle
+        assert not pool.allocated and pool._entries == {}
+    finally:
+        gc.enable()
     opt = layeropt.AdamW(model.parameters())
-    handle = layeropt.attach(model, opt)
+    layeropt.attach(model, opt)
     offloaded = offload_state(opt)
-    loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
-    assert offloaded.pool is not None and not offloaded.pool._entries  # all taken
-    handle.remove()
+    pool = offloaded.pool
     offloaded.remove()
-    assert offloaded.pool is None
+    assert offloaded.pool is None and pool._entries == {}
 
 
 class _Inspecting(torch.optim.SGD):
     """A third-party-style optimizer whose step copies a gradient to the CPU: its meta
-    step fails (a meta tensor has no data to copy), so there is no layout and no pool."""
+    step fails (a meta tensor has no data to copy), so the pool holds no state."""
 
     def step(self, closure=None):
         for g in self.param_groups:
@@ -105,14 +122,14 @@ class _Inspecting(torch.optim.SGD):
         return super().step(closure)
 
 
-def test_an_optimizer_the_meta_step_cannot_run_has_no_pool():
+def test_an_optimizer_the_meta_step_cannot_run_has_no_state_in_the_pool():
     model, batch_fn, loss_fn = make_model("mlp")
     ref = copy.deepcopy(model)
     ref_opt = _Inspecting(ref.parameters(), lr=0.1, momentum=0.9)
     opt = layeropt.in_backward(_Inspecting)(model.parameters(), lr=0.1, momentum=0.9)
     layeropt.attach(model, opt)
     handle = offload_state(opt)
-    assert handle.pool is None
+    assert all(k == HELD_SUM for _, k in handle.pool._entries)  # the held sums' only
     gen = torch.Generator().manual_seed(0)
     for _ in range(2):
         data = batch_fn(gen)
@@ -135,3 +152,37 @@ def test_a_block_that_cannot_be_allocated_warns_and_goes_on(monkeypatch):
     with pytest.warns(RuntimeWarning, match="one block.*tensor by tensor"):
         handle = offload_state(opt)
     assert handle.pool is None
+
+
+@pytest.mark.parametrize("cap", [0.0, 1.0], ids=["cap0", "default-cap"])
+def test_held_sums_live_in_the_pool(cap):
+    """Over accumulation windows each held gradient's host sum is the pool's tensor for
+    its parameter, the same every window; the sums equal torch's bit for bit."""
+    model, batch_fn, loss_fn = make_model("gpt")
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, fused=True)
+    opt = layeropt.AdamW(model.parameters(), lr=0.01, fused=True)
+    layeropt.attach(model, opt, bucket_cap_mb=cap)
+    handle = offload_state(opt)
+    gen = torch.Generator().manual_seed(0)
+    sums = {}
+    for _ in range(3):
+        batches = [batch_fn(gen) for _ in range(3)]
+        for data in batches:
+            (loss_fn(ref, data) / 3).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for k, data in enumerate(batches):
+            if k < 2:
+                with opt.no_step():
+                    (loss_fn(model, data) / 3).backward()
+            else:
+                held = dict(handle.held.host)
+                assert held and all(
+                    t is handle.pool.take((id(p), HELD_SUM), t) for p, t in held.items())
+                assert all(sums.setdefault(p, t) is t for p, t in held.items())
+                (loss_fn(model, data) / 3).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())

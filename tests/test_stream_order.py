@@ -52,7 +52,8 @@ def _handle(opt: Any, kw: dict[str, Any]) -> StateOffload:
                                       for p in g["params"]) // 2
     kw.setdefault("overlap", False)
     return _install(opt, StateOffload(opt, kw.pop("max_buckets", 2),
-                                      pool=HostPool.for_optimizer(opt), **kw))
+                                      pool=HostPool.for_optimizer(opt, held=kw.get("held_grads", True)),
+                                      **kw))
 
 
 def _train(monkeypatch: Any, kw: dict[str, Any], cap: float, micro: int, clip: float | None,

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from . import streams
+from .pool import HELD_SUM, HostPool
 
 __all__ = ["HostHeld", "empty_like"]
 
@@ -74,6 +75,8 @@ class HostHeld:
         self.up_bytes = 0
         # prefetch (layeropt/offload/prefetch.py): (param, host sum) -> its copy fetched ahead
         self.ahead: Callable[[Tensor, Tensor], Tensor | None] | None = None
+        # offload's HostPool: each sum in the parameter's tensor of it (given every window)
+        self.pool: HostPool | None = None
 
     def __contains__(self, param: Tensor) -> bool:
         return param in self.host
@@ -132,7 +135,11 @@ class HostHeld:
             g = p.grad
             if g is None:
                 continue
-            buf = self._new_host(g)
+            buf = None
+            if self.pool is not None and p not in self.host:  # its sum: the pool's tensor
+                buf = self.pool.take((id(p), HELD_SUM), g)
+            if buf is None:
+                buf = self._new_host(g)
             buf.copy_(g, non_blocking=streams.asynchronous(g.device))
             staged.append((p, buf, g.device))
             p.grad = None

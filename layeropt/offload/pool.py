@@ -16,8 +16,9 @@ saves that tensor, not the block).
 :meth:`StateOffload._new_host <layeropt.offload.state.StateOffload>` takes an
 entry's tensor from the pool when the layout matches. Otherwise (an
 optimizer the meta step cannot run, a state tensor of another shape) it
-allocates as before. Held gradients are not in the pool: their host sums come
-and go with each accumulation window.
+allocates as before. With held gradients in host memory the block also holds
+one sum per parameter (``HELD_SUM``), given to ``HostHeld`` in every
+accumulation window. The block goes with the optimizer (:meth:`HostPool.release`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostPool", "state_layout"]
+__all__ = ["HostPool", "state_layout", "HELD_SUM"]
+
+HELD_SUM = "held gradient"  # the key of a parameter's held gradient sum: (id(param), HELD_SUM)
 
 _ALIGN = 512  # bytes: each tensor's start (CUDA's own allocation granularity)
 Layout = dict[Hashable, tuple[torch.Size, tuple[int, ...], torch.dtype]]
@@ -125,19 +128,23 @@ class HostPool:
         # Each entry is a storage of its own over its bytes of the block (torch.save of one
         # state tensor saves that tensor, not the block); each keeps the block alive.
         block = torch.empty(end, dtype=torch.uint8, pin_memory=pin).numpy()
+        self._block = weakref.ref(block)
         self._entries = {key: _entry(block, offsets[key], size, stride, dtype)
                          for key, (size, stride, dtype) in layout.items()}
-        self._taken: dict[Hashable, weakref.ref] = {}
 
     @classmethod
-    def for_optimizer(cls, optimizer: Any) -> HostPool | None:
-        """The pool for ``optimizer``'s state; ``None`` if its layout is unknown or the
-        block cannot be allocated (a warning says so; state is then allocated as it is
-        created, as without a pool)."""
-        layout = state_layout(optimizer)
+    def for_optimizer(cls, optimizer: Any, held: bool = False) -> HostPool | None:
+        """The pool for ``optimizer``'s state, and with ``held`` for a held gradient sum of
+        each parameter that requires one; ``None`` if there is nothing to hold or the
+        block cannot be allocated (a warning says so; host tensors are then allocated as
+        they are needed, as without a pool)."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        layout = state_layout(optimizer) or {}
+        if held:
+            layout.update({(id(p), HELD_SUM): (p.size(), p.stride(), p.dtype)
+                           for p in params if p.requires_grad})
         if not layout:
             return None
-        params = [p for g in optimizer.param_groups for p in g["params"]]
         pin = any(p.device.type == "cuda" for p in params)
         try:
             return cls(layout, pin)
@@ -151,16 +158,20 @@ class HostPool:
 
     def take(self, key: Hashable, like: Tensor) -> Tensor | None:
         """The entry ``key``'s tensor if ``like`` has its size, stride and dtype; else
-        ``None``. Once taken the pool keeps only a weak reference to it: the state owns
-        its memory, freed with the optimizer as torch.optim's state is (the block goes
-        when no entry of it is left: the pool keeps the entries never taken)."""
+        ``None``. The same tensor each time: state written back, a held sum of the next
+        window, lands in it."""
         t = self._entries.get(key)
-        if t is None:
-            ref = self._taken.get(key)
-            t = None if ref is None else ref()
         if t is None or t.size() != like.size() or t.stride() != like.stride() \
                 or t.dtype != like.dtype:
             return None
-        if self._entries.pop(key, None) is not None:
-            self._taken[key] = weakref.ref(t)
         return t
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the block is still allocated (an entry of it still alive)."""
+        return self._block() is not None
+
+    def release(self) -> None:
+        """Let go of every entry (the optimizer was deleted, or offload removed): the
+        block is freed when no state tensor of it is left."""
+        self._entries.clear()

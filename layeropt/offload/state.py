@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import streams
 from .held import HostHeld, empty_like
-from .pool import HostPool
+from .pool import HELD_SUM, HostPool
 from .prefetch import LandingOrder
 from ..checking.verify import Verifier
 from ..engine.stepper import Wrapper
@@ -59,7 +59,7 @@ __all__ = ["offload_state", "StateOffload"]
 
 # torch's rule for where a loaded state value goes (Optimizer.load_state_dict uses it)
 _POLICY = getattr(torch.optim.Optimizer, "_process_value_according_to_param_policy", None)
-_HELD = "held gradient"  # StateOffload._copies: a held gradient's sum fetched ahead
+_HELD = HELD_SUM  # StateOffload._copies: a held gradient's sum fetched ahead
 
 
 def _offloadable(p: Tensor, v: Any) -> bool:
@@ -138,7 +138,11 @@ class StateOffload:
         self.overlap = overlap
         self.copy_streams = copy_streams  # 2: copies in and out on streams of their own
         self.pool = pool
+        if pool is not None:  # (its block goes with the optimizer, as torch's state does)
+            weakref.finalize(optimizer, pool.release)
         self.held: HostHeld | None = HostHeld(held_device_bytes) if held_grads else None
+        if self.held is not None:
+            self.held.pool = pool
         self.order: LandingOrder | None = LandingOrder() if prefetch else None
         self.prefetched_bytes = self.wasted_bytes = 0
         self._calls: dict[tuple[int, ...], list[Tensor]] = {}  # step call key -> its params
@@ -473,7 +477,9 @@ class StateOffload:
             h.remove()
         self._hooks = []
         self._hosts.clear()
-        self.pool = None
+        if self.pool is not None:
+            self.pool.release()
+            self.pool = None
         if opt._lo_engine.find(OffloadStepper) is self.stepper:
             opt._lo_engine.unwrap(self.stepper)
             opt._lo_stepper.use_fast_path(True)  # learned again from the device state
@@ -565,7 +571,8 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
             )
     return _install(optimizer,
                     StateOffload(optimizer, max_buckets, overlap, held_grads, prefetch,
-                                 held_device_bytes, pool=HostPool.for_optimizer(optimizer)))
+                                 held_device_bytes,
+                                 pool=HostPool.for_optimizer(optimizer, held=held_grads)))
 
 
 def _install(optimizer: Any, handle: StateOffload) -> StateOffload:
