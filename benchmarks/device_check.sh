@@ -12,10 +12,12 @@
 # 5. plan's margin calibration (benchmarks/plan_calibrate.py);
 # 6. optimizer state offload (tests/test_cuda_offload.py: sync and overlap bit for bit,
 #    held gradients in pinned host memory and prefetch in landing order over
-#    accumulation windows, and FSDP2's CPUOffloadPolicy over NCCL: exact, or refused
-#    where torch races; benchmarks/offload_bench.py: 7B-shaped layers, two micro-batches
-#    a step, torch fused AdamW vs layeropt, offload sync / held on GPU / overlap /
-#    overlap + prefetch, and a profiler trace of an overlapped backward,
+#    accumulation windows, the refused overlap-alone mode built anyway, and FSDP2's
+#    CPUOffloadPolicy over NCCL: exact, or refused where torch races;
+#    benchmarks/offload_bench.py --unproven: 7B-shaped layers, two micro-batches a step,
+#    torch fused AdamW vs layeropt, offload sync / held on GPU / overlap (refused,
+#    built anyway) / overlap + prefetch / the same on two copy streams, and a profiler
+#    trace of one more overlapped backward, taken after the results,
 #    offload-trace.json, to see copies beside the steps);
 # 7. the whole Llama-2-7B-shaped model with its state offloaded (benchmarks/offload_7b.py:
 #    HF LlamaForCausalLM, bf16, checkpointing, 2 micro-batches, 3 steps; torch fused AdamW
