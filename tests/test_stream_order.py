@@ -42,6 +42,10 @@ MODES = {
     "overlap + prefetch, 2 copy streams": dict(overlap=True, prefetch=True, copy_streams=2),
     "overlap + prefetch, 2 copy streams, all in flight": dict(
         overlap=True, prefetch=True, copy_streams=2, max_buckets=64),
+    # a later micro-batch's sum added on the device (HostHeld.add_on_device)
+    "sync, sums added on the device": dict(add_on_device=True),
+    "overlap + prefetch, 2 copy streams, sums added on the device": dict(
+        overlap=True, prefetch=True, copy_streams=2, add_on_device=True),
 }
 
 
@@ -51,9 +55,12 @@ def _handle(opt: Any, kw: dict[str, Any]) -> StateOffload:
         kw["held_device_bytes"] = sum(p.nbytes for g in opt.param_groups
                                       for p in g["params"]) // 2
     kw.setdefault("overlap", False)
-    return _install(opt, StateOffload(opt, kw.pop("max_buckets", 2),
-                                      pool=HostPool.for_optimizer(opt, held=kw.get("held_grads", True)),
-                                      **kw))
+    on_device = kw.pop("add_on_device", False)
+    handle = StateOffload(opt, kw.pop("max_buckets", 2),
+                          pool=HostPool.for_optimizer(opt, held=kw.get("held_grads", True)), **kw)
+    if on_device:
+        handle.held.add_on_device = True
+    return _install(opt, handle)
 
 
 def _train(monkeypatch: Any, kw: dict[str, Any], cap: float, micro: int, clip: float | None,
@@ -99,27 +106,37 @@ def test_copy_back_without_waiting_for_the_step_races(monkeypatch):
     assert any("copy_" in r and "reads default" in r for r in sim.races), sim.races[:3]
 
 
-def test_a_step_not_waiting_for_the_copy_back_races(monkeypatch):
-    """The next bring-in of a host tensor must wait for its copy back (an event)."""
+def test_a_step_waits_for_the_copies_back_in_flight(monkeypatch):
+    """One copy stream: a step waits for every copy back in flight (its events)."""
     monkeypatch.setattr(SimStream, "wait_event", lambda self, event: None)
-    # (the default cap: few buckets, so a bucket's copy back is still in flight when it
-    # steps again; with many, retiring older copies has made the host wait already)
     *_, sim, _ = _train(monkeypatch, MODES["overlap, held on device"], 1.0, 1, None, steps=2)
     assert any("reads side" in r or "read by side" in r for r in sim.races), sim.races[:3]
 
 
-def test_copies_in_not_waiting_for_copies_back_race(monkeypatch):
-    """Two copy streams: a copy in reads host state a copy back may still be writing, so
-    it waits for the copies back in flight."""
-    *_, sim, _ = _train(monkeypatch, MODES["overlap + prefetch, 2 copy streams, all in flight"],
-                        0.0, 1, None, steps=2)
-    assert not sim.races and sim.ops.get("side2", 0) > 0  # (side2: the copies in)
-    wait = SimStream.wait_event
-    monkeypatch.setattr(SimStream, "wait_event",
-                        lambda self, e: None if self.name == "side2" else wait(self, e))
-    *_, sim, _ = _train(monkeypatch, MODES["overlap + prefetch, 2 copy streams, all in flight"],
-                        0.0, 1, None, steps=2)
-    assert any("on side2 reads side1" in r for r in sim.races), sim.races[:3]
+def test_a_step_not_waiting_for_the_copy_back_races(monkeypatch):
+    """The next bring-in of a host tensor must wait for the copy back into it (its
+    event: ``StateOffload._after_writes``)."""
+    monkeypatch.setattr(StateOffload, "_after_writes", lambda self, stream, host: None)
+    # (the default cap: few buckets, so a bucket's copy back is still in flight when it
+    # steps again; with many, retiring older copies has made the host wait already.
+    # Two copy streams: one stream's step does not wait for every copy back)
+    *_, sim, _ = _train(monkeypatch, dict(overlap=True, held_grads=False, copy_streams=2),
+                        1.0, 1, None, steps=2)
+    assert any("reads side" in r or "read by side" in r for r in sim.races), sim.races[:3]
+
+
+def test_copies_in_not_waiting_for_the_compute_stream_race(monkeypatch):
+    """Two copy streams, sums added on the device: a copy in reads host tensors the
+    compute stream's copies wrote (a held sum sent back down) or waited for (earlier
+    copies back), so it waits for the work queued there."""
+    mode = MODES["overlap + prefetch, 2 copy streams, sums added on the device"]
+    *_, sim, _ = _train(monkeypatch, mode, 0.0, 3, None, steps=2)
+    assert not sim.races and sim.ops.get("side2", 0) > 0
+    wait = SimStream.wait_stream
+    monkeypatch.setattr(SimStream, "wait_stream",
+                        lambda self, other: None if self.name == "side2" else wait(self, other))
+    *_, sim, _ = _train(monkeypatch, mode, 0.0, 3, None, steps=2)
+    assert any("on side2 reads" in r for r in sim.races), sim.races[:3]
 
 
 def test_host_sum_before_the_copy_down_lands_races(monkeypatch):

@@ -77,6 +77,9 @@ class HostHeld:
         self.ahead: Callable[[Tensor, Tensor], Tensor | None] | None = None
         # offload's HostPool: each sum in the parameter's tensor of it (given every window)
         self.pool: HostPool | None = None
+        # a later micro-batch: the sum brought up, added on the device and sent back down,
+        # instead of the gradient sent down and added on the host (the same addition)
+        self.add_on_device = False
 
     def __contains__(self, param: Tensor) -> bool:
         return param in self.host
@@ -134,6 +137,14 @@ class HostHeld:
         for p in params:
             g = p.grad
             if g is None:
+                continue
+            acc = self.host.get(p)
+            if acc is not None and self.add_on_device:  # (the host never touches acc)
+                work = self.fetch(p)
+                work.add_(g)  # acc + new: autograd's accumulation, on the device
+                acc.copy_(work, non_blocking=streams.asynchronous(g.device))
+                p.grad = None
+                self.down_bytes += acc.nbytes
                 continue
             buf = None
             if self.pool is not None and p not in self.host:  # its sum: the pool's tensor

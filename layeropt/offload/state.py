@@ -28,7 +28,9 @@ tested).
 
 ``overlap=True`` (CUDA only): the copy back of a bucket runs on a side stream
 while the next bucket steps; at most ``max_buckets`` buckets' working state
-is alive at once. Reading ``optimizer.state`` tensors directly then needs
+is alive at once. A bucket's step waits for every copy back in flight; with two
+copy streams (``copy_streams=2``) a copy that reads or writes a host tensor waits
+for the copy back into it still in flight, and nothing else (its event). Reading ``optimizer.state`` tensors directly then needs
 ``handle.synchronize()`` first (``state_dict()`` does it itself).
 """
 
@@ -69,10 +71,12 @@ def _offloadable(p: Tensor, v: Any) -> bool:
 
 
 class _Flight:
-    """One bucket's copy back in progress on the side stream (``overlap=True``)."""
+    """One bucket's copy back in progress on the side stream (``overlap=True``): its event,
+    the working tensors it reads, the ids of the host tensors it writes, its bytes."""
 
-    def __init__(self, event: Any, tensors: list[Tensor], nbytes: int) -> None:
-        self.event, self.tensors, self.nbytes = event, tensors, nbytes
+    def __init__(self, event: Any, tensors: list[Tensor], hosts: list[int],
+                 nbytes: int) -> None:
+        self.event, self.tensors, self.hosts, self.nbytes = event, tensors, hosts, nbytes
 
 
 def _hook(method: str, ref: weakref.ref, *args: Any) -> None:
@@ -156,6 +160,7 @@ class StateOffload:
         self.copied_bytes = 0
         self._hosts: dict[int, dict[Any, weakref.ref]] = {}  # id(param) -> key -> host tensor
         self._flights: deque[_Flight] = deque()
+        self._writes: dict[int, Any] = {}  # id(host tensor) -> event of a copy back into it
         self._loading: dict[int, Tensor] = {}  # id(stand-in) -> parameter, during a load
         self._streams: dict[tuple[torch.device, str], Any] = {}  # (device, in/out) ->
         self.stepper = OffloadStepper(self)  # installed by _install, removed by remove()
@@ -205,7 +210,9 @@ class StateOffload:
         self._retire(block_until=self.max_buckets - 1)
         state = optimizer.state
         working: dict[tuple[int, Any], tuple[Tensor, Tensor]] = {}  # -> (host, work)
-        if self._flights:  # the copies back this bucket's host tensors may wait for
+        if self._flights and self.copy_streams == 1:  # every copy back in flight first: the
+            # order a GPU run showed exact (2026-12-04); two copy streams wait for exactly
+            # the copies back into what they read (_after_writes), checked on the CPU only
             waiting = {p.device: streams.current(p.device) for p in params}
             for s in waiting.values():
                 for f in self._flights:
@@ -218,6 +225,7 @@ class StateOffload:
                     if self._host(p, k, v):
                         work = self._take(p, k, v) if self._copies else None
                         if work is None:
+                            self._after_writes(streams.current(p.device), v)
                             work = self._to_device(v, p.device)
                             self._count(v.nbytes, copied=True)
                         s[k] = work
@@ -253,6 +261,7 @@ class StateOffload:
             self._copy_back_async(moves, nbytes)
         else:
             for s, k, v, host in moves:
+                self._after_writes(streams.current(v.device), host)
                 host.copy_(v)
                 s[k] = host
             self.device_bytes -= nbytes
@@ -290,6 +299,8 @@ class StateOffload:
                 for k, v in sources:
                     if side is None and streams.asynchronous(p.device):
                         side = self._side_stream(p.device, "in")
+                    if side is not None:
+                        self._after_writes(side, v)
                     with streams.on(side):
                         work = self._to_device(v, p.device)
                     self._copies[(id(p), k)] = (v, v._version, work, None)
@@ -305,20 +316,16 @@ class StateOffload:
         self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
 
     def _side_stream(self, device: torch.device, direction: str = "out") -> Any:
-        """The stream for copies ``"in"`` (fetched ahead) or ``"out"`` (copies back).
-        One stream for both (``copy_streams=1``) keeps them in issue order, after the
-        steps queued so far. With two, copies in run beside copies back: each waits
-        only for the copies back still in flight (the host tensors it may read)."""
-        apart = self.copy_streams == 2 and direction == "in"
-        key = (device, "in" if apart else "out")
+        """The stream for copies ``"in"`` (fetched ahead) or ``"out"`` (copies back),
+        after the work queued so far: the steps it copies back, a held sum written on
+        the device, and (through the current stream's waits in :meth:`stepping`) the
+        copies back of earlier buckets, whose host tensors a copy in may read. One
+        stream for both (``copy_streams=1``) or one each (``2``: in beside out)."""
+        key = (device, "in" if self.copy_streams == 2 and direction == "in" else "out")
         side = self._streams.get(key)
         if side is None:
             side = self._streams[key] = streams.new_stream(device)
-        if apart:
-            for f in self._flights:
-                side.wait_event(f.event)
-        else:
-            side.wait_stream(streams.current(device))  # (the steps it copies back)
+        side.wait_stream(streams.current(device))
         return side
 
     def _take(self, p: Tensor, k: Any, host: Tensor) -> Tensor | None:
@@ -376,7 +383,16 @@ class StateOffload:
                 s[k] = host  # (its values arrive with the event: see synchronize())
         event = streams.new_event()
         event.record(side)
-        self._flights.append(_Flight(event, [v for _, _, v, _ in moves], nbytes))
+        hosts = [id(host) for _, _, _, host in moves]
+        self._writes.update((h, event) for h in hosts)
+        self._flights.append(_Flight(event, [v for _, _, v, _ in moves], hosts, nbytes))
+
+    def _after_writes(self, stream: Any, host: Tensor) -> None:
+        """``stream`` waits for the copy back into ``host`` still in flight, if any: the
+        one thing a copy reading or writing that host tensor must follow."""
+        event = self._writes.get(id(host))
+        if event is not None:
+            stream.wait_event(event)
 
     def _retire(self, block_until: int) -> None:
         """Forget finished copies back; wait for the oldest until at most ``block_until``."""
@@ -385,6 +401,9 @@ class StateOffload:
             f = self._flights.popleft()
             f.event.synchronize()
             self.device_bytes -= f.nbytes
+            for h in f.hosts:
+                if self._writes.get(h) is f.event:
+                    del self._writes[h]
 
     def synchronize(self) -> None:
         """Wait until every copy back has landed in host memory (``overlap=True``)."""
