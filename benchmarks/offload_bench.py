@@ -11,8 +11,10 @@ Prints per contender the median step time, the allocator's peak, the bytes
 copied per step and the PCIe rate they imply, and checks that the offloaded
 runs equal layeropt without offload bit for bit. ``--unproven`` also runs the
 modes ``offload_state`` refuses or does not offer until a GPU run has shown them
-exact: overlap without prefetch over an accumulation window, and overlap + prefetch
-with copies in and out on two streams (``StateOffload(copy_streams=2)``). ``--trace`` profiles one more
+exact or measured them: overlap without prefetch over an accumulation window,
+overlap + prefetch with copies in and out on two streams
+(``StateOffload(copy_streams=2)``), and held sums added on the device
+(``HostHeld.add_on_device``). ``--trace`` profiles one more
 backward of the overlapped run after its results are taken: that backward
 steps the model. (On 2026-12-04 it ran before them, so the overlapped run with
 ``--accumulate 2`` had stepped once more than the others: the "not equal" and
@@ -86,6 +88,8 @@ def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | No
         handle = _offload(opt, unproven, 2 if "2 streams" in name else 1,
                           overlap="overlap" in name, prefetch="prefetch" in name,
                           held_grads="held on GPU" not in name)
+        if "sums added on GPU" in name:  # (HostHeld.add_on_device: not offered yet)
+            handle.held.add_on_device = True
     times = []
     for _ in range(steps):
         _sync(x.device)
@@ -150,6 +154,8 @@ def main() -> None:
         names += ["offload overlap", "offload overlap prefetch"]  # (a CUDA side stream)
         if args.unproven:  # copies in and out on streams of their own
             names.append("offload overlap prefetch 2 streams")
+    if args.unproven and args.accumulate > 1:  # a later micro-batch's sum added on the device
+        names.append("offload sync, sums added on GPU")
     for name in names:
         try:
             results.append(run(name, base, x, args.steps, args.trace, args.accumulate,

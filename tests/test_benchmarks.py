@@ -31,6 +31,8 @@ SMOKE = {
     "gpu_profile.py --device cpu --tiny": "ops by self CPU time",
     "offload_bench.py --device cpu --tiny --layers 2 --steps 2":
         "equal to layeropt: True",
+    "offload_bench.py --device cpu --tiny --layers 2 --steps 2 --accumulate 2 --unproven":
+        "sums added on GPU",
 }
 
 

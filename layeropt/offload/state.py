@@ -225,7 +225,7 @@ class StateOffload:
                     if self._host(p, k, v):
                         work = self._take(p, k, v) if self._copies else None
                         if work is None:
-                            self._after_writes(streams.current(p.device), v)
+                            self._after_writes(v, p.device)
                             work = self._to_device(v, p.device)
                             self._count(v.nbytes, copied=True)
                         s[k] = work
@@ -261,7 +261,7 @@ class StateOffload:
             self._copy_back_async(moves, nbytes)
         else:
             for s, k, v, host in moves:
-                self._after_writes(streams.current(v.device), host)
+                self._after_writes(host, v.device)
                 host.copy_(v)
                 s[k] = host
             self.device_bytes -= nbytes
@@ -300,7 +300,7 @@ class StateOffload:
                     if side is None and streams.asynchronous(p.device):
                         side = self._side_stream(p.device, "in")
                     if side is not None:
-                        self._after_writes(side, v)
+                        self._after_writes(v, p.device, side)
                     with streams.on(side):
                         work = self._to_device(v, p.device)
                     self._copies[(id(p), k)] = (v, v._version, work, None)
@@ -387,12 +387,12 @@ class StateOffload:
         self._writes.update((h, event) for h in hosts)
         self._flights.append(_Flight(event, [v for _, _, v, _ in moves], hosts, nbytes))
 
-    def _after_writes(self, stream: Any, host: Tensor) -> None:
-        """``stream`` waits for the copy back into ``host`` still in flight, if any: the
-        one thing a copy reading or writing that host tensor must follow."""
+    def _after_writes(self, host: Tensor, device: torch.device, stream: Any = None) -> None:
+        """``stream`` (default: ``device``'s current one) waits for the copy back into
+        ``host`` still in flight, if any: what a copy reading or writing it must follow."""
         event = self._writes.get(id(host))
         if event is not None:
-            stream.wait_event(event)
+            (stream or streams.current(device)).wait_event(event)
 
     def _retire(self, block_until: int) -> None:
         """Forget finished copies back; wait for the oldest until at most ``block_until``."""
