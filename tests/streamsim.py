@@ -20,7 +20,9 @@ The values are computed at once (the CPU runs each op when issued), so a
 race does not change a number here: it is reported instead. Host memory is
 what offload allocates as host memory (``HostHeld._new_host``,
 ``StateOffload._new_host``, ``HostPool.take``) and what host-only ops make; everything else is device
-memory. Not modelled: the caching allocator's reuse of freed memory
+memory. A storage a tensor adopts with ``set_`` (``copy.deepcopy``,
+``torch.frombuffer`` make storages without an op seen here) is new memory. Not
+modelled: the caching allocator's reuse of freed memory
 across streams (``record_stream``); events are never done when queried
 unless ``query`` says otherwise.
 """
@@ -43,6 +45,7 @@ HOST = "host"
 aten = torch.ops.aten
 _UNINITIALIZED = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
                   aten.new_empty.default, aten.new_empty_strided.default}
+_ADOPT = {aten.set_.source_Storage, aten.set_.source_Storage_storage_offset}
 _TO_HOST = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
 
 
@@ -183,6 +186,11 @@ class Sim:
 
     # -- the ops --------------------------------------------------------------
     def observe(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if func in _ADOPT:  # a storage made outside the ops seen here (deepcopy,
+            key = _key(args[0])  # frombuffer): new memory, no accesses yet
+            self.host.discard(key)
+            self.records.pop(key, None)
+            return
         reads, writes = _accesses(func, args, kwargs)
         inputs = {_key(t) for t in reads + writes} - {None}
         fresh = [k for k in map(_key, _tensors(out)) if k is not None and k not in inputs]
