@@ -19,9 +19,13 @@ Modes (``--modes``), in the order given, torch first if asked for:
   ``zero_grad()``; GPU memory capped at ``--cap-gib`` with
   ``torch.cuda.set_per_process_memory_fraction``:
   ``sync`` (defaults), ``held-on-gpu`` (``held_grads=False``), ``budget``
-  (``held_device_bytes=--budget-gib``), ``prefetch`` (``prefetch=True``) and
-  ``overlap-prefetch`` (``overlap=True, prefetch=True``; the last two CUDA only,
-  skipped with a note on CPU).
+  (``held_device_bytes=--budget-gib``), ``prefetch`` (``prefetch=True``),
+  ``overlap-prefetch`` (``overlap=True, prefetch=True``), and two modes
+  ``offload_state`` does not offer until a GPU run shows them: ``two-streams``
+  (the same with copies in and out on streams of their own,
+  ``StateOffload(copy_streams=2)``) and ``two-streams-device-sums`` (also a later
+  micro-batch's held sum added on the device, ``HostHeld.add_on_device``); the
+  last four CUDA only, skipped with a note on CPU.
 
 One table row per mode: step times, peak allocated / reserved GiB, state and held
 gradient bytes copied in the last step, and how many tensors (parameters, then
@@ -63,7 +67,9 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import layeropt
-from layeropt.offload import offload_state
+from layeropt.offload import StateOffload, offload_state
+from layeropt.offload.pool import HostPool
+from layeropt.offload.state import _install
 
 GiB = 2**30
 MODES = {  # mode -> offload_state keywords (None: the torch.optim reference)
@@ -73,8 +79,12 @@ MODES = {  # mode -> offload_state keywords (None: the torch.optim reference)
     "budget": {},  # held_device_bytes from --budget-gib
     "prefetch": {"prefetch": True},
     "overlap-prefetch": {"overlap": True, "prefetch": True},
+    # not offered by offload_state until a GPU run shows them (StateOffload built directly):
+    "two-streams": {"overlap": True, "prefetch": True, "copy_streams": 2},
+    "two-streams-device-sums": {"overlap": True, "prefetch": True, "copy_streams": 2,
+                                "add_on_device": True},
 }
-CUDA_ONLY = {"prefetch", "overlap-prefetch"}  # (a CUDA side stream)
+CUDA_ONLY = {"prefetch", "overlap-prefetch", "two-streams", "two-streams-device-sums"}
 
 
 def config_of(args: argparse.Namespace) -> LlamaConfig:
@@ -166,7 +176,14 @@ def run(mode: str, args: argparse.Namespace, config: LlamaConfig, initial: dict,
         options = dict(MODES[mode])
         if mode == "budget":
             options["held_device_bytes"] = int(args.budget_gib * GiB)
-        handle = offload_state(opt, **options)
+        on_device = options.pop("add_on_device", False)
+        if "copy_streams" in options:  # (a mode offload_state does not offer yet)
+            handle = _install(opt, StateOffload(opt, 2, pool=HostPool.for_optimizer(opt, True),
+                                                **options))
+        else:
+            handle = offload_state(opt, **options)
+        if on_device:  # (HostHeld.add_on_device: a later micro-batch's sum on the device)
+            handle.held.add_on_device = True
     times, steady_copied, losses = [], 0, []
     for step in range(args.steps):
         before = copied(handle)
