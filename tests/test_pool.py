@@ -29,6 +29,17 @@ def _dense(state: dict) -> dict:
             for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
 
 
+def _train_both(ref, ref_opt, model, opt, batch_fn, loss_fn, steps: int = 2) -> None:
+    """``steps`` steps of torch (``ref``) and layeropt (``model``) on the same batches."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        data = batch_fn(gen)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            loss_fn(m, data).backward()
+            o.step()
+            o.zero_grad()
+
+
 @pytest.mark.parametrize("cfg", OPTIMIZER_CONFIGS, ids=config_id)
 def test_layout_is_the_state_torch_creates(cfg):
     """The meta step's layout equals the state torch.optim creates in its first step, for
@@ -62,13 +73,7 @@ def test_the_first_step_allocates_no_host_memory(monkeypatch):
     layeropt.attach(model, opt, bucket_cap_mb=0.0)
     handle = offload_state(opt)
     block = handle.pool.nbytes
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(2):
-        data = batch_fn(gen)
-        for m, o in ((ref, ref_opt), (model, opt)):
-            loss_fn(m, data).backward()
-            o.step()
-            o.zero_grad()
+    _train_both(ref, ref_opt, model, opt, batch_fn, loss_fn)
     assert "cpu" not in made  # (working tensors on the "device" only)
     for p, s in opt.state.items():  # each the pool's tensor for its entry
         for k, v in s.items():
@@ -130,13 +135,7 @@ def test_an_optimizer_the_meta_step_cannot_run_has_no_state_in_the_pool():
     layeropt.attach(model, opt)
     handle = offload_state(opt)
     assert all(k == HELD_SUM for _, k in handle.pool._entries)  # the held sums' only
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(2):
-        data = batch_fn(gen)
-        for m, o in ((ref, ref_opt), (model, opt)):
-            loss_fn(m, data).backward()
-            o.step()
-            o.zero_grad()
+    _train_both(ref, ref_opt, model, opt, batch_fn, loss_fn)
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), opt.state_dict())
 
