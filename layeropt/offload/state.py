@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import streams
 from .held import HostHeld, empty_like
+from .loading import loading_into_host
 from .pool import HELD_SUM, HostPool
 from .prefetch import LandingOrder
 from ..checking.verify import Verifier
@@ -59,8 +60,6 @@ from ..optim import InBackwardOptimizer
 __all__ = ["offload_state", "StateOffload"]
 
 
-# torch's rule for where a loaded state value goes (Optimizer.load_state_dict uses it)
-_POLICY = getattr(torch.optim.Optimizer, "_process_value_according_to_param_policy", None)
 _HELD = HELD_SUM  # StateOffload._copies: a held gradient's sum fetched ahead
 
 
@@ -161,7 +160,6 @@ class StateOffload:
         self._hosts: dict[int, dict[Any, weakref.ref]] = {}  # id(param) -> key -> host tensor
         self._flights: deque[_Flight] = deque()
         self._writes: dict[int, Any] = {}  # id(host tensor) -> event of a copy back into it
-        self._loading: dict[int, Tensor] = {}  # id(stand-in) -> parameter, during a load
         self._streams: dict[tuple[torch.device, str], Any] = {}  # (device, in/out) ->
         self.stepper = OffloadStepper(self)  # installed by _install, removed by remove()
         ref = weakref.ref(self)
@@ -414,55 +412,10 @@ class StateOffload:
     def _before_read(self, *args: Any) -> None:
         self.synchronize()
 
-    @contextlib.contextmanager
-    def loading(self, optimizer: Any) -> Iterator[None]:
-        """Around ``optimizer.load_state_dict`` (``InBackwardOptimizer``): the state
-        loads into host memory; the real parameters are back however the load ends."""
-        self._before_load(optimizer)
-        try:
-            yield
-        finally:
-            self._after_load(optimizer)
-
-    def _before_load(self, optimizer: Any) -> None:
-        """Load into host memory: torch casts each loaded state tensor to its
-        parameter's device, so for the load the param groups hold host stand-ins
-        of the parameters (same dtype and shape, on the CPU, no storage)."""
-        self.synchronize()
-        self._loading = {}
-        if _POLICY is None:  # a torch without the policy to re-apply: load as torch does
-            return
-        for g in optimizer.param_groups:
-            stand_ins = []
-            for p in g["params"]:
-                stand_in = torch.zeros((), dtype=p.dtype).expand(p.shape)
-                self._loading[id(stand_in)] = p
-                stand_ins.append(stand_in)
-            g["params"] = stand_ins
-
-    def _after_load(self, optimizer: Any) -> None:
-        """The real parameters back, the loaded state keyed by them: its tensors become
-        the host copies; 0-dim ones go where torch's policy puts them for the parameter."""
-        real, self._loading = self._loading, {}
-        for g in optimizer.param_groups:
-            g["params"] = [real.get(id(q), q) for q in g["params"]]
-        state = optimizer.state
-        for stand_in in [k for k in state if id(k) in real]:
-            p, values = real[id(stand_in)], state.pop(stand_in)
-            group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-            policy = [{"params": [0], "fused": group.get("fused", False),
-                       "capturable": group.get("capturable", False)}]
-            for k, v in values.items():
-                if not isinstance(v, Tensor) or is_traceable_wrapper_subclass(v):
-                    continue
-                if v.dim() == 0:  # (Adam's step: on the CPU, or the device when fused)
-                    values[k] = _POLICY(p, v, 0, policy, k)
-                else:
-                    values[k] = self._new_host(p, k, v)
-                    values[k].copy_(v)
-            state[p] = values
-        optimizer._lo_group_index = None
-        self._to_host_all()
+    def loading(self, optimizer: Any) -> contextlib.AbstractContextManager[None]:
+        """Around ``optimizer.load_state_dict`` (``InBackwardOptimizer``): the state loads
+        into host memory (``layeropt/offload/loading.py``)."""
+        return loading_into_host(self, optimizer)
 
     def _before_step(self, optimizer: Any, *args: Any) -> None:
         if not optimizer.attached:
