@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import layeropt
-from harness import assert_models_equal, assert_same
+from harness import SOAK, assert_models_equal, assert_same
 from layeropt.models import make_model
 from layeropt.offload.pool import HostPool
 from layeropt.offload.state import StateOffload, _install
@@ -247,6 +249,53 @@ def test_copies_fetched_ahead_and_dropped_are_waited_for(monkeypatch, mode):
                 opt.load_state_dict(copy.deepcopy(opt.state_dict()))
                 ref_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
         state = opt.state_dict()
+    assert sim.races == []
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), state)
+
+
+# -- generated: modes, models that skip layers, optimizers -------------------------------------
+@settings(max_examples=25 * SOAK, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(overlap=st.booleans(), prefetch=st.booleans(), copy_streams=st.sampled_from([1, 2]),
+       max_buckets=st.integers(1, 4), held=st.sampled_from(["host", "device", "half", "add"]),
+       micro=st.integers(1, 3), clip=st.sampled_from([None, 0.05]),
+       cap=st.sampled_from([0.0, 1.0]), shorts=st.lists(st.booleans(), min_size=2, max_size=4),
+       opt=st.sampled_from([("AdamW", dict(lr=0.01, fused=True)),
+                            ("Adam", dict(lr=0.01, amsgrad=True, foreach=True)),
+                            ("SGD", dict(lr=0.1, momentum=0.9))]))
+def test_generated_modes_are_ordered_and_exact(overlap, prefetch, copy_streams, max_buckets,
+                                               held, micro, clip, cap, shorts, opt):
+    """Any mode (the refused and unoffered ones too), steps that skip layers (state fetched
+    ahead and dropped), accumulation and clipping: no race, torch's numbers."""
+    name, kw = opt
+    torch.manual_seed(0)
+    model = _Skipping()
+    ref = copy.deepcopy(model)
+    ref_opt = getattr(torch.optim, name)(ref.parameters(), **kw)
+    ours = getattr(layeropt, name)(model.parameters(), **kw)
+    layeropt.attach(model, ours, bucket_cap_mb=cap)
+    mode = dict(overlap=overlap, prefetch=prefetch, copy_streams=copy_streams,
+                max_buckets=max_buckets, held_grads=held != "device",
+                add_on_device=held == "add", **({"held_device_bytes": -2} if held == "half" else {}))
+    xs = torch.randn(len(shorts), micro, 4, 8)
+    with pytest.MonkeyPatch.context() as monkeypatch, simulate(monkeypatch) as sim:
+        _handle(ours, mode)
+        for step, short in enumerate(shorts):
+            for m, o in ((ref, ref_opt), (model, ours)):
+                for k in range(micro):
+                    loss = m(xs[step, k], short) / micro
+                    if m is model and k < micro - 1:
+                        with o.no_step():
+                            loss.backward()
+                    elif m is model and clip is not None:
+                        layeropt.backward(loss, max_norm=clip)
+                    else:
+                        loss.backward()
+                if m is ref and clip is not None:
+                    torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+                o.step()
+                o.zero_grad()
+        state = ours.state_dict()
     assert sim.races == []
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), state)
