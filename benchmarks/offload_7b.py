@@ -68,7 +68,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import layeropt
 from layeropt.offload import StateOffload, offload_state
-from layeropt.offload.pool import HostPool
 from layeropt.offload.state import _install
 
 GiB = 2**30
@@ -178,8 +177,7 @@ def run(mode: str, args: argparse.Namespace, config: LlamaConfig, initial: dict,
             options["held_device_bytes"] = int(args.budget_gib * GiB)
         on_device = options.pop("add_on_device", False)
         if "copy_streams" in options:  # (a mode offload_state does not offer yet)
-            handle = _install(opt, StateOffload(opt, 2, pool=HostPool.for_optimizer(opt, True),
-                                                **options))
+            handle = _install(opt, StateOffload(opt, 2, pooled=True, **options))
         else:
             handle = offload_state(opt, **options)
         if on_device:  # (HostHeld.add_on_device: a later micro-batch's sum on the device)

@@ -68,7 +68,8 @@ def _offload(opt: torch.optim.Optimizer, unproven: bool, copy_streams: int = 1,
         except layeropt.LayeroptError:
             if not unproven:
                 raise
-    return _install(opt, StateOffload(opt, max_buckets=2, copy_streams=copy_streams, **kw))
+    return _install(opt, StateOffload(opt, max_buckets=2, copy_streams=copy_streams,
+                                      pooled=True, **kw))
 
 
 def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | None,

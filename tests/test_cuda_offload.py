@@ -285,7 +285,8 @@ def test_refused_overlap_with_held_grads_built_anyway(cap, max_buckets):
     docs/results/gpu-h200.md.)"""
     runs, batch_fn, loss_fn = _runs("AdamW", dict(lr=0.01, fused=True), cap, [None])
     m, o, _ = runs[1]
-    handle = _install(o, StateOffload(o, max_buckets, overlap=True, held_grads=True))
+    handle = _install(o, StateOffload(o, max_buckets, overlap=True, held_grads=True,
+                                      pooled=True))
     runs[1] = (m, o, handle)
     _window(runs, batch_fn, loss_fn, steps=3)
     (m0, o0, _), (m, o, handle) = runs

@@ -80,16 +80,17 @@ def test_the_first_step_allocates_no_host_memory(monkeypatch):
             if v.dim() > 0:
                 assert handle.pool.take((id(p), k), v) is v
                 assert v.untyped_storage().nbytes() == v.nbytes  # (a storage of its own)
-    state = handle.host_bytes  # (and a held gradient sum per parameter: none held here)
-    sums = sum(p.nbytes for p in model.parameters())
-    assert state + sums <= block < state + sums + 512 * (len(opt.state) * 3 + 1)
+    state = handle.host_bytes
+    assert state <= block < state + 512 * sum(len(s) for s in opt.state.values())
+    assert handle.held.pool is None  # (nothing held: no block for held sums)
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), opt.state_dict())
 
 
 def test_the_block_is_freed_with_the_optimizer():
-    """Deleting the optimizer frees the block, though the handle lives on (as deleting a
-    torch.optim optimizer frees its state); ``remove()`` lets go of it too."""
+    """Deleting the optimizer frees the blocks (state, held sums), though the handle lives
+    on (as deleting a torch.optim optimizer frees its state); ``remove()`` lets go of
+    them too."""
     import gc
 
     model, batch_fn, loss_fn = make_model("mlp")
@@ -99,12 +100,16 @@ def test_the_block_is_freed_with_the_optimizer():
         opt = layeropt.AdamW(model.parameters())
         handle = layeropt.attach(model, opt)
         offloaded = offload_state(opt)
-        loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
-        pool = offloaded.pool
-        assert pool.allocated
+        gen = torch.Generator().manual_seed(0)
+        loss_fn(model, batch_fn(gen)).backward()
+        with opt.no_step():  # a held gradient: the sums' block
+            loss_fn(model, batch_fn(gen)).backward()
+        opt.zero_grad()
+        pools = [offloaded.pool, offloaded.held.pool]
+        assert all(p.allocated for p in pools)
         handle.remove()
         del opt, handle
-        assert not pool.allocated and pool._entries == {}
+        assert not any(p.allocated or p._entries for p in pools)
     finally:
         gc.enable()
     opt = layeropt.AdamW(model.parameters())
@@ -117,7 +122,7 @@ def test_the_block_is_freed_with_the_optimizer():
 
 class _Inspecting(torch.optim.SGD):
     """A third-party-style optimizer whose step copies a gradient to the CPU: its meta
-    step fails (a meta tensor has no data to copy), so the pool holds no state."""
+    step fails (a meta tensor has no data to copy), so there is no pool for its state."""
 
     def step(self, closure=None):
         for g in self.param_groups:
@@ -127,14 +132,14 @@ class _Inspecting(torch.optim.SGD):
         return super().step(closure)
 
 
-def test_an_optimizer_the_meta_step_cannot_run_has_no_state_in_the_pool():
+def test_an_optimizer_the_meta_step_cannot_run_has_no_pool():
     model, batch_fn, loss_fn = make_model("mlp")
     ref = copy.deepcopy(model)
     ref_opt = _Inspecting(ref.parameters(), lr=0.1, momentum=0.9)
     opt = layeropt.in_backward(_Inspecting)(model.parameters(), lr=0.1, momentum=0.9)
     layeropt.attach(model, opt)
     handle = offload_state(opt)
-    assert all(k == HELD_SUM for _, k in handle.pool._entries)  # the held sums' only
+    assert handle.pool is None
     _train_both(ref, ref_opt, model, opt, batch_fn, loss_fn)
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), opt.state_dict())
@@ -155,8 +160,9 @@ def test_a_block_that_cannot_be_allocated_warns_and_goes_on(monkeypatch):
 
 @pytest.mark.parametrize("cap", [0.0, 1.0], ids=["cap0", "default-cap"])
 def test_held_sums_live_in_the_pool(cap):
-    """Over accumulation windows each held gradient's host sum is the pool's tensor for
-    its parameter, the same every window; the sums equal torch's bit for bit."""
+    """Over accumulation windows each held gradient's host sum is the held sums' pool's
+    tensor for its parameter (a block made at the first holding backward), the same
+    every window; the sums equal torch's bit for bit."""
     model, batch_fn, loss_fn = make_model("gpt")
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, fused=True)
@@ -178,7 +184,7 @@ def test_held_sums_live_in_the_pool(cap):
             else:
                 held = dict(handle.held.host)
                 assert held and all(
-                    t is handle.pool.take((id(p), HELD_SUM), t) for p, t in held.items())
+                    t is handle.held.pool.take((id(p), HELD_SUM), t) for p, t in held.items())
                 assert all(sums.setdefault(p, t) is t for p, t in held.items())
                 (loss_fn(model, data) / 3).backward()
         opt.step()

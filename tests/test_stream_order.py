@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 import layeropt
 from harness import SOAK, assert_models_equal, assert_same
 from layeropt.models import make_model
-from layeropt.offload.pool import HostPool
 from layeropt.offload.state import StateOffload, _install
 from streamsim import Sim, SimEvent, SimStream, simulate
 
@@ -58,8 +57,7 @@ def _handle(opt: Any, kw: dict[str, Any]) -> StateOffload:
                                       for p in g["params"]) // 2
     kw.setdefault("overlap", False)
     on_device = kw.pop("add_on_device", False)
-    handle = StateOffload(opt, kw.pop("max_buckets", 2),
-                          pool=HostPool.for_optimizer(opt, held=kw.get("held_grads", True)), **kw)
+    handle = StateOffload(opt, kw.pop("max_buckets", 2), pooled=True, **kw)
     if on_device:
         handle.held.add_on_device = True
     return _install(opt, handle)

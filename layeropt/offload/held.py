@@ -75,8 +75,10 @@ class HostHeld:
         self.up_bytes = 0
         # prefetch (layeropt/offload/prefetch.py): (param, host sum) -> its copy fetched ahead
         self.ahead: Callable[[Tensor, Tensor], Tensor | None] | None = None
-        # offload's HostPool: each sum in the parameter's tensor of it (given every window)
+        # offload's HostPool: each sum in the parameter's tensor of it (given every window),
+        # made by pool_factory at the first holding backward (none without accumulation)
         self.pool: HostPool | None = None
+        self.pool_factory: Callable[[], HostPool | None] | None = None
         # a later micro-batch: the sum brought up, added on the device and sent back down,
         # instead of the gradient sent down and added on the host (the same addition)
         self.add_on_device = False
@@ -133,6 +135,8 @@ class HostHeld:
 
     def down(self, params: list[Tensor]) -> None:
         """Add each parameter's ``.grad`` into its host sum and free it."""
+        if self.pool_factory is not None:
+            self.pool, self.pool_factory = self.pool_factory(), None
         staged = []
         for p in params:
             g = p.grad

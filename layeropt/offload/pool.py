@@ -16,9 +16,10 @@ saves that tensor, not the block).
 :meth:`StateOffload._new_host <layeropt.offload.state.StateOffload>` takes an
 entry's tensor from the pool when the layout matches. Otherwise (an
 optimizer the meta step cannot run, a state tensor of another shape) it
-allocates as before. With held gradients in host memory the block also holds
-one sum per parameter (``HELD_SUM``), given to ``HostHeld`` in every
-accumulation window. The block goes with the optimizer (:meth:`HostPool.release`).
+allocates as before. Held gradients in host memory get a pool of their own at
+the first backward that holds one (none in a loop without accumulation): one
+sum per parameter (``HELD_SUM``), given to ``HostHeld`` in every window. A
+pool goes with its optimizer (:meth:`HostPool.release`).
 """
 
 from __future__ import annotations
@@ -133,28 +134,32 @@ class HostPool:
                          for key, (size, stride, dtype) in layout.items()}
 
     @classmethod
-    def for_optimizer(cls, optimizer: Any, held: bool = False) -> HostPool | None:
-        """The pool for ``optimizer``'s state, and with ``held`` for a held gradient sum of
-        each parameter that requires one; ``None`` if there is nothing to hold or the
-        block cannot be allocated (a warning says so; host tensors are then allocated as
-        they are needed, as without a pool)."""
+    def for_optimizer(cls, optimizer: Any, what: str = "state") -> HostPool | None:
+        """The pool for ``optimizer``'s ``"state"``, or for a ``"held"`` gradient sum of
+        each parameter that requires grad. Released when the optimizer is deleted, as
+        torch.optim's state is freed. ``None`` if there is nothing to pool (a layout the
+        meta step cannot find) or the block cannot be allocated: a warning says so, and
+        host tensors are then allocated one by one as they are needed."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        layout = state_layout(optimizer) or {}
-        if held:
-            layout.update({(id(p), HELD_SUM): (p.size(), p.stride(), p.dtype)
-                           for p in params if p.requires_grad})
+        if what == "state":
+            layout = state_layout(optimizer)
+        else:
+            layout = {(id(p), HELD_SUM): (p.size(), p.stride(), p.dtype)
+                      for p in params if p.requires_grad}
         if not layout:
             return None
         pin = any(p.device.type == "cuda" for p in params)
         try:
-            return cls(layout, pin)
+            pool = cls(layout, pin)
         except RuntimeError as exc:  # (pinned memory limits: ulimit -l, a container's)
             warnings.warn(
-                f"offload_state: could not allocate the state's host memory in one block "
+                f"offload_state: could not allocate the {what} host memory in one block "
                 f"({sum(_extent(s, st) * d.itemsize for s, st, d in layout.values()):,} "
                 f"bytes{', pinned' if pin else ''}: {exc}); allocating it tensor by tensor "
-                "as the state is created instead.", RuntimeWarning, stacklevel=3)
+                "instead.", RuntimeWarning, stacklevel=3)
             return None
+        weakref.finalize(optimizer, pool.release)
+        return pool
 
     def take(self, key: Hashable, like: Tensor) -> Tensor | None:
         """The entry ``key``'s tensor if ``like`` has its size, stride and dtype; else

@@ -78,6 +78,12 @@ class _Flight:
         self.event, self.tensors, self.hosts, self.nbytes = event, tensors, hosts, nbytes
 
 
+def _held_pool(ref: weakref.ref) -> HostPool | None:
+    """The held gradient sums' pool of the optimizer ``ref`` (``HostHeld.pool_factory``)."""
+    optimizer = ref()
+    return None if optimizer is None else HostPool.for_optimizer(optimizer, "held")
+
+
 def _hook(method: str, ref: weakref.ref, *args: Any) -> None:
     handle = ref()
     if handle is not None:
@@ -126,7 +132,9 @@ class StateOffload:
             dropped unused (out of order, stale).
         pool: the state's host memory, allocated when offload started
             (:class:`layeropt.offload.pool.HostPool`; ``None`` where the layout was not
-            known: host tensors are then allocated as the state is created).
+            known: host tensors are then allocated as the state is created). The held
+            gradient sums get a pool of their own at the first holding backward
+            (``held.pool``).
         copy_streams: 1 (the default): copies in and out share one side stream; 2: each
             direction has its own (not offered by ``offload_state`` until a GPU run shows
             it; ``tests/test_stream_order.py`` checks its order on the CPU).
@@ -135,17 +143,15 @@ class StateOffload:
     def __init__(self, optimizer: InBackwardOptimizer, max_buckets: int, overlap: bool,
                  held_grads: bool = True, prefetch: bool = False,
                  held_device_bytes: int = 0, copy_streams: int = 1,
-                 pool: HostPool | None = None) -> None:
+                 pooled: bool = False) -> None:
         self._optimizer = weakref.ref(optimizer)  # (the optimizer keeps this handle)
         self.max_buckets = max_buckets
         self.overlap = overlap
         self.copy_streams = copy_streams  # 2: copies in and out on streams of their own
-        self.pool = pool
-        if pool is not None:  # (its block goes with the optimizer, as torch's state does)
-            weakref.finalize(optimizer, pool.release)
+        self.pool = HostPool.for_optimizer(optimizer) if pooled else None
         self.held: HostHeld | None = HostHeld(held_device_bytes) if held_grads else None
-        if self.held is not None:
-            self.held.pool = pool
+        if self.held is not None and pooled:  # (the sums' block: at the first hold)
+            self.held.pool_factory = functools.partial(_held_pool, weakref.ref(optimizer))
         self.order: LandingOrder | None = LandingOrder() if prefetch else None
         self.prefetched_bytes = self.wasted_bytes = 0
         self._calls: dict[tuple[int, ...], list[Tensor]] = {}  # step call key -> its params
@@ -436,6 +442,8 @@ class StateOffload:
         if self.held is not None:
             self.held.flush()
             self.held.up(list(self.held.host))
+            if self.held.pool is not None:
+                self.held.pool.release()
             self.held = None
         if opt is None:
             return
@@ -543,8 +551,7 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
             )
     return _install(optimizer,
                     StateOffload(optimizer, max_buckets, overlap, held_grads, prefetch,
-                                 held_device_bytes,
-                                 pool=HostPool.for_optimizer(optimizer, held=held_grads)))
+                                 held_device_bytes, pooled=True))
 
 
 def _install(optimizer: Any, handle: StateOffload) -> StateOffload:
