@@ -288,7 +288,8 @@ def simulate(monkeypatch: Any, query: Callable[[], bool] = lambda: False) -> Ite
     for name, value in (("asynchronous", lambda device: True), ("current", sim.current_stream),
                         ("new_stream", sim.new_stream), ("on", sim.on),
                         ("new_event", sim.new_event), ("keep_for", lambda t, s: None),
-                        ("host_waits", sim.host_waits)):
+                        ("host_waits", sim.host_waits),
+                        ("host_waits_all", lambda device: sim.synchronize())):
         monkeypatch.setattr(streams, name, value)
     for cls in (held.HostHeld, state.StateOffload):
         original = cls._new_host

@@ -297,3 +297,19 @@ def test_generated_modes_are_ordered_and_exact(overlap, prefetch, copy_streams, 
     assert sim.races == []
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), state)
+
+
+def test_deleting_the_optimizer_waits_for_copies_into_its_pool(monkeypatch):
+    """Copies back into the pool's tensors may still be in flight when the optimizer is
+    deleted: the pool's release makes the host wait for them before the block can be
+    freed (torch's caching host allocator would not hold memory it did not hand out)."""
+    with simulate(monkeypatch) as sim:
+        model, batch_fn, loss_fn = make_model("gpt")
+        opt = layeropt.AdamW(model.parameters(), lr=0.01, fused=True)
+        handle = layeropt.attach(model, opt, bucket_cap_mb=0.0)
+        _handle(opt, MODES["overlap, held on device"])
+        loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
+        assert sim.clocks["host"].get("side1", 0) < sim.clocks["side1"]["side1"]  # in flight
+        handle.remove()
+        del opt, handle
+        assert sim.clocks["host"]["side1"] == sim.clocks["side1"]["side1"]  # waited for

@@ -33,6 +33,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import streams
+
 __all__ = ["HostPool", "state_layout", "HELD_SUM"]
 
 HELD_SUM = "held gradient"  # the key of a parameter's held gradient sum: (id(param), HELD_SUM)
@@ -115,6 +117,7 @@ class HostPool:
     Attributes:
         nbytes: the block's size in bytes (the entries, each aligned to 512 bytes).
         pinned: whether the block is pinned (parameters on CUDA).
+        devices: the devices whose queued copies :meth:`release` waits for.
     """
 
     def __init__(self, layout: Layout, pin: bool) -> None:
@@ -126,6 +129,7 @@ class HostPool:
             end += _extent(size, stride) * dtype.itemsize
         self.nbytes = end
         self.pinned = pin
+        self.devices: list[torch.device] = []  # whose queued copies release() waits for
         # Each entry is a storage of its own over its bytes of the block (torch.save of one
         # state tensor saves that tensor, not the block); each keeps the block alive.
         block = torch.empty(end, dtype=torch.uint8, pin_memory=pin).numpy()
@@ -158,7 +162,8 @@ class HostPool:
                 f"bytes{', pinned' if pin else ''}: {exc}); allocating it tensor by tensor "
                 "instead.", RuntimeWarning, stacklevel=3)
             return None
-        weakref.finalize(optimizer, pool.release)
+        pool.devices = sorted({p.device for p in params}, key=str)
+        weakref.finalize(optimizer, pool.release).atexit = False  # (not at shutdown)
         return pool
 
     def take(self, key: Hashable, like: Tensor) -> Tensor | None:
@@ -178,5 +183,11 @@ class HostPool:
 
     def release(self) -> None:
         """Let go of every entry (the optimizer was deleted, or offload removed): the
-        block is freed when no state tensor of it is left."""
+        block is freed when no state tensor of it is left. First the host waits for the
+        work queued on the parameters' devices: a copy may still read or write an entry,
+        and memory the pool carved is not kept for it as torch's caching host allocator
+        keeps its own blocks (by events recorded at each copy)."""
+        if self._entries:
+            for device in self.devices:
+                streams.host_waits_all(device)
         self._entries.clear()

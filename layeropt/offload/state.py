@@ -30,8 +30,11 @@ tested).
 while the next bucket steps; at most ``max_buckets`` buckets' working state
 is alive at once. A bucket's step waits for every copy back in flight; with two
 copy streams (``copy_streams=2``) a copy that reads or writes a host tensor waits
-for the copy back into it still in flight, and nothing else (its event). Reading ``optimizer.state`` tensors directly then needs
-``handle.synchronize()`` first (``state_dict()`` does it itself).
+for the copy back into it still in flight, and nothing else (its event). Reading
+``optimizer.state`` tensors directly then needs ``handle.synchronize()`` first
+(``state_dict()`` does it itself). ``layeropt/offload/streams.py`` makes every
+stream, event and asynchronous copy; ``tests/test_stream_order.py`` checks their
+order on simulated streams.
 """
 
 from __future__ import annotations

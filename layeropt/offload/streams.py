@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["asynchronous", "current", "new_stream", "on", "new_event", "keep_for", "host_waits"]
+__all__ = ["asynchronous", "current", "new_stream", "on", "new_event", "keep_for", "host_waits",
+           "host_waits_all"]
 
 
 def asynchronous(device: torch.device) -> bool:
@@ -56,3 +57,10 @@ def keep_for(tensor: Tensor, stream: Any) -> None:
 def host_waits(device: torch.device) -> None:
     """Block the host until the work queued on ``device``'s current stream is done."""
     torch.cuda.current_stream(device).synchronize()
+
+
+def host_waits_all(device: torch.device) -> None:
+    """Block the host until everything queued on ``device``, on any stream, is done
+    (nothing to wait for where copies are synchronous)."""
+    if asynchronous(device):
+        torch.cuda.synchronize(device)
