@@ -297,6 +297,29 @@ def test_refused_overlap_with_held_grads_built_anyway(cap, max_buckets):
     assert handle.held.down_bytes > 0 and handle.held.up_bytes > 0
 
 
+@pytest.mark.parametrize("add_on_device", [False, True], ids=["host-sums", "device-sums"])
+@pytest.mark.parametrize("cap", [0.0, 1.0], ids=["cap0", "default-cap"])
+def test_two_copy_streams_built_anyway(cap, add_on_device):
+    """Copies in and out on streams of their own (``copy_streams=2``), and held sums added
+    on the device: not offered by offload_state until this shows them bit for bit with
+    torch.optim on a GPU (their order is checked on the CPU, tests/test_stream_order.py).
+    The host state and held sums are the pools' pinned tensors."""
+    runs, batch_fn, loss_fn = _runs("AdamW", dict(lr=0.01, fused=True), cap, [None])
+    m, o, _ = runs[1]
+    handle = _install(o, StateOffload(o, 2, overlap=True, prefetch=True, copy_streams=2,
+                                      pooled=True))
+    handle.held.add_on_device = add_on_device
+    runs[1] = (m, o, handle)
+    _window(runs, batch_fn, loss_fn, steps=3)
+    (m0, o0, _), (m, o, handle) = runs
+    assert_models_equal(m0, m)
+    ref, sd = o0.state_dict(), o.state_dict()
+    _assert_same_values(ref, sd)
+    _assert_state_devices(ref, sd, offloaded=True)
+    assert handle.pool is not None and handle.pool.pinned
+    assert handle.held.pool is not None and handle.held.pool.pinned
+
+
 # -- FSDP2 with CPUOffloadPolicy ------------------------------------------------------
 @pytest.fixture(scope="module")
 def nccl_group():
