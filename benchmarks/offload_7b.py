@@ -175,13 +175,10 @@ def run(mode: str, args: argparse.Namespace, config: LlamaConfig, initial: dict,
         options = dict(MODES[mode])
         if mode == "budget":
             options["held_device_bytes"] = int(args.budget_gib * GiB)
-        on_device = options.pop("add_on_device", False)
         if "copy_streams" in options:  # (a mode offload_state does not offer yet)
             handle = _install(opt, StateOffload(opt, 2, pooled=True, **options))
         else:
             handle = offload_state(opt, **options)
-        if on_device:  # (HostHeld.add_on_device: a later micro-batch's sum on the device)
-            handle.held.add_on_device = True
     times, steady_copied, losses = [], 0, []
     for step in range(args.steps):
         before = copied(handle)

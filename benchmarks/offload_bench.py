@@ -59,17 +59,17 @@ def _sync(device: torch.device) -> None:
 
 
 def _offload(opt: torch.optim.Optimizer, unproven: bool, copy_streams: int = 1,
-             **kw: bool) -> StateOffload:
+             add_on_device: bool = False, **kw: bool) -> StateOffload:
     """``offload_state(opt, **kw)``; with ``unproven``, a mode it refuses or does not offer
     because no GPU run has shown it exact is built anyway (that run is how it gets shown)."""
-    if copy_streams == 1:
+    if copy_streams == 1 and not add_on_device:
         try:
             return offload_state(opt, **kw)
         except layeropt.LayeroptError:
             if not unproven:
                 raise
     return _install(opt, StateOffload(opt, max_buckets=2, copy_streams=copy_streams,
-                                      pooled=True, **kw))
+                                      pooled=True, add_on_device=add_on_device, **kw))
 
 
 def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | None,
@@ -87,10 +87,9 @@ def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | No
     handle = None
     if name.startswith("offload"):
         handle = _offload(opt, unproven, 2 if "2 streams" in name else 1,
+                          "sums added on GPU" in name,  # (HostHeld.add_on_device)
                           overlap="overlap" in name, prefetch="prefetch" in name,
                           held_grads="held on GPU" not in name)
-        if "sums added on GPU" in name:  # (HostHeld.add_on_device: not offered yet)
-            handle.held.add_on_device = True
     times = []
     for _ in range(steps):
         _sync(x.device)

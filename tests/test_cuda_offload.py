@@ -276,17 +276,15 @@ def test_overlap_without_prefetch_with_held_grads_is_refused():
     assert handle.overlap and handle.order is not None and handle.held is not None
 
 
-@pytest.mark.parametrize("max_buckets", [1, 2])
-@pytest.mark.parametrize("cap", [0.0, 1.0], ids=["cap0", "default-cap"])
-def test_refused_overlap_with_held_grads_built_anyway(cap, max_buckets):
-    """The refused mode, built past offload_state's refusal, over accumulation windows:
-    bit for bit with torch.optim, or the refusal stays. (2026-12-04's "not equal" for
-    it was the benchmark's traced backward stepping that model once more: see
-    docs/results/gpu-h200.md.)"""
+def _built_anyway(cap: float, add_on_device: bool = False, max_buckets: int = 2,
+                  **kw: Any) -> StateOffload:
+    """A StateOffload offload_state would refuse or does not offer (``kw``), built
+    directly with its pools, trained over accumulation windows beside torch.optim:
+    parameters and state bit for bit, the state in pinned host memory."""
     runs, batch_fn, loss_fn = _runs("AdamW", dict(lr=0.01, fused=True), cap, [None])
     m, o, _ = runs[1]
-    handle = _install(o, StateOffload(o, max_buckets, overlap=True, held_grads=True,
-                                      pooled=True))
+    handle = _install(o, StateOffload(o, max_buckets, pooled=True,
+                                      add_on_device=add_on_device, **kw))
     runs[1] = (m, o, handle)
     _window(runs, batch_fn, loss_fn, steps=3)
     (m0, o0, _), (m, o, handle) = runs
@@ -294,6 +292,17 @@ def test_refused_overlap_with_held_grads_built_anyway(cap, max_buckets):
     ref, sd = o0.state_dict(), o.state_dict()
     _assert_same_values(ref, sd)
     _assert_state_devices(ref, sd, offloaded=True)
+    return handle
+
+
+@pytest.mark.parametrize("max_buckets", [1, 2])
+@pytest.mark.parametrize("cap", [0.0, 1.0], ids=["cap0", "default-cap"])
+def test_refused_overlap_with_held_grads_built_anyway(cap, max_buckets):
+    """The refused mode, built past offload_state's refusal, over accumulation windows:
+    bit for bit with torch.optim, or the refusal stays. (2026-12-04's "not equal" for
+    it was the benchmark's traced backward stepping that model once more: see
+    docs/results/gpu-h200.md.)"""
+    handle = _built_anyway(cap, max_buckets=max_buckets, overlap=True)
     assert handle.held.down_bytes > 0 and handle.held.up_bytes > 0
 
 
@@ -304,18 +313,7 @@ def test_two_copy_streams_built_anyway(cap, add_on_device):
     on the device: not offered by offload_state until this shows them bit for bit with
     torch.optim on a GPU (their order is checked on the CPU, tests/test_stream_order.py).
     The host state and held sums are the pools' pinned tensors."""
-    runs, batch_fn, loss_fn = _runs("AdamW", dict(lr=0.01, fused=True), cap, [None])
-    m, o, _ = runs[1]
-    handle = _install(o, StateOffload(o, 2, overlap=True, prefetch=True, copy_streams=2,
-                                      pooled=True))
-    handle.held.add_on_device = add_on_device
-    runs[1] = (m, o, handle)
-    _window(runs, batch_fn, loss_fn, steps=3)
-    (m0, o0, _), (m, o, handle) = runs
-    assert_models_equal(m0, m)
-    ref, sd = o0.state_dict(), o.state_dict()
-    _assert_same_values(ref, sd)
-    _assert_state_devices(ref, sd, offloaded=True)
+    handle = _built_anyway(cap, add_on_device, overlap=True, prefetch=True, copy_streams=2)
     assert handle.pool is not None and handle.pool.pinned
     assert handle.held.pool is not None and handle.held.pool.pinned
 

@@ -56,11 +56,7 @@ def _handle(opt: Any, kw: dict[str, Any]) -> StateOffload:
         kw["held_device_bytes"] = sum(p.nbytes for g in opt.param_groups
                                       for p in g["params"]) // 2
     kw.setdefault("overlap", False)
-    on_device = kw.pop("add_on_device", False)
-    handle = StateOffload(opt, kw.pop("max_buckets", 2), pooled=True, **kw)
-    if on_device:
-        handle.held.add_on_device = True
-    return _install(opt, handle)
+    return _install(opt, StateOffload(opt, kw.pop("max_buckets", 2), pooled=True, **kw))
 
 
 def _train(monkeypatch: Any, kw: dict[str, Any], cap: float, micro: int, clip: float | None,

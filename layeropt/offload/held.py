@@ -62,7 +62,9 @@ class HostHeld:
         up_bytes: bytes copied host -> device so far (each sum, once, for its step).
     """
 
-    def __init__(self, device_bytes: int = 0) -> None:
+    def __init__(self, device_bytes: int = 0,
+                 pool_factory: Callable[[], HostPool | None] | None = None,
+                 add_on_device: bool = False) -> None:
         self.host: dict[Tensor, Tensor] = {}  # parameter -> its held gradient, on the host
         # held gradients of whole buckets left in .grad, up to device_bytes (budget)
         self.budget = device_bytes
@@ -78,10 +80,10 @@ class HostHeld:
         # offload's HostPool: each sum in the parameter's tensor of it (given every window),
         # made by pool_factory at the first holding backward (none without accumulation)
         self.pool: HostPool | None = None
-        self.pool_factory: Callable[[], HostPool | None] | None = None
+        self.pool_factory = pool_factory
         # a later micro-batch: the sum brought up, added on the device and sent back down,
         # instead of the gradient sent down and added on the host (the same addition)
-        self.add_on_device = False
+        self.add_on_device = add_on_device
 
     def __contains__(self, param: Tensor) -> bool:
         return param in self.host

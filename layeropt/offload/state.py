@@ -63,9 +63,6 @@ from ..optim import InBackwardOptimizer
 __all__ = ["offload_state", "StateOffload"]
 
 
-_HELD = HELD_SUM  # StateOffload._copies: a held gradient's sum fetched ahead
-
-
 def _offloadable(p: Tensor, v: Any) -> bool:
     """A state tensor that lives on its parameter's device and is worth moving."""
     return (isinstance(v, Tensor) and not is_traceable_wrapper_subclass(v)  # DTensor, torchao
@@ -140,26 +137,28 @@ class StateOffload:
             (``held.pool``).
         copy_streams: 1 (the default): copies in and out share one side stream; 2: each
             direction has its own (not offered by ``offload_state`` until a GPU run shows
-            it; ``tests/test_stream_order.py`` checks its order on the CPU).
+            it; ``tests/test_stream_order.py`` checks its order on the CPU). The
+            constructor's ``add_on_device`` is ``HostHeld``'s (not offered either).
     """
 
     def __init__(self, optimizer: InBackwardOptimizer, max_buckets: int, overlap: bool,
                  held_grads: bool = True, prefetch: bool = False,
                  held_device_bytes: int = 0, copy_streams: int = 1,
-                 pooled: bool = False) -> None:
+                 pooled: bool = False, add_on_device: bool = False) -> None:
         self._optimizer = weakref.ref(optimizer)  # (the optimizer keeps this handle)
         self.max_buckets = max_buckets
         self.overlap = overlap
         self.copy_streams = copy_streams  # 2: copies in and out on streams of their own
         self.pool = HostPool.for_optimizer(optimizer) if pooled else None
-        self.held: HostHeld | None = HostHeld(held_device_bytes) if held_grads else None
-        if self.held is not None and pooled:  # (the sums' block: at the first hold)
-            self.held.pool_factory = functools.partial(_held_pool, weakref.ref(optimizer))
+        self.held: HostHeld | None = None
+        if held_grads:  # (the sums' pool: at the first hold)
+            made = functools.partial(_held_pool, weakref.ref(optimizer)) if pooled else None
+            self.held = HostHeld(held_device_bytes, made, add_on_device)
         self.order: LandingOrder | None = LandingOrder() if prefetch else None
         self.prefetched_bytes = self.wasted_bytes = 0
         self._calls: dict[tuple[int, ...], list[Tensor]] = {}  # step call key -> its params
         self._ahead: dict[tuple[int, ...], list[tuple[int, Any]]] = {}  # key -> its copies
-        # (id(param), state key or _HELD) -> (host tensor, its version, device copy, event)
+        # (id(param), state key or HELD_SUM) -> (host tensor, its version, device copy, event)
         self._copies: dict[tuple[int, Any], tuple[Tensor, int, Tensor, Any]] = {}
         if prefetch and self.held is not None:
             self.held.ahead = self._take_held
@@ -302,7 +301,7 @@ class StateOffload:
             for p in params:
                 sources = [(k, v) for k, v in (state.get(p) or {}).items() if self._host(p, k, v)]
                 if self.held is not None and p in self.held.host:
-                    sources.append((_HELD, self.held.host[p]))
+                    sources.append((HELD_SUM, self.held.host[p]))
                 for k, v in sources:
                     if side is None and streams.asynchronous(p.device):
                         side = self._side_stream(p.device, "in")
@@ -312,7 +311,7 @@ class StateOffload:
                         work = self._to_device(v, p.device)
                     self._copies[(id(p), k)] = (v, v._version, work, None)
                     entries.append((id(p), k))
-                    self._count(v.nbytes, copied=k is not _HELD)
+                    self._count(v.nbytes, copied=k is not HELD_SUM)
                     self.prefetched_bytes += v.nbytes
             if side is not None:
                 event = streams.new_event()
@@ -325,9 +324,9 @@ class StateOffload:
     def _side_stream(self, device: torch.device, direction: str = "out") -> Any:
         """The stream for copies ``"in"`` (fetched ahead) or ``"out"`` (copies back),
         after the work queued so far: the steps it copies back, a held sum written on
-        the device, and (through the current stream's waits in :meth:`stepping`) the
-        copies back of earlier buckets, whose host tensors a copy in may read. One
-        stream for both (``copy_streams=1``) or one each (``2``: in beside out)."""
+        the device. One stream for both (``copy_streams=1``: in issue order) or one each
+        (``2``: in beside out; a copy in also waits for the copy back into the host
+        tensor it reads, :meth:`_after_writes`)."""
         key = (device, "in" if self.copy_streams == 2 and direction == "in" else "out")
         side = self._streams.get(key)
         if side is None:
@@ -349,12 +348,12 @@ class StateOffload:
             current = streams.current(work.device)
             current.wait_event(event)
             streams.keep_for(work, current)
-        if k is _HELD:  # a gradient from now on, not state
+        if k is HELD_SUM:  # a gradient from now on, not state
             self.device_bytes -= work.nbytes
         return work
 
     def _take_held(self, p: Tensor, acc: Tensor) -> Tensor | None:
-        return self._take(p, _HELD, acc) if self._copies else None
+        return self._take(p, HELD_SUM, acc) if self._copies else None
 
     def _drop_ahead(self, key: tuple[int, ...] | None = None, host: bool = False) -> None:
         """Forget the copies fetched ahead for ``key`` (all: ``None``) not used yet; what
