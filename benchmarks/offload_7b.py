@@ -20,12 +20,13 @@ Modes (``--modes``), in the order given, torch first if asked for:
   ``torch.cuda.set_per_process_memory_fraction``:
   ``sync`` (defaults), ``held-on-gpu`` (``held_grads=False``), ``budget``
   (``held_device_bytes=--budget-gib``), ``prefetch`` (``prefetch=True``),
-  ``overlap-prefetch`` (``overlap=True, prefetch=True``), and two modes
-  ``offload_state`` does not offer until a GPU run shows them: ``two-streams``
-  (the same with copies in and out on streams of their own,
-  ``StateOffload(copy_streams=2)``) and ``two-streams-device-sums`` (also a later
-  micro-batch's held sum added on the device, ``HostHeld.add_on_device``); the
-  last four CUDA only, skipped with a note on CPU.
+  ``overlap-prefetch`` (``overlap=True, prefetch=True``), and three modes
+  ``offload_state`` does not offer on CUDA until a GPU run shows them, each with
+  the host pools allocated once (``StateOffload(pooled=True)``):
+  ``overlap-prefetch-pools``, ``two-streams`` (copies in and out on streams of
+  their own, ``copy_streams=2``) and ``two-streams-device-sums`` (also a later
+  micro-batch's held sum added on the device, ``add_on_device=True``); the last
+  five CUDA only, skipped with a note on CPU.
 
 One table row per mode: step times, peak allocated / reserved GiB, state and held
 gradient bytes copied in the last step, and how many tensors (parameters, then
@@ -78,12 +79,15 @@ MODES = {  # mode -> offload_state keywords (None: the torch.optim reference)
     "budget": {},  # held_device_bytes from --budget-gib
     "prefetch": {"prefetch": True},
     "overlap-prefetch": {"overlap": True, "prefetch": True},
-    # not offered by offload_state until a GPU run shows them (StateOffload built directly):
-    "two-streams": {"overlap": True, "prefetch": True, "copy_streams": 2},
+    # not offered by offload_state on CUDA until a GPU run shows them (StateOffload built
+    # directly, with the host pools):
+    "overlap-prefetch-pools": {"overlap": True, "prefetch": True, "pooled": True},
+    "two-streams": {"overlap": True, "prefetch": True, "copy_streams": 2, "pooled": True},
     "two-streams-device-sums": {"overlap": True, "prefetch": True, "copy_streams": 2,
-                                "add_on_device": True},
+                                "add_on_device": True, "pooled": True},
 }
-CUDA_ONLY = {"prefetch", "overlap-prefetch", "two-streams", "two-streams-device-sums"}
+CUDA_ONLY = {"prefetch", "overlap-prefetch", "overlap-prefetch-pools", "two-streams",
+             "two-streams-device-sums"}
 
 
 def config_of(args: argparse.Namespace) -> LlamaConfig:
@@ -175,8 +179,8 @@ def run(mode: str, args: argparse.Namespace, config: LlamaConfig, initial: dict,
         options = dict(MODES[mode])
         if mode == "budget":
             options["held_device_bytes"] = int(args.budget_gib * GiB)
-        if "copy_streams" in options:  # (a mode offload_state does not offer yet)
-            handle = _install(opt, StateOffload(opt, 2, pooled=True, **options))
+        if options.get("pooled"):  # (a mode offload_state does not offer on CUDA yet)
+            handle = _install(opt, StateOffload(opt, 2, **options))
         else:
             handle = offload_state(opt, **options)
     times, steady_copied, losses = [], 0, []

@@ -276,6 +276,16 @@ def test_overlap_without_prefetch_with_held_grads_is_refused():
     assert handle.overlap and handle.order is not None and handle.held is not None
 
 
+def test_offload_state_does_not_pool_on_cuda_yet():
+    """The host pools are built on CUDA only through StateOffload(pooled=True) until a
+    GPU run has shown them (the tests below): offload_state allocates as before."""
+    model, _, _ = make_model("gpt")
+    opt = layeropt.AdamW(model.cuda().parameters(), lr=0.01)
+    layeropt.attach(model, opt)
+    handle = offload_state(opt)
+    assert handle.pool is None and handle.held.pool_factory is None
+
+
 def _built_anyway(cap: float, add_on_device: bool = False, max_buckets: int = 2,
                   **kw: Any) -> StateOffload:
     """A StateOffload offload_state would refuse or does not offer (``kw``), built

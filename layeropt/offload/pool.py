@@ -19,7 +19,9 @@ optimizer the meta step cannot run, a state tensor of another shape) it
 allocates as before. Held gradients in host memory get a pool of their own at
 the first backward that holds one (none in a loop without accumulation): one
 sum per parameter (``HELD_SUM``), given to ``HostHeld`` in every window. A
-pool goes with its optimizer (:meth:`HostPool.release`).
+pool goes with its optimizer (:meth:`HostPool.release`). ``offload_state`` uses
+the pools on a CPU device only until a GPU run has shown them on CUDA
+(``StateOffload(pooled=True)`` builds them anywhere).
 """
 
 from __future__ import annotations
