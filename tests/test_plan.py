@@ -12,6 +12,7 @@ plan models.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -33,6 +34,7 @@ from layeropt.__main__ import main
 from layeropt.memory import PeakMemory
 from layeropt.models import UNet
 from layeropt.plan import CATEGORIES, OPTIMIZERS, LiveBytes, Margin, Plan, PlanError, Variant, plan
+from layeropt.plan.link import H200, Link
 from layeropt.plan.execute import Measurement
 from layeropt.plan.render import parse_gpu_memory
 
@@ -368,7 +370,7 @@ def test_cli_json_for_a_config_file(tmp_path, capsys):
         assert row["fits"] is True
         v = Variant(row["optimizer"], row["implementation"], row["checkpointing"],
                     row["chunked_loss"], row["offload"])  # fmt: skip
-        assert row["run_on_a_gpu"] is (not v.offload)  # (layeropt.AdamW rows only here)
+        assert row["run_on_a_gpu"] is True  # (layeropt.AdamW rows only here)
         start, peak = real_for(v, build, make_batch, chunked if v.chunked_loss else loss,
                                checkpoint)  # fmt: skip
         assert row["start_bytes"] == start
@@ -556,12 +558,13 @@ def test_nothing_fits_says_how_far_and_which_gpu_would_do():
 
 
 def test_table_marks_the_recommendation_and_what_never_ran_on_a_gpu():
-    """One row marked recommended; a fitting state offload row says on its line that it
-    has not run on a GPU; the why is short lines; the header names what was modelled."""
+    """One row marked recommended; a fitting row layeropt has not run on a GPU (a low-bit
+    optimizer made in-backward) says so on its line; the why is short lines; the header
+    names what was modelled."""
+    low_bit = Variant("layeropt.in_backward(torchao.optim.AdamW4bit)", checkpointing=True)
     rows = _rows((FOREACH, 30, 0), (LAYEROPT_CKPT, 21, 0), (OFFLOAD_CKPT, 10, 12),
-                 (Variant("layeropt.in_backward(torchao.optim.AdamW4bit)", checkpointing=True),
-                  12, 0))  # fmt: skip
-    for gpu, choice in ((24, LAYEROPT_CKPT), (16, OFFLOAD_CKPT)):
+                 (low_bit, 8, 0))  # fmt: skip
+    for gpu, choice in ((24, LAYEROPT_CKPT), (16, OFFLOAD_CKPT), (9, low_bit)):
         p = Plan("llama", 3 * 10**9, rows, gpu_memory=gpu * 2**30)
         assert p.choice.variant == choice
         lines = p.table().splitlines()
@@ -576,14 +579,15 @@ def test_table_marks_the_recommendation_and_what_never_ran_on_a_gpu():
         table_end = next(i for i, x in enumerate(lines) if x.startswith("(categories"))
         answer = " ".join(" ".join(lines[table_end + 1 : lines.index("why:")]).split())
         assert choice.label in answer
-        assert ("not yet run on a GPU" in answer) == (choice == OFFLOAD_CKPT)
+        assert ("not yet run on a GPU" in answer) == (choice == low_bit)
         why = lines[lines.index("why:") + 1:]
         assert why and all(len(line) <= 92 for line in why)
         assert _changes_told(" ".join(" ".join(why).split())) == choice.changes()
         header = "\n".join(lines[:4])
         assert "on cuda" not in header and "no GPU used" in header
         assert "10 of 10 steps measured" in header  # the H200 calibration of 2026-12-04
-    assert not OFFLOAD_CKPT.run_on_a_gpu and LAYEROPT_CKPT.run_on_a_gpu
+    # state offload ran on an H200 on 2026-12-04 (docs/results/gpu-h200.md)
+    assert OFFLOAD_CKPT.run_on_a_gpu and LAYEROPT_CKPT.run_on_a_gpu and not low_bit.run_on_a_gpu
     cpu = Plan("llama", 10**9, rows, device="cpu")
     assert "torch's CPU kernels" in cpu.header() and "no GPU used" not in cpu.header()
 
@@ -718,7 +722,7 @@ def test_cli_default_is_short_all_is_every_row_json_is_whole(tiny_config, capsys
     told = set(re.findall(r'"(\w+)"', '"model"' + schema))
     assert set(out) <= told and set(out["variants"][0]) <= told
     assert set(out) == {"model", "parameters", "dtype", "seq", "batch", "device",
-                        "gpu_memory_bytes", "accumulate", "link_gbps", "budget_bytes", "margin",
+                        "gpu_memory_bytes", "accumulate", "link", "budget_bytes", "margin",
                         "variants", "recommendation", "notes"}
     assert set(out["recommendation"]) == {"label", "peak_bytes", "why"}
     assert out["recommendation"]["why"] == p.why(p.choice)  # the whole why, as before
@@ -1109,3 +1113,53 @@ def test_replay_reproduces_the_calibration_rows():
     cpu = plan("gpt2", seq=64, variants=[FUSED], device="cpu")
     assert cpu.rows[0].reserved_bytes == 0  # no replay of a CPU step: its need is its peak's
     assert cpu.need(cpu.rows[0]) == cpu.rows[0].peak_bytes + Margin().fixed
+
+
+@pytest.mark.parametrize("text, rates", [
+    ("25", (25.0, 25.0, 50.0)),  # one rate: each way, the two directions adding up
+    ("54.9,54.7,88", (54.9, 54.7, 88.0)),
+    (" 30 , 20,40 ", (30.0, 20.0, 40.0)),
+    (12, (12.0, 12.0, 24.0)),
+])  # fmt: skip
+def test_link_rates_parse(text, rates):
+    link = Link.parse(text)
+    assert (link.to_device, link.to_host, link.both) == rates and Link.parse(link) is link
+
+
+@pytest.mark.parametrize("text", ["", "x", "1,2", "1,2,3,4", "0", "-5", "nan", "inf", "1,0,1", True])
+def test_link_rates_refused_with_the_forms_they_take(text):
+    with pytest.raises(PlanError, match=r"GB/s"):
+        Link.parse(text)
+
+
+@pytest.mark.parametrize("down, up, seconds", [
+    (10e9, 0, 0.2),        # to the device alone: 50 GB/s
+    (0, 10e9, 0.4),        # back alone: 25 GB/s
+    (30e9, 15e9, 0.75),    # both: 45 GB over the shared 60 GB/s, more than either alone
+    (6e9, 12e9, 0.48),     # back's own rate binds: 12 / 25 over 18 / 60
+])  # fmt: skip
+def test_link_floor_is_the_tightest_of_its_three_rates(down, up, seconds):
+    assert Link(50, 25, 60).seconds(down, up) == pytest.approx(seconds)
+
+
+def test_link_h200_is_the_measured_link_and_the_default(tiny_config, capsys):
+    """The floor column is ``Link.seconds`` of each row's bytes at the rates given
+    (default: the H200's measured ones), and the notes say which rates."""
+    assert (H200.to_device, H200.to_host, H200.both) == (54.9, 54.7, 88.0)  # results/gpu-h200.md
+    p = plan(str(tiny_config), seq=SEQ, optimizers=["layeropt.AdamW"])
+    moved = [r for r in p.rows if r.to_device_bytes or r.to_host_bytes]
+    assert p.link is H200 and moved
+    for link in (H200, Link(25, 25, 50), Link(30, 20, 40)):
+        told = dataclasses.replace(p, link=link)
+        assert [told.link_floor(r) for r in moved] == [
+            link.seconds(r.to_device_bytes, r.to_host_bytes) for r in moved]
+        assert [v["link_floor_seconds"] for v in told.to_dict()["variants"] if v["to_host_bytes"]
+                ] == [round(told.link_floor(r), 4) for r in moved]
+    assert "(54.9 GB/s to the GPU, 54.7 back, 88 with both at once, measured on an H200" in (
+        " ".join(p._summary().split()))
+    out = _plan_json(capsys, tiny_config, "--seq", SEQ, "--optimizer", "layeropt.AdamW",
+                     "--link-gbps", "30,20,40")  # fmt: skip
+    assert out["link"] == {"to_device_gbps": 30, "to_host_gbps": 20, "both_gbps": 40,
+                           "measured": ""}
+    assert main(["plan", str(tiny_config), "--link-gbps", "fast", "--no-progress"]) == 2
+    assert "--link-gbps takes one rate" in capsys.readouterr().err

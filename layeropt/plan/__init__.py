@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from ..memory import format_bytes
 from .devices import TARGETS
 from .execute import Measurement, simulate
+from .link import H200, Link
 from .render import GPU_MEMORY_RANGE, Margin, Plan, parse_gpu_memory, parse_size
 from .tracker import CATEGORIES, LiveBytes
 from .variants import OPTIMIZERS, Variant, default_variants
@@ -64,6 +65,8 @@ __all__ = [
     "parse_size",
     "parse_gpu_memory",
     "GPU_MEMORY_RANGE",
+    "Link",
+    "H200",
 ]
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
@@ -99,7 +102,7 @@ def plan(
     progress: Callable[[int, int, Variant], None] | None = None,
     jobs: int = 1,
     accumulate: int = 1,
-    link_gbps: float = 25.0,
+    link_gbps: float | str | Link = H200,
 ) -> Plan:
     """Plan one training step's memory under several configurations.
 
@@ -151,9 +154,11 @@ def plan(
             torch.optim sums them, layeropt holds all but the last with
             ``no_step()``); above 1, state offload rows come twice, with the held
             gradients on the GPU and in host memory.
-        link_gbps: the host link's speed each way in GB/s, for the step-time
-            floor of rows that copy state or gradients over it (default 25: a
-            PCIe 4.0 x16 link in practice; not measured here).
+        link_gbps: the host link's rates, for the step-time floor of rows that
+            copy state or gradients over it: a :class:`~layeropt.plan.link.Link`,
+            one rate in GB/s (each way, the two directions at once adding up) or
+            ``"TO_GPU,TO_HOST,BOTH"`` (default: :data:`~layeropt.plan.link.H200`,
+            the link an H200 measured: 54.9, 54.7 and 88.0 GB/s, 2026-12-04).
 
     Returns:
         The :class:`Plan`: ``.table()``, ``.to_dict()``, ``.plot(path)``,
@@ -180,6 +185,7 @@ def plan(
         raise PlanError(f"device must be one of {TARGETS}, got {device!r}")
     gpu, note = (None, "") if gpu_memory is None else parse_gpu_memory(gpu_memory)
     margin = Margin.parse(margin) if isinstance(margin, str) else (margin or Margin())
+    link = Link.parse(link_gbps)
     if gpu is not None and margin.budget(gpu) <= 0:
         raise PlanError(
             f"the margin ({margin.describe()}) leaves nothing of {format_bytes(gpu)} for the "
@@ -195,8 +201,6 @@ def plan(
             workload = hf_workload(
                 model, seq=seq, batch=batch, dtype=torch_dtype, max_positions=max_positions
             )
-        if not link_gbps > 0:
-            raise PlanError(f"link_gbps must be > 0 (GB/s), got {link_gbps!r}")
         rows = _variants(workload, variants, optimizers, accumulate)
         n_params, measured = simulate(
             workload, rows, device=device, bucket_cap_mb=bucket_cap_mb, progress=progress,
@@ -214,7 +218,7 @@ def plan(
         margin=margin,
         notes=[note] if note else [],
         accumulate=accumulate,
-        link_gbps=float(link_gbps),
+        link=link,
     )
 
 

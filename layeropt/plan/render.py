@@ -23,6 +23,7 @@ from typing import Any
 
 from ..memory import format_bytes
 from .execute import Measurement
+from .link import H200, Link
 from .tracker import ACTIVATIONS, CATEGORIES, GRADIENTS, OTHER, STATE
 from .variants import LOW_BIT, Variant
 from .workloads import PlanError
@@ -201,9 +202,9 @@ class Plan:
         margin: what fitting leaves free (:class:`Margin`).
         notes: lines for the header (how the GPU's memory was read).
         accumulate: micro-batches per training step (gradient accumulation).
-        link_gbps: the host link's speed in GB/s (10^9 bytes), for the step-time
-            floor of the rows that copy over it (default: a PCIe 4.0 x16 link's
-            practical ~25 GB/s each way).
+        link: the host link's rates (:class:`~layeropt.plan.link.Link`), for the
+            step-time floor of the rows that copy over it (default: the link an
+            H200 measured, :data:`~layeropt.plan.link.H200`).
     """
 
     model: str
@@ -217,7 +218,7 @@ class Plan:
     margin: Margin = dataclasses.field(default_factory=Margin)
     notes: list[str] = dataclasses.field(default_factory=list)
     accumulate: int = 1
-    link_gbps: float = 25.0
+    link: Link = H200
 
     def __post_init__(self) -> None:
         self.rows = sorted(self.rows, key=lambda r: (r.peak_bytes, len(r.variant.changes())))
@@ -357,9 +358,9 @@ class Plan:
         )
 
     def link_floor(self, row: Measurement) -> float:
-        """Seconds per step the host link needs at :attr:`link_gbps`: the larger
-        direction's bytes (the two directions run at once, on two copy engines)."""
-        return max(row.to_device_bytes, row.to_host_bytes) / (self.link_gbps * 1e9)
+        """The least seconds per step ``row``'s copies take over :attr:`link`
+        (:meth:`Link.seconds <layeropt.plan.link.Link.seconds>`)."""
+        return self.link.seconds(row.to_device_bytes, row.to_host_bytes)
 
     # -- rendering ----------------------------------------------------------
     def header(self) -> str:
@@ -435,9 +436,7 @@ class Plan:
         if link:
             lines.append(
                 f"(link/step: bytes copied between host and GPU per training step, both "
-                f"directions; floor: the step time that copy sets at --link-gbps "
-                f"{self.link_gbps:g} GB/s each way, directions at once - arithmetic, not "
-                "measured on a GPU; '-': nothing crosses the link)")
+                f"directions; floor: {self._floor_told()}; '-': nothing crosses the link)")
         lines += ["", *self.answer()]
         return "\n".join(lines)
 
@@ -514,7 +513,10 @@ class Plan:
             f"{'the recommendation' if choice else 'the smallest peak'}, "
             f"{self.baseline.variant.label} and, for each kind of change ({kinds}), "
             + ("the least invasive row that fits, else " if self.gpu_memory else "")
-            + "the smallest peak; --all: every row, with what is alive at each peak"
+            + "the smallest peak"
+            + ("; for the recommendation's own kind, its smallest peak"
+               if self.choice is not None else "")
+            + "; --all: every row, with what is alive at each peak"
         ]
         if self.gpu_memory is None:  # (else the header says it)
             notes.append(f"need: the GPU memory the row needs, {self._need_told()}")
@@ -526,14 +528,19 @@ class Plan:
             legend.append("host: host memory the offloaded optimizer state takes"
                           + (" and the held gradients' sums" if self.accumulate > 1 else ""))
         if link:
-            legend.append(f"floor: the step time the host-GPU copies set at --link-gbps "
-                          f"{self.link_gbps:g} GB/s each way - arithmetic, not measured on a GPU")
+            legend.append(f"floor: {self._floor_told()}")
         if legend:
             notes.append("; ".join(legend))
         lines += [x for n in notes for x in _wrap(f"({n})", "", _WIDTH)]
         first, row = self._first_answer()
         lines += ["", *_wrap(first, "", _WIDTH), *_wrap(self._short_why(row), "", _WIDTH)]
         return "\n".join(lines)
+
+    def _floor_told(self) -> str:
+        """What the floor column is, in words (the tables' notes)."""
+        return (f"the least time a step's copies take over the host link "
+                f"({self.link.describe()}; --link-gbps) - arithmetic, not a step measured "
+                "on a GPU")
 
     def _need_told(self) -> str:
         """What a row's need is, in words (the tables' notes)."""
@@ -633,7 +640,8 @@ class Plan:
             ``held_host_bytes`` (the held gradients' part of ``host_bytes``),
             ``to_device_bytes`` / ``to_host_bytes`` (per step over the host link)
             and ``link_floor_seconds`` (:meth:`link_floor`); the plan has
-            ``accumulate`` and ``link_gbps``.
+            ``accumulate`` and ``link`` (``{"to_device_gbps", "to_host_gbps",
+            "both_gbps", "measured"}``).
         """
         choice = self.choice
         return {
@@ -645,7 +653,8 @@ class Plan:
             "device": self.device,
             "gpu_memory_bytes": self.gpu_memory,
             "accumulate": self.accumulate,
-            "link_gbps": self.link_gbps,
+            "link": {"to_device_gbps": self.link.to_device, "to_host_gbps": self.link.to_host,
+                     "both_gbps": self.link.both, "measured": self.link.measured},
             "budget_bytes": self.budget,
             "margin": {"fixed_bytes": self.margin.fixed, "fraction": self.margin.fraction},
             "variants": [
@@ -727,14 +736,15 @@ class Plan:
         if self.gpu_memory is not None:
             ax.axvline(self.gpu_memory / 2**30, color="black", lw=1.2,
                        label=f"GPU memory ({format_bytes(self.gpu_memory)})")  # fmt: skip
-        ax.set_xlabel(f"GiB at the peak of the step; need: {self._need_told()}")
+        ax.set_xlabel(textwrap.fill(f"GiB at the peak of the step; need: {self._need_told()}",
+                                    110), fontsize="small")
         ax.set_ylim(-0.7, len(rows) - 0.3)
         title = self.header().splitlines()[0].removeprefix("layeropt plan: ")
         fig.suptitle(textwrap.fill(title, 110), fontsize="medium")
         ax.grid(axis="x", alpha=0.3)
         fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=4,
                    fontsize="small")  # fmt: skip
-        fig.savefig(os.fspath(path), dpi=110)
+        fig.savefig(os.fspath(path), dpi=110, bbox_inches="tight")
         return os.fspath(path)
 
 
