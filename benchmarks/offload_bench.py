@@ -136,6 +136,9 @@ def main() -> None:
     ap.add_argument("--unproven", action="store_true",
                     help="also run the offload modes refused until a GPU run shows them exact")
     args = ap.parse_args()
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device here: this benchmark times a GPU's copies; "
+                 "--device cpu --tiny is its smoke run on the CPU")
     torch.manual_seed(0)
     d, ffn, seq = (64, 172, 16) if args.tiny else (4096, 11008, args.seq)
     device = torch.device(args.device)

@@ -21,7 +21,9 @@ __all__ = ["LayeroptError", "AttachError", "BackwardStateError", "VerifyError", 
 
 
 IN_A_TRAINER = (
-    "in a trainer, use its integration (LayeroptCallback, LayeroptAccelerator, LayeroptTrainer)."
+    "in a trainer, use its integration (layeropt.integrations.lightning.LayeroptCallback, "
+    "layeropt.integrations.accelerate.LayeroptAccelerator, "
+    "layeropt.integrations.hf.LayeroptTrainer or layeropt.integrations.hf.LayeroptCallback)."
 )
 
 
@@ -150,12 +152,12 @@ SHARED_PARAMETER_ERROR = (
     "parameter to one optimizer, or run the backwards that reach the shared "
     "parameters inside `with opt.no_step():` (opt: the layeropt optimizer) so that "
     "their gradients stay in .grad, and call {optimizer}.step() before opt.step(): "
-    "layeropt's step() applies and frees the gradients it holds, as step(); "
-    "zero_grad() would."
+    "layeropt's step() applies and frees the gradients it holds, as torch's step() "
+    "then zero_grad() would."
 )
 
 DEFER_WARNING = (
-    "torch.utils.checkpoint(..., use_reentrant=True) runs a nested backward per "
+    "torch.utils.checkpoint.checkpoint(..., use_reentrant=True) runs a nested backward per "
     "segment; to stay exact, layeropt holds every gradient of this backward and steps "
     "them all when it ends, so in-backward updates save no memory here. Use "
     "layeropt.checkpoint(fn, *args) or use_reentrant=False (Hugging Face: "

@@ -541,8 +541,6 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
             "(FSDP2's DTensor shards, or another tensor subclass). Use it on a model that "
             "is not sharded, or without offload."
         )
-    if overlap and held_grads and not prefetch:  # (the one mode no GPU run has shown exact)
-        raise LayeroptError(OVERLAP_HELD_ERROR)
     for name, on in (("overlap", overlap), ("prefetch", prefetch)):
         where = sorted({str(p.device) for p in params if p.device.type != "cuda"})
         if on and (where or not torch.cuda.is_available()):
@@ -551,6 +549,8 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
                 f"are on {', '.join(where) or 'no CUDA device'}. Use {name}=False (the "
                 "default): the same results, the copies in line with the steps."
             )
+    if overlap and held_grads and not prefetch:  # (the one mode no GPU run has shown exact)
+        raise LayeroptError(OVERLAP_HELD_ERROR)
     # the host pools (offload/pool.py): on CUDA not yet, as no GPU run has shown them; the
     # CUDA tests and benchmarks/offload_7b.py build them with StateOffload(pooled=True)
     pooled = not any(p.device.type == "cuda" for p in params)
