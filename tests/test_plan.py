@@ -32,7 +32,7 @@ import layeropt.offload.held
 import layeropt.offload
 from layeropt.__main__ import main
 from layeropt.memory import PeakMemory
-from layeropt.models import UNet
+from layeropt.models import MLP, UNet
 from layeropt.plan import CATEGORIES, OPTIMIZERS, LiveBytes, Margin, Plan, PlanError, Variant, plan
 from layeropt.plan.link import H200, Link
 from layeropt.plan.execute import Measurement
@@ -887,7 +887,8 @@ def real_window(variant: Variant, build, make_batch, loss_fn, n):
         handle = layeropt.attach(model, opt, bucket_cap_mb=0.0) if variant.in_backward else None
         off = None
         if variant.offload:
-            off = layeropt.offload.offload_state(opt, held_grads=variant.held_on_host)
+            off = layeropt.offload.offload_state(opt, held_grads=variant.held_on_host,
+                                                 held_device_bytes=variant.held_device_bytes)
             if off.held is not None:
                 off.held.__class__ = _NumpyHost
 
@@ -923,14 +924,16 @@ def _nothing():
 
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_accumulation_plan_equals_real_run(n):
-    """Every row of an accumulation window - held gradients on the device or in host
-    memory - to the byte against a real CPU window, and the bytes over the host link."""
+    """Every row of an accumulation window - held gradients on the device, in host
+    memory, or part of them kept on the device (``held_device_bytes``) - to the byte
+    against a real CPU window, and the bytes over the host link."""
     cfg = hf_config("llama")
-    rows = [FUSED, LAYEROPT, OFFLOAD, HELD]
-    p = plan(cfg, seq=SEQ, batch=BATCH, dtype=torch.float32, device="cpu", variants=rows,
-             bucket_cap_mb=0.0, accumulate=n)  # fmt: skip
     build, make_batch, loss, _, _ = hf_real(cfg, torch.float32)
     grads = sum(q.numel() * q.element_size() for q in build().parameters())
+    kept = dataclasses.replace(HELD, held_device_bytes=grads // 3)
+    rows = [FUSED, LAYEROPT, OFFLOAD, HELD, kept]
+    p = plan(cfg, seq=SEQ, batch=BATCH, dtype=torch.float32, device="cpu", variants=rows,
+             bucket_cap_mb=0.0, accumulate=n)  # fmt: skip
     for v in rows:
         start, peak, link = real_window(v, build, make_batch, loss, n)
         assert_matches(p.row(v), (start, peak))
@@ -940,6 +943,11 @@ def test_accumulation_plan_equals_real_run(n):
     assert held.to_device_bytes - off.to_device_bytes == grads  # the sum, once
     assert held.host_bytes == off.host_bytes + grads and held.held_host_bytes == grads
     assert held.at_peak["gradients"] < off.at_peak["gradients"] == grads
+    part = p.row(kept)  # the first buckets to land, up to grads // 3 bytes, stay in .grad
+    on_device = grads - part.held_host_bytes
+    assert 0 < on_device <= grads // 3 and part.host_bytes == off.host_bytes + part.held_host_bytes
+    assert held.to_host_bytes - part.to_host_bytes == (n - 1) * on_device
+    assert held.to_device_bytes - part.to_device_bytes == on_device
     assert "of %d micro-batches" % n in p.table()
 
 
@@ -1163,3 +1171,39 @@ def test_link_h200_is_the_measured_link_and_the_default(tiny_config, capsys):
                            "measured": ""}
     assert main(["plan", str(tiny_config), "--link-gbps", "fast", "--no-progress"]) == 2
     assert "--link-gbps takes one rate" in capsys.readouterr().err
+
+
+def test_a_held_on_host_recommendation_keeps_what_fits_on_the_gpu():
+    """Where the recommendation moves held gradients to host memory and the GPU has room
+    left, the plan adds the same row keeping whole buckets' held gradients on the GPU up
+    to ``held_device_bytes`` (fewer bytes over the link, the same results), recommends
+    it if its own planned need fits, and says the argument to pass; without the room, or
+    without a GPU size, nothing is added."""
+    kw = dict(inputs=lambda: torch.randn(8, 1024), loss=lambda m, x: m(x).square().mean(),
+              dtype="fp32", optimizers=["layeropt.AdamW"], accumulate=2, margin=Margin(0, 0))
+
+    def build():
+        return MLP(1024, 4096, depth=4)
+
+    free = plan(build, **kw)
+    host = free.row(HELD)
+    pair = free.row(OFFLOAD)  # the same with every held gradient on the GPU
+    assert free.need(host) < free.need(pair) and len(free.rows) == 3
+    gpu = 2**30 + (free.need(host) + free.need(pair)) // 2 - free.need(host)  # room: half
+    p = plan(build, **{**kw, "margin": Margin(2**30 - free.need(host), 0)}, gpu_memory=gpu)
+    chosen = p.choice
+    kept = chosen.variant.held_device_bytes
+    assert len(p.rows) == 4 and chosen.variant == dataclasses.replace(HELD, held_device_bytes=kept)
+    assert kept > 0 and kept % 2**20 == 0 and p.fits(chosen) and p.fits(p.row(HELD))
+    assert not p.fits(p.row(OFFLOAD))
+    assert chosen.to_host_bytes < host.to_host_bytes and chosen.held_host_bytes < host.held_host_bytes
+    again = plan(build, **kw, variants=[chosen.variant]).rows[0]  # the same row, planned alone
+    assert (again.peak_bytes, again.reserved_bytes) == (chosen.peak_bytes, chosen.reserved_bytes)
+    told = " ".join(p._summary().split())
+    assert f"held_device_bytes={kept})" in told and "up to" in chosen.variant.label
+    assert not chosen.variant.run_on_a_gpu and "yes*" in told  # not yet run on a GPU
+    assert p.to_dict()["variants"][-1]["held_device_bytes"] in (0, kept)
+    for gpu_memory in (None, 2**30 + free.need(pair) - free.need(host)):  # no size; all fit
+        q = plan(build, **{**kw, "margin": Margin(2**30 - free.need(host), 0)},
+                 gpu_memory=gpu_memory)
+        assert len(q.rows) == 3 and not any(r.variant.held_device_bytes for r in q.rows)

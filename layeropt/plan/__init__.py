@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -206,20 +207,61 @@ def plan(
             workload, rows, device=device, bucket_cap_mb=bucket_cap_mb, progress=progress,
             jobs=jobs, accumulate=accumulate,
         )  # fmt: skip
-    return Plan(
-        model=workload.name,
-        parameters=n_params,
-        rows=measured,
-        dtype=_NAMES.get(torch_dtype, "") if torch_dtype else "",
-        seq=workload.seq,
-        batch=workload.batch,
-        device=device,
-        gpu_memory=gpu,
-        margin=margin,
-        notes=[note] if note else [],
-        accumulate=accumulate,
-        link=link,
-    )
+        result = Plan(
+            model=workload.name,
+            parameters=n_params,
+            rows=measured,
+            dtype=_NAMES.get(torch_dtype, "") if torch_dtype else "",
+            seq=workload.seq,
+            batch=workload.batch,
+            device=device,
+            gpu_memory=gpu,
+            margin=margin,
+            notes=[note] if note else [],
+            accumulate=accumulate,
+            link=link,
+        )
+
+        def measure(variant: Variant) -> Measurement:
+            return simulate(workload, [variant], device=device, bucket_cap_mb=bucket_cap_mb,
+                            progress=progress, accumulate=accumulate)[1][0]
+
+        return _keep_held_on_the_gpu(result, measure)
+
+
+def _keep_held_on_the_gpu(result: Plan, measure: Callable[[Variant], Measurement]) -> Plan:
+    """``result`` with one more row where its recommendation moves held gradients to
+    host memory and leaves room on the GPU: the same configuration keeping the held
+    gradients of whole buckets on the GPU up to ``N`` bytes
+    (``offload_state(opt, held_device_bytes=N)``: fewer bytes over the link, the same
+    results), the larger ``N`` of two planned whose need fits.
+
+    The first ``N`` is 95% of the room over what each kept byte adds to the need,
+    by the row with every held gradient on the GPU (which does not fit, or it would
+    be the recommendation); the second scales it by what the first added, toward
+    95% of the room again. Whole MiB, less than all of them.
+    """
+    choice = result.choice
+    if choice is None or not choice.variant.held_on_host or result.gpu_memory is None:
+        return result
+    on_gpu = dataclasses.replace(choice.variant, held_on_host=False)
+    pair = next((r for r in result.rows if r.variant == on_gpu), None)
+    room = result.gpu_memory - result.need(choice)
+    held = choice.held_host_bytes
+    if pair is None or room <= 0 or held <= 2**20:
+        return result
+    per_byte = max(1.0, (result.need(pair) - result.need(choice)) / held)
+    keep, best = 0.95 * room / per_byte, None
+    for _ in range(2):
+        keep = min(int(keep), held - 2**20) // 2**20 * 2**20  # whole MiB: a number to copy
+        if keep < 2**20 or (best is not None and keep <= best.variant.held_device_bytes):
+            break
+        row = measure(dataclasses.replace(choice.variant, held_device_bytes=keep))
+        if result.fits(row):
+            best = row
+        added = result.need(row) - result.need(choice)
+        keep = keep * 0.95 * room / added if added > 0 else (keep + held) / 2
+    return result if best is None else dataclasses.replace(result, rows=[*result.rows, best])
 
 
 @contextlib.contextmanager

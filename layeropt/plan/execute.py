@@ -434,7 +434,7 @@ def _first_step(
         opt.step()
         opt.zero_grad(set_to_none=True)
         live.track(list(opt.state.values()), STATE)
-        offload = _offloaded(opt, live, variant.held_on_host) if variant.offload else None
+        offload = _offloaded(opt, live, variant) if variant.offload else None
         attached.append(layeropt.attach(run.model, opt, **cap))
         return offload, alive(_taken(live))  # the state (the zero gradients are gone)
     attached.append(layeropt.attach(run.model, opt, **cap))
@@ -459,13 +459,14 @@ def _link(offload: Any, run: _Run) -> tuple[tuple[int, int], tuple[int, int]]:
             (state + held.up_bytes, state + per_micro * (run.accumulate - 1)))
 
 
-def _offloaded(opt: Any, live: LiveBytes, held_on_host: bool = False) -> Any:
+def _offloaded(opt: Any, live: LiveBytes, variant: Variant) -> Any:
     """``layeropt.offload.offload_state(opt)``, its host tensors left out of the count.
 
     The real offload code runs: each bucket's state is copied into working
     tensors (counted, as optimizer state) for its step and back to the host;
-    with ``held_on_host``, held gradients go to host tensors (not counted) and
-    their sums come back as gradients.
+    with ``variant.held_on_host``, held gradients go to host tensors (not
+    counted) and their sums come back as gradients, but for the buckets kept
+    in ``.grad`` under ``variant.held_device_bytes``.
     """
     from ..offload.held import HostHeld
     from ..offload.state import StateOffload, _install
@@ -491,8 +492,8 @@ def _offloaded(opt: Any, live: LiveBytes, held_on_host: bool = False) -> Any:
             return work
 
     handle = Planned(opt, max_buckets=2, overlap=False, held_grads=False)
-    if held_on_host:
-        handle.held = PlannedHeld()
+    if variant.held_on_host:
+        handle.held = PlannedHeld(variant.held_device_bytes)
     return _install(opt, handle)
 
 

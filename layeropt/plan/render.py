@@ -182,7 +182,7 @@ _CHANGE_TEXT = {  # change -> (what it shrinks, its category, what it does)
     "held grads offload": ("gradients", GRADIENTS, "held gradients wait in host memory "
                            "({held}) between micro-batches, each bucket's copied down as it lands and "
                            "its sum brought back once for its step (exact; {link} over the "
-                           "host link per step)"),
+                           "host link per step){kept}"),
 }
 
 
@@ -613,6 +613,9 @@ class Plan:
         first = (f"fits in {format_bytes(self.gpu_memory)} {rule}: {self._named(choice)} "
                  f"(peak {format_bytes(choice.peak_bytes)}, needs "
                  f"{format_bytes(self.need(choice))})")  # fmt: skip
+        if choice.variant.held_device_bytes:
+            first += (f"; the held gradients that fit stay on the GPU: "
+                      f"offload_state(opt, held_device_bytes={choice.variant.held_device_bytes})")
         return first, choice
 
     def _why_lines(self, row: Measurement) -> list[str]:
@@ -637,6 +640,7 @@ class Plan:
             ``run_on_a_gpu`` (whether layeropt has run the configuration on a
             GPU: :attr:`Variant.run_on_a_gpu`), ``host_bytes`` (host memory
             of offloaded state and held gradients), ``held_on_host``,
+            ``held_device_bytes`` (held gradients kept on the GPU),
             ``held_host_bytes`` (the held gradients' part of ``host_bytes``),
             ``to_device_bytes`` / ``to_host_bytes`` (per step over the host link)
             and ``link_floor_seconds`` (:meth:`link_floor`); the plan has
@@ -677,6 +681,7 @@ class Plan:
                     "run_on_a_gpu": r.variant.run_on_a_gpu,
                     "host_bytes": r.host_bytes,
                     "held_on_host": r.variant.held_on_host,
+                    "held_device_bytes": r.variant.held_device_bytes,
                     "held_host_bytes": r.held_host_bytes,
                     "to_device_bytes": r.to_device_bytes,
                     "to_host_bytes": r.to_host_bytes,
@@ -762,22 +767,26 @@ def _bits(variant: Variant) -> int:
     return 4 if "4bit" in variant.base else 8
 
 
-def _invasiveness(row: Measurement) -> tuple[int, int, int, int, int]:
+def _invasiveness(row: Measurement) -> tuple[int, int, int, int, int, int]:
     """Exact AdamW, then with its state offloaded, then its held gradients too, then
-    8-bit states, then 4-bit; then fewest changes; then the peak."""
+    8-bit states, then 4-bit; then fewest changes; then the most held gradients kept
+    on the GPU (the fewest bytes over the link); then the peak."""
     changes = row.variant.changes()
     precision = 0 if "low-bit" not in changes else 1 if _bits(row.variant) == 8 else 2
     return (precision, "state offload" in changes, "held grads offload" in changes,
-            len(changes), row.peak_bytes)
+            len(changes), -row.variant.held_device_bytes, row.peak_bytes)
 
 
 def _fix(change: str, row: Measurement) -> str:
     variant = row.variant
     text = _CHANGE_TEXT[change][2]
     state_host = row.host_bytes - row.held_host_bytes
+    kept = variant.held_device_bytes
     return text.format(base=variant.base, bits=_bits(variant), host=format_bytes(state_host),
                        link=format_bytes(row.to_device_bytes + row.to_host_bytes),
-                       held=format_bytes(row.held_host_bytes))
+                       held=format_bytes(row.held_host_bytes),
+                       kept=f", but for up to {format_bytes(kept)} of them kept on the GPU "
+                       f"(offload_state(opt, held_device_bytes={kept}))" if kept else "")
 
 
 def _wrap(text: str, indent: str, width: int = 92) -> list[str]:
@@ -841,7 +850,7 @@ def _short(change: str, row: Measurement) -> str:
 def _kind(row: Measurement) -> tuple[int, bool, bool]:
     """A row's kind of change: exact AdamW (0), 8-bit (1) or 4-bit (2) states; state
     offload; held gradients in host memory (the first three keys of :func:`_invasiveness`)."""
-    precision, offload, held, _, _ = _invasiveness(row)
+    precision, offload, held, *_ = _invasiveness(row)
     return precision, bool(offload), bool(held)
 
 
@@ -881,20 +890,22 @@ def _where(row: Measurement, short: bool = False) -> str:
 
 
 def _with_changes(like: Variant, changes: set[str]) -> Variant:
-    """The variant with exactly ``changes`` (the low-bit optimizer of ``like``; low-bit
-    updates are fused)."""
+    """The variant with exactly ``changes`` (the low-bit optimizer of ``like`` and the
+    held gradients it keeps on the GPU; low-bit updates are fused)."""
     low_bit = like.base if like.base in LOW_BIT else next(iter(LOW_BIT))
     base = low_bit if "low-bit" in changes else "torch.optim.AdamW"
     optimizer = base
     if "layeropt" in changes:
         optimizer = "layeropt.AdamW" if base in _TORCH else f"layeropt.in_backward({base})"
     fused = "fused" in changes or "low-bit" in changes
+    held = ("held grads offload" in changes and "state offload" in changes
+            and optimizer == "layeropt.AdamW" and fused)
     return Variant(
         optimizer,
         "fused" if fused else "foreach",
         "checkpointing" in changes,
         "chunked loss" in changes,
         "state offload" in changes and optimizer == "layeropt.AdamW" and fused,
-        "held grads offload" in changes and "state offload" in changes
-        and optimizer == "layeropt.AdamW" and fused,
+        held,
+        like.held_device_bytes if held else 0,  # (part of the held gradients kept: like's)
     )

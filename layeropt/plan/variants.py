@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..memory import format_bytes
 from .workloads import PlanError, Workload
 
 __all__ = ["Variant", "OPTIMIZERS", "LOW_BIT", "available", "default_variants"]
@@ -62,6 +63,10 @@ class Variant:
             window wait in host memory too (``offload_state``'s
             ``held_grads=True``, its default); without it they stay on the device
             (``held_grads=False``). Planned apart only with accumulation.
+        held_device_bytes: with ``held_on_host``, the held gradients of whole
+            buckets kept on the GPU up to this many bytes, only the rest moved
+            (``offload_state(opt, held_device_bytes=N)``). A plan adds such a
+            row to fill the room its recommendation leaves (:func:`~layeropt.plan.plan`).
     """
 
     optimizer: str = "torch.optim.AdamW"
@@ -70,6 +75,7 @@ class Variant:
     chunked_loss: bool = False
     offload: bool = False
     held_on_host: bool = False
+    held_device_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -88,6 +94,9 @@ class Variant:
             )
         if self.held_on_host and not self.offload:
             raise PlanError("held_on_host=True is part of state offload: set offload=True too")
+        if self.held_device_bytes and not self.held_on_host:
+            raise PlanError("held_device_bytes keeps part of the held gradients that "
+                            "held_on_host=True moves: set held_on_host=True too")
 
     @property
     def in_backward(self) -> bool:
@@ -117,6 +126,8 @@ class Variant:
             text += " + state offload"
         if self.held_on_host:
             text += " + held grads in host memory"
+        if self.held_device_bytes:
+            text += f", up to {format_bytes(self.held_device_bytes)} of them on the GPU"
         return text
 
     @property
@@ -127,10 +138,11 @@ class Variant:
         a Llama-2-7B-shaped model with checkpointing and its held gradients in
         host memory, and ``benchmarks/offload_bench.py`` with them on the GPU,
         bit-identical to torch.optim). Not yet: a low-bit optimizer made
-        in-backward (its CUDA kernel inside backward). A plan that says such a
+        in-backward (its CUDA kernel inside backward), and held gradients kept
+        on the GPU under a budget (``held_device_bytes``: exact on the CPU). A plan that says such a
         row fits says, on the same line, that it has not run on a GPU.
         """
-        return not (self.in_backward and self.base in LOW_BIT)
+        return not (self.in_backward and self.base in LOW_BIT) and not self.held_device_bytes
 
     def changes(self) -> set[str]:
         """What differs from plain ``torch.optim.AdamW`` (foreach, torch's GPU default).
