@@ -24,7 +24,7 @@
 #    uncapped, then offload sync, overlap + prefetch, the same on two copy streams
 #    (not offered by offload_state yet), and sync keeping 6 GiB of the held gradients
 #    on the GPU (held_device_bytes; `layeropt plan llama-2-7b --gpu-memory 24GiB
-#    --accumulate 8` recommends 7.6 GiB with flash attention, 2026-12-05, and this run's
+#    --accumulate 8` recommends 7.7 GiB with flash attention, 2026-12-05, and this run's
 #    eager attention peaked 1.7 GiB above that plan on 2026-12-04), capped at 24 GiB;
 #    step times, peak
 #    allocated / reserved, bytes copied, parameters and optimizer state bit-identical to

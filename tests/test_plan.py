@@ -724,7 +724,7 @@ def test_cli_default_is_short_all_is_every_row_json_is_whole(tiny_config, capsys
     assert set(out) == {"model", "parameters", "dtype", "seq", "batch", "device",
                         "gpu_memory_bytes", "accumulate", "link", "budget_bytes", "margin",
                         "variants", "recommendation", "notes"}
-    assert set(out["recommendation"]) == {"label", "peak_bytes", "why"}
+    assert set(out["recommendation"]) == {"label", "peak_bytes", "held_device_bytes", "why"}
     assert out["recommendation"]["why"] == p.why(p.choice)  # the whole why, as before
 
 
@@ -1134,7 +1134,8 @@ def test_link_rates_parse(text, rates):
     assert (link.to_device, link.to_host, link.both) == rates and Link.parse(link) is link
 
 
-@pytest.mark.parametrize("text", ["", "x", "1,2", "1,2,3,4", "0", "-5", "nan", "inf", "1,0,1", True])
+@pytest.mark.parametrize("text", ["", "x", "1,2", "1,2,3,4", "0", "-5", "nan", "inf", "1,0,1", True,
+                                  "54.9,54.7,20", "10,10,30"])  # (both: under one way, over the sum)
 def test_link_rates_refused_with_the_forms_they_take(text):
     with pytest.raises(PlanError, match=r"GB/s"):
         Link.parse(text)
@@ -1202,8 +1203,43 @@ def test_a_held_on_host_recommendation_keeps_what_fits_on_the_gpu():
     told = " ".join(p._summary().split())
     assert f"held_device_bytes={kept})" in told and "up to" in chosen.variant.label
     assert not chosen.variant.run_on_a_gpu and "yes*" in told  # not yet run on a GPU
-    assert p.to_dict()["variants"][-1]["held_device_bytes"] in (0, kept)
+    told = p.to_dict()
+    assert told["recommendation"]["held_device_bytes"] == kept
+    assert sorted(v["held_device_bytes"] for v in told["variants"]) == [0, 0, 0, kept]
     for gpu_memory in (None, 2**30 + free.need(pair) - free.need(host)):  # no size; all fit
         q = plan(build, **{**kw, "margin": Margin(2**30 - free.need(host), 0)},
                  gpu_memory=gpu_memory)
         assert len(q.rows) == 3 and not any(r.variant.held_device_bytes for r in q.rows)
+    # rows asked for by name: those alone, a budget given among them too
+    asked = [OFFLOAD, HELD, dataclasses.replace(HELD, held_device_bytes=2**20)]
+    q = plan(build, **{**kw, "margin": Margin(2**30 - free.need(host), 0)}, gpu_memory=gpu,
+             variants=asked)
+    assert [r.variant for r in sorted(q.rows, key=lambda r: asked.index(r.variant))] == asked
+
+
+def test_no_budget_row_that_keeps_no_bucket():
+    """A budget keeps whole buckets: one under the smallest bucket would keep nothing
+    on the GPU, so no such row is added (the recommendation stays the one that moves
+    every held gradient); a row that is added keeps at least one bucket and fits."""
+    kw = dict(inputs=lambda: torch.randn(8, 2048), loss=lambda m, x: m(x).square().mean(),
+              dtype="fp32", optimizers=["layeropt.AdamW"], accumulate=2, margin=Margin(0, 0))
+    bucket = 2048 * 2048 * 4
+
+    def build():  # six 16 MiB buckets
+        return torch.nn.Sequential(*(torch.nn.Linear(2048, 2048, bias=False) for _ in range(6)))
+
+    free = plan(build, **kw)
+    host = free.row(HELD)
+    added = 0
+    for room in (1, 4, 10, 15, 40):  # MiB
+        p = plan(build, **{**kw, "margin": Margin(2**30 - free.need(host), 0)},
+                 gpu_memory=2**30 + room * 2**20)
+        chosen = p.choice
+        if chosen.variant.held_device_bytes:
+            added += 1
+            assert host.held_host_bytes - chosen.held_host_bytes >= bucket and p.fits(chosen)
+        else:
+            assert chosen.variant == HELD and len(p.rows) == len(free.rows), room
+        if room < 10:  # here one bucket kept adds more to the need than the room
+            assert chosen.variant == HELD, room
+    assert added >= 1

@@ -501,7 +501,7 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
             stay in ``.grad`` on the device up to this many bytes (the first buckets
             to land in a window); only the rest move. Default 0: all of them move.
             ``layeropt plan MODEL --gpu-memory SIZE --accumulate N`` gives the
-            largest that fits (docs/plan.md).
+            budget that fits, the most of up to three it plans (docs/plan.md).
         prefetch: fetch the state (and held gradient sums) of the buckets expected
             next, in the order they landed in the previous backward, while the
             backward goes on, at most ``max_buckets`` ahead (``layeropt/offload/prefetch.py``;

@@ -222,27 +222,34 @@ def plan(
             link=link,
         )
 
+        if not isinstance(variants, str) and variants is not None:
+            return result  # (the rows asked for, no more)
+
         def measure(variant: Variant) -> Measurement:
             return simulate(workload, [variant], device=device, bucket_cap_mb=bucket_cap_mb,
-                            progress=progress, accumulate=accumulate)[1][0]
+                            accumulate=accumulate)[1][0]
 
         return _keep_held_on_the_gpu(result, measure)
 
 
-def _keep_held_on_the_gpu(result: Plan, measure: Callable[[Variant], Measurement]) -> Plan:
-    """``result`` with one more row where its recommendation moves held gradients to
-    host memory and leaves room on the GPU: the same configuration keeping the held
+def _keep_held_on_the_gpu(result: Plan, measure: Callable[[Variant], Measurement],
+                          tries: int = 3) -> Plan:
+    """``result`` with one more row where its recommendation moves every held gradient
+    to host memory and leaves room on the GPU: the same configuration keeping the held
     gradients of whole buckets on the GPU up to ``N`` bytes
     (``offload_state(opt, held_device_bytes=N)``: fewer bytes over the link, the same
-    results), the larger ``N`` of two planned whose need fits.
+    results) - of at most ``tries`` planned, the one keeping the most whose need fits.
 
-    The first ``N`` is 95% of the room over what each kept byte adds to the need,
-    by the row with every held gradient on the GPU (which does not fit, or it would
-    be the recommendation); the second scales it by what the first added, toward
-    95% of the room again. Whole MiB, less than all of them.
+    The first ``N`` is 95% of the room over what each kept byte adds to the need, by
+    the row with every held gradient on the GPU (which does not fit, or it would be
+    the recommendation); while none has fitted, the next scales ``N`` by what the last
+    one added (toward 95% of the room); once one fits, the next halves the interval
+    between the most that fitted and the least that did not. ``N`` is whole MiB; a row
+    that keeps no bucket on the GPU (``N`` under the smallest) is not added.
     """
     choice = result.choice
-    if choice is None or not choice.variant.held_on_host or result.gpu_memory is None:
+    if (choice is None or not choice.variant.held_on_host or choice.variant.held_device_bytes
+            or result.gpu_memory is None):
         return result
     on_gpu = dataclasses.replace(choice.variant, held_on_host=False)
     pair = next((r for r in result.rows if r.variant == on_gpu), None)
@@ -251,16 +258,25 @@ def _keep_held_on_the_gpu(result: Plan, measure: Callable[[Variant], Measurement
     if pair is None or room <= 0 or held <= 2**20:
         return result
     per_byte = max(1.0, (result.need(pair) - result.need(choice)) / held)
-    keep, best = 0.95 * room / per_byte, None
-    for _ in range(2):
-        keep = min(int(keep), held - 2**20) // 2**20 * 2**20  # whole MiB: a number to copy
-        if keep < 2**20 or (best is not None and keep <= best.variant.held_device_bytes):
+    keep, best, over = 0.95 * room / per_byte, None, held  # over: the least N that did not fit
+    for _ in range(tries):
+        keep = min(int(keep), over - 2**20) // 2**20 * 2**20  # whole MiB: a number to copy
+        fitted = 0 if best is None else best.variant.held_device_bytes
+        if keep < 2**20 or keep <= fitted:
             break
         row = measure(dataclasses.replace(choice.variant, held_device_bytes=keep))
-        if result.fits(row):
+        kept = held - row.held_host_bytes  # (whole buckets: what N really keeps)
+        if result.fits(row) and kept >= 2**20:
             best = row
+        elif not result.fits(row):
+            over = keep
         added = result.need(row) - result.need(choice)
-        keep = keep * 0.95 * room / added if added > 0 else (keep + held) / 2
+        if best is not None and over < held:  # between the most that fitted and the least not
+            keep = (best.variant.held_device_bytes + over) / 2
+        elif added > 0:
+            keep = keep * 0.95 * room / added
+        else:  # (nothing more needed: a larger N)
+            keep = (keep + over) / 2
     return result if best is None else dataclasses.replace(result, rows=[*result.rows, best])
 
 

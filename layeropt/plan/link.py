@@ -45,6 +45,12 @@ class Link:
         rates = (self.to_device, self.to_host, self.both)
         if not all(isinstance(r, (int, float)) and 0 < r < math.inf for r in rates):
             raise PlanError(f"a link's rates must be finite numbers > 0 (GB/s), got {rates!r}")
+        if not max(self.to_device, self.to_host) <= self.both <= self.to_device + self.to_host:
+            raise PlanError(
+                f"both directions at once ({self.both:g} GB/s) must be at least either "
+                f"direction alone and at most their sum ({self.to_device:g} + "
+                f"{self.to_host:g} GB/s): TO_GPU,TO_HOST,BOTH"
+            )
 
     def seconds(self, to_device_bytes: float, to_host_bytes: float) -> float:
         """The least time these copies take over this link: ``max(down / to_device,

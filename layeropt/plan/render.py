@@ -600,7 +600,10 @@ class Plan:
             )
             return first, best
         rule = "with the fewest changes"
-        if "held grads offload" in choice.variant.changes():
+        if choice.variant.held_device_bytes:
+            rule += (" once the optimizer state and part of the held gradients are in host "
+                     "memory (exact AdamW; no row with all of either on the GPU fits)")
+        elif "held grads offload" in choice.variant.changes():
             rule += (" once the optimizer state and the held gradients are in host memory "
                      "(exact AdamW; no row with either on the GPU fits)")
         elif "state offload" in choice.variant.changes():
@@ -691,6 +694,7 @@ class Plan:
             ],
             "recommendation": None if choice is None else {
                 "label": choice.variant.label, "peak_bytes": choice.peak_bytes,
+                "held_device_bytes": choice.variant.held_device_bytes,
                 "why": self.why(choice),
             },
             "notes": self.notes,

@@ -94,6 +94,9 @@ class Variant:
             )
         if self.held_on_host and not self.offload:
             raise PlanError("held_on_host=True is part of state offload: set offload=True too")
+        n = self.held_device_bytes
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise PlanError(f"held_device_bytes must be an int >= 0 (bytes), got {n!r}")
         if self.held_device_bytes and not self.held_on_host:
             raise PlanError("held_device_bytes keeps part of the held gradients that "
                             "held_on_host=True moves: set held_on_host=True too")
