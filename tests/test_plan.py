@@ -1158,10 +1158,11 @@ def test_link_h200_is_the_measured_link_and_the_default(tiny_config, capsys):
     p = plan(str(tiny_config), seq=SEQ, optimizers=["layeropt.AdamW"])
     moved = [r for r in p.rows if r.to_device_bytes or r.to_host_bytes]
     assert p.link is H200 and moved
-    for link in (H200, Link(25, 25, 50), Link(30, 20, 40)):
-        told = dataclasses.replace(p, link=link)
-        assert [told.link_floor(r) for r in moved] == [
-            link.seconds(r.to_device_bytes, r.to_host_bytes) for r in moved]
+    for rates in ((54.9, 54.7, 88.0), (25, 25, 50), (30, 20, 40)):  # GB/s: in, out, both
+        told = dataclasses.replace(p, link=Link(*rates))
+        assert [told.link_floor(r) for r in moved] == pytest.approx([max(
+            r.to_device_bytes / (rates[0] * 1e9), r.to_host_bytes / (rates[1] * 1e9),
+            (r.to_device_bytes + r.to_host_bytes) / (rates[2] * 1e9)) for r in moved])
         assert [v["link_floor_seconds"] for v in told.to_dict()["variants"] if v["to_host_bytes"]
                 ] == [round(told.link_floor(r), 4) for r in moved]
     assert "(54.9 GB/s to the GPU, 54.7 back, 88 with both at once, measured on an H200" in (
