@@ -14,14 +14,19 @@ modes ``offload_state`` refuses or does not offer until a GPU run has shown them
 exact or measured them: overlap without prefetch over an accumulation window,
 overlap + prefetch with copies in and out on two streams
 (``StateOffload(copy_streams=2)``), and held sums added on the device
-(``HostHeld.add_on_device``). ``--trace`` profiles one more
-backward of the overlapped run after its results are taken: that backward
-steps the model. (On 2026-12-04 it ran before them, so the overlapped run with
-``--accumulate 2`` had stepped once more than the others: the "not equal" and
-the 7.04 GiB copied of that run; see docs/results/gpu-h200.md.)
+(``HostHeld.add_on_device``). With ``--accumulate`` of 3 or more a later
+micro-batch's gradient is added into its held sum, on the host or, in that
+last mode, on the GPU; the host's own rate for such an addition is printed
+first. ``--trace PREFIX`` profiles one more whole step (every micro-batch, the
+step, ``zero_grad``) of the sync, two-stream and sums-on-GPU runs after their
+results are taken, into ``PREFIX-<run>.json.gz``: that step trains the model
+once more. (On 2026-12-04 the trace, then one backward of the overlapped run,
+was taken before its results, so that run had stepped once more than the
+others: the "not equal" and the 7.04 GiB copied of that run; see
+docs/results/gpu-h200.md.)
 
-    python benchmarks/offload_bench.py --layers 4 --steps 5 [--trace trace.json]
-    python benchmarks/offload_bench.py --layers 4 --steps 3 --accumulate 2 --unproven
+    python benchmarks/offload_bench.py --layers 4 --steps 5 [--trace trace]
+    python benchmarks/offload_bench.py --layers 4 --steps 3 --accumulate 4 --unproven
     python benchmarks/offload_bench.py --device cpu --tiny   # smoke run (tests), seconds
 """
 
@@ -38,6 +43,10 @@ from torch import nn
 import layeropt
 from layeropt.offload import StateOffload, offload_state
 from layeropt.offload.state import _install
+
+
+# the runs --trace profiles (a whole step each)
+TRACED = ("offload sync", "offload overlap prefetch 2 streams", "offload sync, sums added on GPU")
 
 
 class Block(nn.Module):
@@ -72,6 +81,22 @@ def _offload(opt: torch.optim.Optimizer, unproven: bool, copy_streams: int = 1,
                                       pooled=True, add_on_device=add_on_device, **kw))
 
 
+def host_add_rate(d: int, ffn: int, pin: bool, rounds: int = 5) -> str:
+    """How fast this host adds one held gradient into its sum (``acc.add_(new)``, bf16,
+    pinned for a GPU, the largest layer of a block): the rate to set beside the link's."""
+    acc, new = (torch.randn(ffn, d).bfloat16() for _ in range(2))
+    if pin:
+        acc, new = acc.pin_memory(), new.pin_memory()
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        acc.add_(new)
+        times.append(time.perf_counter() - t)
+    rate = acc.nbytes / statistics.median(times) / 1e9
+    return (f"host addition of a held gradient (bf16{', pinned' if pin else ''}, {acc.nbytes / 2**20:.0f} MiB, "
+            f"{torch.get_num_threads()} threads): {rate:.1f} GB of the sum per second")
+
+
 def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | None,
         accumulate: int = 1, unproven: bool = False) -> dict:
     cuda = x.device.type == "cuda"
@@ -90,10 +115,8 @@ def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | No
                           "sums added on GPU" in name,  # (HostHeld.add_on_device)
                           overlap="overlap" in name, prefetch="prefetch" in name,
                           held_grads="held on GPU" not in name)
-    times = []
-    for _ in range(steps):
-        _sync(x.device)
-        t = time.perf_counter()
+
+    def one_step() -> None:  # a window of micro-batches, the step, zero_grad
         for k in range(accumulate):
             loss = model(x).float().square().mean() / accumulate
             if in_backward and k < accumulate - 1:
@@ -103,6 +126,12 @@ def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | No
                 loss.backward()
         opt.step()
         opt.zero_grad()
+
+    times = []
+    for _ in range(steps):
+        _sync(x.device)
+        t = time.perf_counter()
+        one_step()
         _sync(x.device)
         times.append(time.perf_counter() - t)
     copied = 0
@@ -113,13 +142,14 @@ def run(name: str, base: nn.Module, x: torch.Tensor, steps: int, trace: str | No
                                          if held is not None else 0)) / steps
     params = [p.detach().clone().cpu() for p in model.parameters()]
     peak = torch.cuda.max_memory_allocated() if cuda else 0
-    if trace and name == "offload overlap":  # after the results are taken: it steps once more
+    if trace and cuda and name in TRACED:  # after the results are taken: it steps once more
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            model(x).float().square().mean().backward()
+            one_step()
             torch.cuda.synchronize()
-        prof.export_chrome_trace(trace)
+        slug = name.removeprefix("offload ").replace(",", "").replace(" ", "-")
+        prof.export_chrome_trace(f"{trace}-{slug}.json.gz")
     return dict(name=name, ms=statistics.median(times[1:] or times) * 1e3,
                 peak=peak, copied=copied, params=params)
 
@@ -129,7 +159,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--trace", default=None, help="chrome trace of one overlapped backward")
+    ap.add_argument("--trace", default=None, metavar="PREFIX",
+                    help="chrome traces of one more whole step of the runs in TRACED")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="small blocks: a smoke run")
     ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
@@ -149,6 +180,8 @@ def main() -> None:
     print(f"{args.layers} {'tiny' if args.tiny else 'Llama-2-7B-shaped'} blocks: {n / 1e9:.2f}B "
           f"parameters, bf16, {where}, torch {torch.__version__}, "
           f"{args.accumulate} micro-batch(es) per step")
+    if args.accumulate > 2:
+        print(host_add_rate(d, ffn, pin=device.type == "cuda"))
     results = []
     names = ["torch fused", "layeropt fused", "offload sync"]
     if args.accumulate > 1:

@@ -8,6 +8,7 @@ where the script compares parameters, that they are bit-identical).
 from __future__ import annotations
 
 import os
+import re
 import pathlib
 import subprocess
 import sys
@@ -31,7 +32,7 @@ SMOKE = {
     "gpu_profile.py --device cpu --tiny": "ops by self CPU time",
     "offload_bench.py --device cpu --tiny --layers 2 --steps 2":
         "equal to layeropt: True",
-    "offload_bench.py --device cpu --tiny --layers 2 --steps 2 --accumulate 2 --unproven":
+    "offload_bench.py --device cpu --tiny --layers 2 --steps 2 --accumulate 3 --unproven":
         "sums added on GPU",
 }
 
@@ -49,3 +50,11 @@ def test_benchmark_runs(command):
     assert done.returncode == 0, done.stderr[-3000:]
     assert SMOKE[command] in done.stdout, done.stdout[-3000:]
     assert "equal to layeropt: False" not in done.stdout, done.stdout[-3000:]
+
+
+def test_device_check_returns_what_the_device_tool_can_bring_back():
+    """The device tool returns at most 8 files from $OUT: device_check.sh writes one log
+    there as it runs and packs the per-part logs and traces into one archive at the end."""
+    script = (ROOT / "benchmarks" / "device_check.sh").read_text()
+    written = set(re.findall(r'\$OUT/([\w.-]+)', script))
+    assert written == {"device-check.log", "parts.tar.gz"}, written
