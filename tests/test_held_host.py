@@ -558,6 +558,28 @@ def test_zero_grad_mid_window_drops_the_held_sums(set_to_none, cap):
 
 
 @CAPS
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_model_zero_grad_mid_window_drops_the_held_sums(set_to_none, cap):
+    """The model's ``zero_grad()`` in the middle of a window discards what is held in
+    host memory too, as torch's drops (or zeroes) what ``.grad`` holds."""
+    runs, handle, batch_fn, loss_fn = _three("mlp", "AdamW", dict(lr=0.01), cap)
+    gen = torch.Generator().manual_seed(16)
+    for _ in range(2):
+        micro = _micro(batch_fn, gen, 3)
+        for i, (m, o) in enumerate(runs):
+            with o.no_step() if i else _nothing():
+                loss_fn(m, micro[0]).backward()
+            m.zero_grad(set_to_none=set_to_none)
+            assert len(handle.held) == 0
+            with o.no_step() if i else _nothing():
+                loss_fn(m, micro[1]).backward()
+            loss_fn(m, micro[2]).backward()
+            o.step()
+            o.zero_grad()
+    _assert_all_same(runs)
+
+
+@CAPS
 @pytest.mark.parametrize("share", [0.0, 0.3, 0.6, 1.0], ids=["none", "30%", "60%", "all"])
 def test_a_device_budget_keeps_the_first_buckets_held_gradients_on_the_device(share, cap):
     """``held_device_bytes``: the held gradients of whole buckets stay in ``.grad`` up to

@@ -592,6 +592,18 @@ def _keep_zero_head_every_other(m, opts, x, step, lo, ctx):
         o.zero_grad(set_to_none=False)
 
 
+def _module_keeps_zero_head_every_other(m, opts, x, step, lo, ctx):
+    """The same, zeroed by the model's ``zero_grad(set_to_none=False)`` before backward."""
+    inner = m.module if hasattr(m, "module") else m
+    m.zero_grad(set_to_none=False)
+    if step % 2 == 0:
+        m(x).pow(2).mean().backward()
+    else:
+        inner[1:](torch.randn(4, 16, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+    for o in opts:
+        o.step()
+
+
 # loop -> kinds it runs on (a forward that skips layers bypasses DDP's wrapper)
 MULTI: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
     "layer unfrozen later, two optimizers": (_unfreeze_later, ("plain", "ddp")),
@@ -601,6 +613,8 @@ MULTI: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
     "GradScaler overflow in one of two optimizers": (_scaler_overflow_in_one, ("plain", "ddp")),
     "zero_grad(set_to_none=False), a layer used every other step": (
         _keep_zero_head_every_other, ("plain",)),
+    "model.zero_grad(set_to_none=False), a layer used every other step": (
+        _module_keeps_zero_head_every_other, ("plain",)),
 }
 
 

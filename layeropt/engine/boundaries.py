@@ -155,8 +155,9 @@ class StepRules:
             held.clear()
 
     def forget_stepped(self, ids: set[int]) -> None:
-        """Another optimizer took these parameters (by ``id``) over (:func:`take_over`):
-        the latest backward no longer counts as having updated them."""
+        """Another optimizer took these parameters (by ``id``) over (:func:`take_over`),
+        or a module's ``zero_grad`` zeroed them: the latest backward no longer counts as
+        having updated them."""
         rec = self.last
         if any(id(p) in ids for p in rec.stepped):
             rec.stepped = [p for p in rec.stepped if id(p) not in ids]
@@ -222,6 +223,36 @@ class StepRules:
         self.last.zeroed = True
         if attached:
             self.boundary("zero_grad()")
+        else:  # no hook steps these any more: torch's step() must find the kept zeros
+            self.give_back_kept()
+
+    def give_back_kept(self, owned: set[int] | None = None) -> None:
+        """Torch's ``.grad`` carries the kept zero gradients from here (``owned``'s: an
+        attachment is removed; all: a ``zero_grad`` with none left): a zero ``.grad`` for
+        each kept parameter that has none and was not stepped since the last ``zero_grad``
+        (torch still holds that one's gradient; the next ``zero_grad`` gives it back)."""
+        optimizer = self._optimizer()
+        if not self.kept_grads or optimizer is None:
+            return
+        given = [p for p in self.unused_kept(optimizer) if owned is None or id(p) in owned]
+        for p in given:
+            p.grad = torch.zeros_like(p)
+        self.kept_grads -= {id(p) for p in given}
+
+    def module_zero_grad(self, params: list[Tensor], set_to_none: bool) -> None:
+        """``module.zero_grad(set_to_none)`` over ``params``, before torch's: held
+        gradients in a store go as torch's in ``.grad`` would, and the parameters torch
+        then keeps a zero ``.grad`` for (or no longer does) are followed as for the
+        optimizer's ``zero_grad``."""
+        self.stepper.held.drop(set_to_none, params)
+        ids = {id(p) for p in params}
+        had = [p for p in self._this_step() + self.train_step.skipped if id(p) in ids]
+        self.forget_stepped(ids)  # (torch's gradients of them are gone or zero now)
+        if set_to_none:
+            if self.kept_grads:
+                self.kept_grads -= ids
+            return
+        self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, had, False)
 
     def unused_kept(self, optimizer: Any) -> list[Tensor]:
         """Parameters torch would update on a kept zero gradient at this ``step()``."""

@@ -371,6 +371,7 @@ class Engine(Rules):
         self._places = None
 
     def remove_attachment(self, attachment: Any) -> None:
+        self.give_back_kept({id(p) for p in attachment.owned})
         self.attachments.pop(attachment, None)
         self._places = None
 

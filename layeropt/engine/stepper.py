@@ -65,7 +65,7 @@ class InGrad:
     def fetch(self, param: Tensor) -> Tensor:
         raise KeyError("held gradients in .grad are not fetched")
 
-    def drop(self, set_to_none: bool = True) -> None:
+    def drop(self, set_to_none: bool = True, params: list[Tensor] | None = None) -> None:
         pass
 
 

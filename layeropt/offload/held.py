@@ -200,10 +200,23 @@ class HostHeld:
         self.up_bytes += acc.nbytes
         return work
 
-    def drop(self, set_to_none: bool = True) -> None:
-        """Forget every held gradient (``zero_grad()``, a skipped step); with
-        ``set_to_none=False`` each parameter gets a zero ``.grad``, as torch's
-        ``zero_grad`` leaves a held gradient."""
+    def drop(self, set_to_none: bool = True, params: list[Tensor] | None = None) -> None:
+        """Forget the held gradients (``zero_grad()``, a skipped step), or those of
+        ``params`` (``module.zero_grad()``); with ``set_to_none=False`` each parameter gets
+        a zero ``.grad``, as torch's ``zero_grad`` leaves a held gradient."""
+        if params is not None:
+            gone = set(params)
+            for p in [p for p in self.host if p in gone]:
+                acc = self.host.pop(p)
+                if not set_to_none:
+                    p.grad = torch.zeros_like(acc, device=p.device)
+            for landed in self._pending.values():
+                landed[:] = [p for p in landed if p not in gone]
+            self.kept -= gone  # (torch's zero_grad clears or zeroes their .grad)
+            if not self.kept:
+                self._kept_buckets.clear()
+                self._kept_bytes = 0
+            return
         if not set_to_none:
             for p, acc in self.host.items():
                 p.grad = torch.zeros_like(acc, device=p.device)
