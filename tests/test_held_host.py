@@ -12,6 +12,7 @@ profiler counts is what a GPU would hold.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import numpy as np
@@ -554,6 +555,62 @@ def test_zero_grad_mid_window_drops_the_held_sums(set_to_none, cap):
             loss_fn(m, micro[2]).backward()
             o.step()
             o.zero_grad(set_to_none=set_to_none)
+    _assert_all_same(runs)
+
+
+@CAPS
+@pytest.mark.parametrize("opt_name,kw", [("SGD", dict(lr=0.1)),
+                                         ("AdamW", dict(lr=0.01, weight_decay=0.1))])
+def test_kept_zero_gradients_and_a_window_ended_by_step(opt_name, kw, cap):
+    """A loop zeroing with ``set_to_none=False`` whose whole window is held and ended by
+    ``step()``: a held sum is the parameter's gradient, not a kept zero (it was stepped
+    twice: on a zero gradient, then on the sum)."""
+    runs, handle, batch_fn, loss_fn = _three("mlp", opt_name, kw, cap)
+    gen = torch.Generator().manual_seed(17)
+    for _ in range(3):
+        micro = _micro(batch_fn, gen, 2)
+        for i, (m, o) in enumerate(runs):
+            for mb in micro:
+                with o.no_step() if i else _nothing():
+                    loss_fn(m, mb).backward()
+            o.step()
+            o.zero_grad(set_to_none=False)
+    _assert_all_same(runs)
+
+
+class _Heads(torch.nn.Module):
+    """A trunk and two heads, one head per micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t, self.x, self.y = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, inp: torch.Tensor, head: str) -> torch.Tensor:
+        return getattr(self, head)(torch.tanh(self.t(inp)))
+
+
+@pytest.mark.parametrize("create_graph_at", [0, 1, 2, 3])
+@pytest.mark.parametrize("heads", ["xyxyy", "yxyyx", "xxyxy"])
+def test_a_budget_freed_mid_window_keeps_autograds_order_of_additions(heads, create_graph_at):
+    """With room for one layer's held gradients on the device, a ``create_graph=True``
+    micro-batch brings the held sums back mid-window and frees the budget; a head whose
+    sum is in host memory already must not then be kept on the device: autograd adds
+    ``(g1 + g3) + g4``, not ``g1 + (g3 + g4)`` (a rounding apart, silently, before)."""
+    torch.manual_seed(0)
+    model = _Heads()
+    runs, handle, _, _ = _three("", "SGD", dict(lr=0.1), 0.0, model=model,
+                                held_device_bytes=(16 * 16 + 16) * 4)
+    xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(k)) for k in range(5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch: create_graph's reference cycle)
+        for k, (head, x) in enumerate(zip(heads, xs)):
+            for i, (m, o) in enumerate(runs):
+                hold = o.no_step() if i and k < len(heads) - 1 else _nothing()
+                with hold:
+                    m(x, head).square().mean().backward(create_graph=k == create_graph_at)
+    for m, o in runs:
+        o.step()
+        o.zero_grad()
     _assert_all_same(runs)
 
 

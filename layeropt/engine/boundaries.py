@@ -255,8 +255,11 @@ class StepRules:
         self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, had, False)
 
     def unused_kept(self, optimizer: Any) -> list[Tensor]:
-        """Parameters torch would update on a kept zero gradient at this ``step()``."""
-        return _between.unused_kept(self.kept_grads, self._this_step(), optimizer.param_groups)
+        """Parameters torch would update on a kept zero gradient at this ``step()`` (not
+        those whose held gradient waits in a store: that one is their gradient)."""
+        held = self.stepper.held
+        return [p for p in _between.unused_kept(self.kept_grads, self._this_step(),
+                                                optimizer.param_groups) if p not in held]
 
     def _this_step(self) -> list[Tensor]:
         """What the latest backward stepped, unless a ``zero_grad()`` came after it."""

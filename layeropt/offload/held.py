@@ -122,8 +122,11 @@ class HostHeld:
 
     def _keep(self, bucket: Any) -> bool:
         """Whether ``bucket``'s held gradients fit the device budget (decided at its first
-        landing in a window, for the window: the first-landed buckets stay)."""
-        if bucket is None or self._kept_bytes + bucket.nbytes > self.budget:
+        landing in a window, for the window: the first-landed buckets stay). Not one whose
+        sum is in host memory already (the budget freed mid-window by a ``create_graph``
+        backward): autograd's ``(g1 + g2) + g3`` must stay the order of its additions."""
+        if (bucket is None or self._kept_bytes + bucket.nbytes > self.budget
+                or any(p in self.host for p in bucket.params)):
             return False
         self._kept_buckets.add(id(bucket))
         self._kept_bytes += bucket.nbytes
