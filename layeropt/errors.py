@@ -57,6 +57,24 @@ DISCARD_ERROR = (
     "and zero_grad() drops them as torch does."
 )
 
+FAULT_WARNING = (
+    "a backward raised after layeropt had already updated {n} parameter(s) in it (the "
+    "first: {name}): torch.optim would have applied none of this backward, so the model "
+    "now differs from that run. The update cannot be undone; what was not applied yet "
+    "stays in .grad, as torch leaves it. To stay exact, restore the model and the "
+    "optimizer from a checkpoint (or end the run); the step's next step() or zero_grad() "
+    "raises BackwardStateError to say so."
+)
+
+FAULT_ERROR = (
+    "{where} follows a backward that raised after layeropt had already updated {n} "
+    "parameter(s) in it (the first: {name}), where torch.optim would have applied none of "
+    "it: from here on the results differ from torch.optim's (a skipped out-of-memory "
+    "batch is the usual case). The update cannot be undone. To stay exact, restore the "
+    "model and the optimizer from a checkpoint; to go on anyway, catch this error (it is "
+    "raised once) and call {where} again."
+)
+
 NO_GRAPH_TASK_ERROR = (
     "a gradient landed outside any autograd graph task, so layeropt cannot tell "
     "when this backward ends (torch's compiled autograd does this in some versions, "

@@ -434,6 +434,7 @@ def test_exception_mid_backward_leaves_no_partial_step_and_no_stale_state(mode, 
     scenario = Scenario("boom", _custom(BoomLoop))
     model, batch_fn, loss_fn = scenario.make()
     ref = copy.deepcopy(model)
+    faulted = copy.deepcopy(model)  # torch's own faulted backward: what it leaves in .grad
     scenario.install(model, mode)
     opt, ref_opt = (
         layeropt.Adam(model.parameters(), lr=0.1),
@@ -453,10 +454,19 @@ def test_exception_mid_backward_leaves_no_partial_step_and_no_stale_state(mode, 
         ref.boom = False
         loss_fn(ref, data).backward()
         ref_opt.step()
+        scenario.install(faulted, mode)
+        with pytest.raises(ValueError, match="boom"):
+            loss_fn(faulted, data).backward()
+        torch_grads = dict(faulted.named_parameters())
         for name, p in model.named_parameters():
             want = dict(ref.named_parameters())[name] if id(p) in stepped else before[name]
             assert torch.equal(p, want), name
-            assert p.grad is None, name  # partial gradients were dropped
+            if id(p) in stepped:  # (applied, and its gradient freed)
+                assert p.grad is None, name
+            else:  # what was not applied stays in .grad, as torch leaves it
+                g = torch_grads[name].grad
+                assert (p.grad is None) == (g is None), name
+                assert g is None or torch.equal(p.grad, g), name
         assert not nesting._PINS and nesting.segment_depth[0] == 0
         assert opt._lo_engine.backward is None
         model.boom = False

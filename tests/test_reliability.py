@@ -84,7 +84,8 @@ def test_exception_mid_backward_each_param_fully_stepped_or_untouched(opt_name, 
     ref_opt.zero_grad()
     before = copy.deepcopy(layers.state_dict())
     error, match = FAULTS[kind]
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match), pytest.warns(UserWarning, match=(
+            r"a backward raised after layeropt had already updated 4 parameter\(s\) in it")):
         _run(layers, x, boom_at=2, kind=kind).backward()
     # layers 3 and 2 were complete before the fault: stepped; 0 and 1 never got a gradient.
     stepped = {id(p) for p in opt.stepped_params}
@@ -103,6 +104,10 @@ def test_exception_mid_backward_each_param_fully_stepped_or_untouched(opt_name, 
     ref_opt.step()
     ref_opt.zero_grad()
     assert_models_equal(ref, layers)
+    # torch.optim would have applied none of that backward: the step's end says so, once.
+    with pytest.raises(layeropt.BackwardStateError, match=r"zero_grad\(\) follows a backward "
+                       r"that raised .* updated 4 parameter"):
+        opt.zero_grad()
     # No stale "inside backward" state: the next step matches torch.
     opt.zero_grad()
     _run(layers, x).backward()
@@ -112,6 +117,59 @@ def test_exception_mid_backward_each_param_fully_stepped_or_untouched(opt_name, 
     assert all(p.grad is None for p in layers.parameters())
     assert_models_equal(ref, layers)
     assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def _oom_skip_loop(m, o, xs, zero):
+    """fairseq's recovery: a backward that runs out of memory is skipped, its gradients
+    dropped by ``zero_grad()`` (``zero``) or left to the next step."""
+    for k, x in enumerate(xs):
+        h = m[0](x)
+        if k == 0:  # out of memory after the last layer's gradient landed
+            h = h.view_as(h)
+            h.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        try:
+            m[1:](h).square().mean().backward()
+        except RuntimeError:
+            if zero:
+                o.zero_grad()
+            continue
+        o.step()
+        o.zero_grad()
+
+
+@pytest.mark.parametrize("zero", [True, False], ids=["zero_grad", "no zero_grad"])
+def test_a_backward_that_raised_before_any_update_leaves_torchs_gradients(zero):
+    """Nothing was stepped yet (the model is one bucket): what landed stays in .grad, as
+    torch leaves it, so skipping the batch or carrying it on are both exact (carrying it
+    on differed before: the partial gradients were freed)."""
+    layers = torch.nn.Sequential(*_chain())
+    ref = copy.deepcopy(layers)
+    xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    opt = layeropt.Adam(layers.parameters(), lr=0.1)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    layeropt.attach(layers, opt, bucket_cap_mb=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing was applied: nothing to say
+        _oom_skip_loop(layers, opt, xs, zero)
+    _oom_skip_loop(ref, ref_opt, xs, zero)
+    assert_models_equal(ref, layers)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_a_backward_that_raised_after_updates_is_said_and_refused():
+    """Layers stepped before the fault cannot be unstepped: a warning at the fault, and the
+    recovery's zero_grad() is refused once, naming the way to stay exact."""
+    layers = torch.nn.Sequential(*_chain())
+    opt = layeropt.Adam(layers.parameters(), lr=0.1)
+    layeropt.attach(layers, opt, bucket_cap_mb=0)
+    xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    with pytest.warns(UserWarning, match=r"torch.optim would have applied none"), \
+            pytest.raises(layeropt.BackwardStateError,
+                          match=r"zero_grad\(\) follows a backward that raised.*checkpoint"):
+        _oom_skip_loop(layers, opt, xs, True)
+    opt.zero_grad()  # said once: the loop may go on
+    layers(xs[1]).square().mean().backward()
+    opt.step()
 
 
 def test_non_finite_gradients_behave_like_torch_by_default():

@@ -34,6 +34,7 @@ from ..errors import (
     ACCUMULATION_ERROR,
     AttachError,
     DISCARD_ERROR,
+    FAULT_ERROR,
     SCALED_CLIP_ERROR,
     BackwardStateError,
 )
@@ -62,15 +63,18 @@ class StepRecord:
             the transaction that update belonged to (``layeropt/engine/between.py``).
         skipped: parameters with a gradient in a step ``GradScaler`` skipped (inf/NaN):
             torch keeps their ``.grad`` as zeros at ``zero_grad(set_to_none=False)``.
+        faulted: a backward of it raised after updating parameters: how many and the
+            first one's name (:meth:`StepRules.check_boundary` refuses the step's end).
     """
 
     __slots__ = ("stepped_backwards", "held_backwards", "held", "hyper", "hyper_txn",
-                 "skipped")
+                 "skipped", "faulted")
 
     def __init__(self) -> None:
         self.stepped_backwards = self.held_backwards = 0
         self.held: dict[Tensor, Any] = {}
         self.skipped: list[Tensor] = []
+        self.faulted: tuple[int, str] | None = None
         self.hyper: list[dict[str, Any]] | None = None
         self.hyper_txn = -1
 
@@ -272,8 +276,12 @@ class StepRules:
 
     def check_boundary(self, where: str) -> None:
         """Refuse a step()/zero_grad() that ends what torch would take as one step of
-        several, or after the hyperparameters the updates used were changed."""
+        several, or after the hyperparameters the updates used were changed, or that
+        follows a backward which raised after updating parameters (said once)."""
         step = self.train_step
+        if step.faulted is not None:
+            (n, name), step.faulted = step.faulted, None
+            raise BackwardStateError(FAULT_ERROR.format(where=where, n=n, name=name))
         if step.hyper is not None:
             before, step.hyper = step.hyper, None
             optimizer = self._optimizer()

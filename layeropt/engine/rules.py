@@ -73,6 +73,7 @@ from .boundaries import Group, StepRecord, StepRules
 from .transforms import Measure, Transform
 from ..errors import (
     ACCUMULATION_ERROR,
+    FAULT_WARNING,
     CLOSURE_HOLD_WARNING,
     DEFER_WARNING,
     NESTED_ERROR,
@@ -479,18 +480,19 @@ class Rules(StepRules):
                 if p.grad is not None and optimizer.owns(p)]
 
     def _abort(self, rec: BackwardRecord) -> None:
-        """The backward raised: free the gradients it left unstepped, keep held ones."""
-        held = self.train_step.held
-        if held:
+        """The backward raised: what it left unstepped stays in ``.grad`` (or held), as
+        torch keeps it; parameters it already updated are said now, and the step's next
+        ``step()``/``zero_grad()`` is refused (torch would have applied none of it)."""
+        if self.train_step.held:
             self.stepper.held.flush()  # what landed stays held, as torch keeps it in .grad
-        for group in rec.ready + self._leftovers(rec):
-            for p in group.params:
-                if p not in held:
-                    p.grad = None
         nesting.outside_segments()
         if rec.counted:  # a backward that raised is not a step of its own
             self.train_step.stepped_backwards -= 1
             rec.counted = False
+        if rec.stepped:
+            n, name = len(rec.stepped), self.name_of(rec.stepped[0])
+            warn(FAULT_WARNING.format(n=n, name=name))
+            self.train_step.faulted = (n, name)
         if self.backward is rec:
             self.backward = None
         self._route()
