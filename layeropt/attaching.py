@@ -21,7 +21,7 @@ from .distributed.fsdp_offload import check_fsdp2_offload
 from .engine.boundaries import refuse_open_updates, take_over
 from .engine.registry import hooked_by, mark_hooked, unmark_hooked
 from .checking.watch import WATCHERS
-from .errors import AttachError, user_frame, warn
+from .errors import ATTACHED_TWICE, AttachError, user_frame, warn
 from .engine.landing import Bucket, Settings, drop_dead_hooks
 from .optim import InBackwardOptimizer, in_backward_spelling, live_optimizers, optimizer_list
 from .checking.verify import Verifier, verify_steps
@@ -193,15 +193,19 @@ class Attachment:
         self.stale = False
         pairs = layer_buckets(model, optimizers, self.settings)
         names = {id(p): n for n, p in self.named}
-        for _, b in reversed(pairs):  # (model order: the first parameter is named)
+        for owner, b in reversed(pairs):  # (model order: the first parameter is named)
             for p in b.params:
                 other = hooked_by(p)
                 if other is not None and other is not self:
                     if not other.optimizers:  # its optimizers are gone: nothing to keep
                         other.remove()
                         continue
+                    name = names.get(id(p), b.name)
+                    if any(o is owner for o in other.optimizers):  # (the same optimizer)
+                        raise AttachError(ATTACHED_TWICE.format(name=name,
+                                                                other=other.describe()))
                     raise AttachError(
-                        f"parameter {names.get(id(p), b.name)!r} is already attached, to "
+                        f"parameter {name!r} is already attached, to "
                         f"{other.describe()}. {other.release} before attaching it to another "
                         "optimizer."
                     )

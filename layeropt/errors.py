@@ -57,6 +57,13 @@ DISCARD_ERROR = (
     "and zero_grad() drops them as torch does."
 )
 
+ATTACHED_TWICE = (
+    "parameter {name!r} is already attached to this optimizer, through another attachment "
+    "({other}): the two models share it (a tied weight, or one model inside the other). "
+    "Attach one module that holds both, once, or call .remove() on the other attachment "
+    "first."
+)
+
 FAULT_WARNING = (
     "a backward raised after layeropt had already updated {n} parameter(s) in it (the "
     "first: {name}): torch.optim would have applied none of this backward, so the model "
@@ -171,7 +178,9 @@ SHARED_PARAMETER_ERROR = (
     "parameters inside `with opt.no_step():` (opt: the layeropt optimizer) so that "
     "their gradients stay in .grad, and call {optimizer}.step() before opt.step(): "
     "layeropt's step() applies and frees the gradients it holds, as torch's step() "
-    "then zero_grad() would."
+    "then zero_grad() would. If {optimizer} replaces the layeropt optimizer, call "
+    ".remove() on that attachment (the handle attach() returned) first, or delete the "
+    "layeropt optimizer."
 )
 
 DEFER_WARNING = (
@@ -198,6 +207,17 @@ GLOBAL_ESTIMATE_ERROR = (
     "cannot update one layer at a time during backward. {outcome} "
     "Use it as a plain optimizer (without layeropt.attach), or an optimizer whose "
     "state is per parameter."
+)
+
+SKIP_CONTRACT_ERROR = (
+    "{name}.step() changed a parameter that had no gradient in the call (shape {shape}, "
+    "param group {group}): it does not skip parameters whose .grad is None, the contract "
+    "of torch's optimizers that updating one layer at a time relies on (weight decay "
+    "applied before checking p.grad is the usual cause), so each layer's call would "
+    "change every parameter again. That call may have changed other parameters too "
+    "(layeropt undid it only on those it checked): start again from a checkpoint or the "
+    "initial weights, and use this optimizer as a plain one (without layeropt.attach), "
+    "or make its step() skip parameters without a gradient before changing them."
 )
 
 LATE_MOVE_ERROR = (

@@ -47,6 +47,16 @@ def test_attach_to_a_second_optimizer_names_the_parameter_and_the_first():
     assert f"(attached at test_errors.py:{line})" in message and ".remove()" in message
 
 
+def test_attach_overlapping_a_live_attachment_of_the_same_optimizer_says_so():
+    """A submodule attached, then its parent, to one optimizer: not "another optimizer"."""
+    m = _mlp()
+    opt = layeropt.Adam(m.parameters())
+    layeropt.attach(m[1:], opt)
+    with pytest.raises(AttachError, match=r"already attached to this optimizer, through "
+                       r"another attachment .* Attach one module that holds both, once"):
+        layeropt.attach(m, opt)
+
+
 def test_attaching_a_model_with_nothing_trainable_warns():
     m = _mlp().requires_grad_(False)
     with pytest.warns(UserWarning, match="none of this model's parameters.*requires grad"):

@@ -709,6 +709,37 @@ def test_a_step_that_is_not_torchs_is_refused_when_the_class_is_made():
         layeropt.in_backward(LayerByLayer)
 
 
+class DecayEveryParameter(torch.optim.Optimizer):
+    """Weight decay applied before the ``p.grad is None`` check: a step changes parameters
+    without a gradient, so one call per layer would decay every layer once per layer."""
+
+    def __init__(self, params: Any, lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.mul_(1 - 0.1 * g["lr"])
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"])
+
+
+@pytest.mark.parametrize("cap", [0.0, 64.0], ids=["a bucket per layer", "one bucket"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_step_that_changes_parameters_without_a_gradient_is_refused(groups, cap):
+    """Silent before (every parameter decayed once per step call), and verify blamed code
+    between backward and step(): now the first probed call, one parameter, is refused."""
+    m = _model()
+    params = list(m.parameters())
+    opt = layeropt.in_backward(DecayEveryParameter)(
+        params if groups == 1 else [{"params": params[:2]}, {"params": params[2:]}])
+    layeropt.attach(m, opt, bucket_cap_mb=cap)
+    with pytest.raises(layeropt.BackwardStateError, match=r"DecayEveryParameter.step\(\) "
+                       r"changed a parameter that had no gradient.*skip parameters without"):
+        m(torch.randn(4, 6)).pow(2).mean().backward()
+
+
 def test_in_backward_class_answers_as_the_class_it_wraps():
     """Tools special-case optimizers by ``str(cls)`` (the HF Trainer looks for
     "bitsandbytes" to give embeddings 32-bit state); isinstance still holds."""

@@ -49,6 +49,7 @@ from ..errors import (
     BackwardStateError,
     GLOBAL_ESTIMATE_ERROR,
     LATE_MOVE_ERROR,
+    SKIP_CONTRACT_ERROR,
 )
 
 __all__ = ["SubsetStepper", "narrowable"]
@@ -154,6 +155,19 @@ def _inner(t: Tensor) -> list[Tensor]:
     return [t]
 
 
+def _witnesses(optimizer: Any, params: list[Tensor]) -> list[tuple[int, Tensor, Tensor]]:
+    """Each param group's smallest parameter outside ``params``, with a copy: a step call
+    over ``params`` leaves it as it is (torch's contract: no gradient, no change)."""
+    inside = {id(p) for p in params}
+    out = []
+    for i, g in enumerate(optimizer.param_groups):
+        rest = [q for q in g["params"] if id(q) not in inside]
+        if rest:
+            q = min(rest, key=lambda t: t.numel())
+            out.append((i, q, q.detach().clone()))
+    return out
+
+
 class _Saved:
     """Copies of some parameters and their optimizer state, to undo a step call.
 
@@ -239,8 +253,11 @@ class SubsetStepper:
         order = sorted(params, key=lambda p: p.numel()) if self._probing else params
         while self._probing and order:  # one at a time from saved copies (smallest first)
             p = order.pop(0)
-            self._saved.append(_Saved(optimizer, [p]))
+            record = _Saved(optimizer, [p])
+            self._saved.append(record)
+            witnesses = _witnesses(optimizer, [p])
             self._transact(optimizer, [p])
+            self._check_skipped(optimizer, record, witnesses)
         if order:
             self._transact(optimizer, order)
 
@@ -261,6 +278,20 @@ class SubsetStepper:
         if keys:
             self._refuse(optimizer, keys, GLOBAL_ESTIMATE_ERROR if self._moved else LATE_MOVE_ERROR)
         self._end_probe()
+
+    def _check_skipped(self, optimizer: Any, record: _Saved,
+                       witnesses: list[tuple[int, Tensor, Tensor]]) -> None:
+        """Refuse a probed step call (``record``: its undo) that changed a parameter it had
+        no gradient for; the call is undone, with the witnesses."""
+        for i, q, before in witnesses:
+            if not torch.equal(q.detach(), before):
+                with torch.no_grad():
+                    for _, w, saved in witnesses:
+                        w.copy_(saved)
+                if not any(r is record for r in self._saved):  # (cleared by _end_probe)
+                    self._saved.append(record)
+                self._refuse(optimizer, [], SKIP_CONTRACT_ERROR.replace(
+                    "{shape}", str(tuple(q.shape))).replace("{group}", str(i)))
 
     def _end_probe(self) -> None:
         if self._probing:
