@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from .fastpath import fast_path_for
 from ..errors import (
@@ -156,15 +157,19 @@ def _inner(t: Tensor) -> list[Tensor]:
 
 
 def _witnesses(optimizer: Any, params: list[Tensor]) -> list[tuple[int, Tensor, Tensor]]:
-    """Each param group's smallest parameter outside ``params``, with a copy: a step call
-    over ``params`` leaves it as it is (torch's contract: no gradient, no change)."""
+    """Each param group's smallest parameter outside ``params`` (the plain tensors it is
+    stored in: a DTensor's local shard), with a copy: a step call over ``params`` leaves
+    it as it is (torch's contract: no gradient, no change). None on fake or meta tensors
+    (``layeropt plan``), which hold no values."""
     inside = {id(p) for p in params}
     out = []
     for i, g in enumerate(optimizer.param_groups):
         rest = [q for q in g["params"] if id(q) not in inside]
         if rest:
-            q = min(rest, key=lambda t: t.numel())
-            out.append((i, q, q.detach().clone()))
+            for x in _inner(min(rest, key=lambda t: t.numel()).detach()):
+                if x.is_meta or is_fake(x):
+                    return []
+                out.append((i, x, x.clone()))
     return out
 
 
@@ -284,7 +289,7 @@ class SubsetStepper:
         """Refuse a probed step call (``record``: its undo) that changed a parameter it had
         no gradient for; the call is undone, with the witnesses."""
         for i, q, before in witnesses:
-            if not torch.equal(q.detach(), before):
+            if not torch.equal(q, before):
                 with torch.no_grad():
                     for _, w, saved in witnesses:
                         w.copy_(saved)
