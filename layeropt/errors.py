@@ -64,6 +64,15 @@ ATTACHED_TWICE = (
     "first."
 )
 
+AUTOCAST_STEP_ERROR = (
+    "{name}.step() runs inside torch.autocast, but layeropt updated the parameters during "
+    "backward with autocast off, as torch's step() runs where loops call it outside the "
+    "autocast block; {name}'s update may compute differently under autocast (a matrix "
+    "product, as torch's Adafactor's, runs in bf16 there), so torch.optim's result here "
+    "could differ. Call step() outside the autocast block, as torch's AMP recipe does "
+    "(the forward and the loss inside it, backward and step() after it)."
+)
+
 FAULT_WARNING = (
     "a backward raised after layeropt had already updated {n} parameter(s) in it (the "
     "first: {name}): torch.optim would have applied none of this backward, so the model "

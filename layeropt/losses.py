@@ -268,8 +268,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
         n = hidden.shape[0]
         lse = torch.empty(n, dtype=acc, device=hidden.device)
         losses = torch.empty(n, dtype=acc, device=hidden.device)
+        ctx.dtype = hidden.dtype  # the logits' (under autocast: its dtype, for backward)
         for s in range(0, n, chunk):
-            z = F.linear(hidden[s : s + chunk], weight, bias).to(acc)
+            z = F.linear(hidden[s : s + chunk], weight, bias)
+            ctx.dtype, z = z.dtype, z.to(acc)
             row = -(1.0 - eps) * z.gather(1, safe[s : s + chunk, None]).squeeze(1)
             if eps:
                 row -= eps * z.mean(1)
@@ -298,15 +300,20 @@ class _ChunkedLinearCE(torch.autograd.Function):
         gh = torch.empty_like(hidden) if need_h else None
         gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         gb = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+        cd = ctx.dtype  # forward's logits were computed in it (autocast casts to it)
+        w = weight.to(cd)
+        b = None if bias is None else bias.to(cd)
         for s in range(0, n, chunk):
             h = hidden[s : s + chunk]
-            g = F.linear(h, weight, bias).to(acc).sub_(lse[s : s + chunk, None]).exp_()
+            g = F.linear(h.to(cd), w, b).to(acc).sub_(lse[s : s + chunk, None]).exp_()
             if eps:
                 g.sub_(eps / weight.shape[0])
             g.scatter_add_(1, safe[s : s + chunk, None], g.new_full((g.shape[0], 1), eps - 1.0))
             g.mul_(scale[s : s + chunk])  # d loss / d logits for this chunk
-            if gh is not None:
-                torch.mm(g.to(hidden.dtype), weight, out=gh[s : s + chunk])
+            if gh is not None and cd == hidden.dtype:
+                torch.mm(g.to(cd), w, out=gh[s : s + chunk])
+            elif gh is not None:  # (under autocast: computed in its dtype, as autograd's)
+                gh[s : s + chunk] = torch.mm(g.to(cd), w)
             if gw is not None:
                 gw.addmm_(g.t(), h.to(acc))
             if gb is not None:

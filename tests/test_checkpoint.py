@@ -728,3 +728,56 @@ def test_a_checkpointed_model_is_freed_when_a_plain_one_is(attached):
             gc.enable()
 
     assert freed_at_once(True) == freed_at_once(False) is True
+
+
+# -- the step of a gradient a pin held: outside the recomputation that released it ----
+class _Gated(torch.nn.Module):
+    """``gate`` reaches the segment only through a mask: its gradient completes before the
+    segment is recomputed, and waits for that recomputation (a pin)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.body, self.head = (torch.nn.Linear(16, 16), torch.nn.Linear(16, 16),
+                                           torch.nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor, ck: Any) -> torch.Tensor:
+        h = ck(lambda x: torch.tanh(self.body(x)) * (self.gate.weight.sum(0) > 0), x)
+        return self.head(h + self.gate(x))
+
+
+def _must_save_addmm(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+    return (CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.addmm.default
+            else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor: 2.5+")
+@pytest.mark.parametrize("selective", [False, True], ids=["plain", "selective"])
+@pytest.mark.parametrize("opt_name", ["Adafactor", "SGD"])
+def test_a_pinned_gradient_is_stepped_outside_the_recomputation(opt_name, selective):
+    """Forward under bf16 autocast, backward outside it. The gate's step ran inside the
+    recomputation that released its pin: under the replayed autocast (Adafactor's matrix
+    product in bf16: silently different) and inside selective checkpointing's dispatch
+    mode (an error about a nondeterministic recomputation, after updates)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    extra = dict(context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                              _must_save_addmm)) if selective else {}
+    kw = dict(lr=1e-2) if opt_name == "Adafactor" else dict(lr=0.1, momentum=0.9)
+    torch.manual_seed(0)
+    ref = _Gated()
+    model = copy.deepcopy(ref)
+    ref_opt = getattr(torch.optim, opt_name)(ref.parameters(), **kw)
+    opt = getattr(layeropt, opt_name)(model.parameters(), **kw)
+    layeropt.attach(model, opt)
+    plain = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False, **extra)
+    ours = functools.partial(layeropt.checkpoint, **extra)
+    for step in range(3):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        for m, o, ck in ((ref, ref_opt, plain), (model, opt, ours)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = m(x, ck).float().square().mean()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())

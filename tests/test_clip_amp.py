@@ -220,6 +220,48 @@ def test_bf16_autocast_matches_torch():
     assert_same(ref_opt.state_dict(), opt.state_dict())
 
 
+# (optimizer, where step() is called) -> expected: torch's result, or refused
+AUTOCAST_STEPS = {
+    ("Adafactor", "after the autocast block"): "exact",  # (differed: stepped under autocast)
+    ("Adafactor", "inside the autocast block"): "refused",  # its matrix product in bf16
+    ("AdamW", "after the autocast block"): "exact",
+    ("AdamW", "inside the autocast block"): "exact",  # elementwise: autocast leaves it alone
+    ("SGD", "inside the autocast block"): "exact",
+}
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor: 2.5+")
+@pytest.mark.parametrize("opt_name,where", list(AUTOCAST_STEPS))
+def test_backward_inside_autocast(opt_name, where):
+    """Backward inside the autocast block: the updates in backward run with autocast off,
+    as torch's step() after the block; a step() inside the block of an optimizer autocast
+    may change is refused."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model = copy.deepcopy(ref)
+    ref_opt = getattr(torch.optim, opt_name)(ref.parameters(), lr=1e-2)
+    opt = getattr(layeropt, opt_name)(model.parameters(), lr=1e-2)
+    layeropt.attach(model, opt)
+    inside = where == "inside the autocast block"
+    for step in range(3):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        for m, o in ((ref, ref_opt), (model, opt)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                m(x).float().square().mean().backward()
+                if inside:
+                    if o is opt and AUTOCAST_STEPS[opt_name, where] == "refused":
+                        with pytest.raises(layeropt.BackwardStateError,
+                                           match=r"Adafactor.step\(\) runs inside torch.autocast"):
+                            o.step()
+                        return
+                    o.step()
+            if not inside:
+                o.step()
+            o.zero_grad()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
 def test_bf16_parameters_match_torch():
     """bf16 params: torch keeps optimizer state in the param dtype, and so does layeropt."""
     model, ref, opt, ref_opt, batch_fn, _, _ = make_pair("mlp", "AdamW", dict(lr=0.01), attach={})

@@ -365,7 +365,7 @@ BAD_ARGS = [
     (dict(label_smoothing=1.5), ValueError, "label_smoothing"),
     (dict(chunk_size=0), ValueError, "chunk_size"),
     (dict(ignore_index=1.5), TypeError, "ignore_index"),
-    (dict(weight=torch.randn(5, 3)), ValueError, r"weight \(V, D\)"),
+    (dict(weight=torch.ones(5, 3)), ValueError, r"weight \(V, D\)"),
     (dict(targets=torch.zeros(4, dtype=torch.long)), ValueError, "targets shape"),
     (dict(targets=torch.zeros(6)), TypeError, "class indices"),
     (dict(bias=torch.zeros(4)), ValueError, "bias must have shape"),
@@ -542,3 +542,30 @@ def test_memory_table_rows_and_format():
         assert lean < plain, case
     table = bench.format_table(rows)
     assert table.count("\n") == len(rows) + 1 and f"{rows[0][1]:,} B" in table
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_chunked_backward_under_bf16_autocast(label_smoothing):
+    """The chunked loss (what impl="auto" picks with label smoothing) under bf16 autocast:
+    its backward computes in forward's dtype (it raised: bf16 hidden against an fp32
+    weight), and its gradients are the plain logits-then-cross-entropy's under the same
+    autocast, to bf16's rounding (the chunks sum in another order)."""
+    gen = torch.Generator()
+    grads = []
+    for chunked in (False, True):
+        h = torch.randn(6, 8, generator=gen.manual_seed(1), requires_grad=True)
+        w = torch.randn(50, 8, generator=gen.manual_seed(2), requires_grad=True)
+        t = torch.randint(0, 50, (6,), generator=gen.manual_seed(3))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = torch.tanh(F.linear(h, torch.eye(8)))
+            if chunked:
+                loss = linear_cross_entropy(hidden, w, t, label_smoothing=label_smoothing,
+                                            impl="chunked", chunk_size=4)
+            else:
+                loss = F.cross_entropy(F.linear(hidden, w).float(), t,
+                                       label_smoothing=label_smoothing)
+        loss.float().backward()
+        grads.append((h.grad, w.grad))
+    for a, b in zip(*grads):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-3)

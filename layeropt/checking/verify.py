@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from ..engine.registry import is_dtensor
-from ..engine.stepper import Wrapper
+from ..engine.stepper import Wrapper, outside_autocast
 from ..engine.subset import _restore, _Saved, _snapshot
 from ..engine.transforms import prepare_grads
 from ..errors import (
@@ -206,7 +206,8 @@ class Verifier(Wrapper):
                 if transform is not None or (s is not None and s.clips):
                     prepare_grads(params, transform, s)
                 used = {p: fingerprint(p.grad) for p in params}  # the gradient it applies
-                optimizer._step_params(params)
+                with outside_autocast():  # (as in backward: layeropt/engine/stepper.py)
+                    optimizer._step_params(params)
                 for p in params:
                     state = optimizer.state.get(p, {})
                     self.shadows[p] = _Shadow(

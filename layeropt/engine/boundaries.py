@@ -30,8 +30,10 @@ from torch import Tensor, nn
 
 from . import between as _between
 from .registry import ENGINES, hooked_by
+from .stepper import _autocast_on
 from ..errors import (
     ACCUMULATION_ERROR,
+    AUTOCAST_STEP_ERROR,
     AttachError,
     DISCARD_ERROR,
     FAULT_ERROR,
@@ -48,6 +50,20 @@ class Group(NamedTuple):
 
     params: list[Tensor]
     settings: Any
+
+
+# torch.optim's updates that autocast leaves as they are: elementwise, reading no tensor
+# of another dtype that an op autocast casts would change (Adafactor multiplies matrices)
+_ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam",
+                "ASGD", "Rprop", "RMSprop", "SparseAdam"}
+
+
+def _autocast_may_change(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s update may differ under ``torch.autocast`` (not one of
+    torch.optim's elementwise ones, with torch's own step)."""
+    base = next((c for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim")
+                 and c.__name__ in _ELEMENTWISE), None)
+    return base is None or not getattr(optimizer._lo_stepper, "narrow", False)
 
 
 class StepRecord:
@@ -195,6 +211,8 @@ class StepRules:
         if optimizer is None:
             return loss
         self.check_boundary("step()")
+        if _autocast_on() and self._this_step() and _autocast_may_change(optimizer):
+            raise BackwardStateError(AUTOCAST_STEP_ERROR.format(name=type(optimizer).__name__))
         for p in self.unused_kept(optimizer):  # torch steps them on a zero gradient
             p.grad = torch.zeros_like(p)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]

@@ -120,7 +120,8 @@ class BackwardRecord:
         ready: complete buckets queued, and their gradient bytes.
         partial / incomplete: buckets whose first gradient landed, how many still
             incomplete.
-        gated: gradients waiting for a checkpoint pin (``param -> (bucket, index)``).
+        gated: gradients waiting for a checkpoint pin (``param -> (bucket, index)``);
+            unpinned: a pin was released since (they go on at the next gradient).
         deferred: gradients kept to the end (torch's reentrant segments; the measure
             pass's, for hooks registered after layeropt's).
         defer / hold / graph / sweep: the backward defers everything; holds for
@@ -135,7 +136,7 @@ class BackwardRecord:
 
     __slots__ = ("task", "serial", "route", "ready", "ready_bytes", "partial", "incomplete", "gated",
                  "deferred", "defer", "hold", "graph", "sweep", "unchecked", "scaled",
-                 "distributed", "stepped", "steps", "counted", "zeroed")
+                 "distributed", "stepped", "steps", "counted", "zeroed", "unpinned")
 
     def __init__(self, task: int) -> None:
         self.task = task
@@ -146,6 +147,7 @@ class BackwardRecord:
         self.partial: list[Any] = []
         self.incomplete = 0
         self.gated: dict[Tensor, tuple[Any, int]] = {}
+        self.unpinned = False
         self.deferred: dict[Tensor, Any] = {}
         self.defer = self.hold = self.graph = self.sweep = self.unchecked = False
         self.scaled = self.distributed = False  # (set by whoever begins it)
@@ -269,6 +271,8 @@ class Rules(StepRules):
                 if param not in self.train_step.held:
                     param.grad = None  # this backward is refused as a whole
                 raise
+        if rec.unpinned:
+            self._ungate(rec)
         if rec.unchecked:
             try:
                 self._decide(rec)
@@ -498,11 +502,16 @@ class Rules(StepRules):
         self._route()
 
     def pins_released(self) -> None:
-        """Pins were released: gradients no longer pinned enter the plain path (their hook
-        runs again)."""
+        """Pins were released, from inside the recomputation that released them (its
+        autocast, selective checkpointing's dispatch mode): the gradients no longer pinned
+        go on at this backward's next gradient (:meth:`_ungate`), or at its end."""
         rec = self.backward
-        if rec is None or not rec.gated:
-            return
+        if rec is not None and rec.gated:
+            rec.unpinned = True
+
+    def _ungate(self, rec: BackwardRecord) -> None:
+        """Gradients no longer pinned enter the plain path (their hook runs again)."""
+        rec.unpinned = False
         for p in [p for p in rec.gated if not nesting.pinned(p)]:
             bucket, index = rec.gated.pop(p)
             if p.grad is not None:

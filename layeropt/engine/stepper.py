@@ -28,11 +28,33 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from .nesting import _graph_task_id
 from .transforms import prepare_grads
 
-__all__ = ["IN_GRAD", "InGrad", "Stepper", "Wrapper"]
+__all__ = ["IN_GRAD", "InGrad", "Stepper", "Wrapper", "outside_autocast"]
+
+
+_autocast_on = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps", "xla", "mtia")
+
+
+def outside_autocast() -> contextlib.AbstractContextManager[None]:
+    """An update in backward runs as torch's ``step()`` runs where loops call it, outside
+    ``torch.autocast``: autocast off on each device the loop turned it on for (under it,
+    an optimizer that multiplies matrices - torch's Adafactor - computes in bf16)."""
+    stack = contextlib.ExitStack()
+    if _autocast_on() and _graph_task_id() >= 0:  # (a step() of the loop's: its context)
+        for device in _AUTOCAST_DEVICES:
+            try:
+                on = torch.is_autocast_enabled(device)
+            except RuntimeError:  # (a device type this torch has no autocast for)
+                continue
+            if on:
+                stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
 
 
 class InGrad:
@@ -98,7 +120,11 @@ class Stepper:
                 if transform is not None or (s is not None and s.clips):
                     prepare_grads(g.params, transform, s)
         try:  # (apply()'s body, one frame less on every bucket)
-            optimizer._lo_stepper(optimizer, params, engine.txn)
+            if _autocast_on() and _graph_task_id() >= 0:  # in backward, under the loop's
+                with outside_autocast():
+                    optimizer._lo_stepper(optimizer, params, engine.txn)
+            else:
+                optimizer._lo_stepper(optimizer, params, engine.txn)
             optimizer._opt_called = True  # an LR scheduler sees that a step happened
         except BaseException:
             held = engine.train_step.held
