@@ -238,3 +238,99 @@ def test_offload_state_does_not_learn_clipping():
     assert 0 < handle.peak_device_bytes < handle.host_bytes
     with pytest.raises(AccelerateSetupError, match="pass max_grad_norm= to LayeroptAccelerator"):
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
+
+
+# -- how the loop clips: exact, or refused (each was silent before) -------------------
+def _clipping_loop(lo: bool, how: str, ga: int, given: dict) -> tuple[Any, Any]:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    if lo:
+        acc = LayeroptAccelerator(cpu=True, gradient_accumulation_steps=ga, **given)
+        opt = layeropt.AdamW(model.parameters(), lr=1e-2)
+    else:
+        acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ga)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(8):
+        x, y = torch.randn(4, 8, generator=gen) * 3, torch.randn(4, 1, generator=gen)
+        with acc.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward() if how == "loss.backward()" else acc.backward(loss)
+            sync = acc.sync_gradients
+            if how in ("every micro-batch", "loss.backward()"):
+                acc.clip_grad_norm_(model.parameters(), 0.5)
+            elif how == "by value, every micro-batch":
+                acc.clip_grad_value_(model.parameters(), 0.05)
+            elif how == "the head only" and sync:
+                acc.clip_grad_norm_(model[2].parameters(), 0.1)
+            elif how == "the first steps only" and sync and i < 4:
+                acc.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+    return model, unwrap(opt)
+
+
+# (how the loop clips, micro-batches, what LayeroptAccelerator is given) -> expected
+CLIPPING = {
+    ("every micro-batch", 2, "max_grad_norm"): "exact",
+    ("every micro-batch", 2, "learned"): "exact",
+    ("by value, every micro-batch", 2, "clip_value"): "exact",
+    ("the head only", 1, "learned"): "exact",
+    ("the head only", 1, "max_grad_norm"): "clip_grad_norm_ over 2 of",
+    ("the first steps only", 1, "learned"): "did not call clip_grad_norm_",
+    ("the first steps only", 1, "max_grad_norm"): "did not call clip_grad_norm_",
+    ("loss.backward()", 1, "max_grad_norm"): r"did not go through accelerator.backward",
+}
+_GIVEN = {"learned": {}, "max_grad_norm": dict(max_grad_norm=0.5),
+          "clip_value": dict(clip_value=0.05)}
+
+
+@pytest.mark.parametrize("how,ga,given", list(CLIPPING), ids=["-".join(map(str, k)) for k in CLIPPING])
+def test_how_the_loop_clips_is_followed_or_refused(how, ga, given):
+    """Clipping every micro-batch clips the held partial sums, as accelerate does; a
+    subset clipped, a step that stops clipping, a backward that skipped
+    accelerator.backward: refused, where each differed silently before."""
+    kw = dict(_GIVEN[given])
+    if how == "the head only" and given == "max_grad_norm":
+        kw["max_grad_norm"] = 0.1
+    expected = CLIPPING[how, ga, given]
+    ref = _clipping_loop(False, how, ga, {})
+    if expected != "exact":
+        with pytest.raises(AccelerateSetupError, match=expected):
+            _clipping_loop(True, how, ga, kw)
+        return
+    got = _clipping_loop(True, how, ga, kw)
+    for p, q in zip(got[0].parameters(), ref[0].parameters()):
+        assert_same(p.detach(), q.detach())
+    assert_same(got[1].state_dict(), ref[1].state_dict())
+
+
+def test_free_memory_forgets_the_clipping_learned():
+    """Phase 1 clips (learned), free_memory(), the same model prepared again with a new
+    optimizer that does not clip: not clipped (it was, silently)."""
+    def two_phases(lo: bool) -> Any:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 1))
+        acc = LayeroptAccelerator(cpu=True) if lo else accelerate.Accelerator(cpu=True)
+        gen = torch.Generator().manual_seed(1)
+        for clip in (0.5, None):
+            cls = layeropt.AdamW if lo else torch.optim.AdamW
+            prepared, opt = acc.prepare(model, cls(model.parameters(), lr=1e-2))
+            for _ in range(4):
+                x, y = torch.randn(4, 8, generator=gen) * 3, torch.randn(4, 1, generator=gen)
+                acc.backward(torch.nn.functional.mse_loss(prepared(x), y))
+                if clip:
+                    acc.clip_grad_norm_(prepared.parameters(), clip)
+                opt.step()
+                opt.zero_grad()
+            acc.free_memory()
+        return model
+
+    for p, q in zip(two_phases(True).parameters(), two_phases(False).parameters()):
+        assert_same(p.detach(), q.detach())

@@ -554,3 +554,22 @@ def test_trainer_torch_compile_with_clipping(tmp_path):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert_same(p.detach(), q.detach(), name)
     assert getattr(functorch_config, "donated_buffer", True)  # restored when train() ended
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_clipping_after_a_training_step_that_skipped_accelerator_backward_is_refused(
+        tmp_path, ga):
+    """max_grad_norm > 0 with a training_step calling loss.backward(): that backward
+    stepped unclipped and the Trainer's clip returned the stale norm (silently); now the
+    Trainer's clip call is refused."""
+    class Mine(Trainer):  # the user's Trainer, then LayeroptTrainer mixed in before it
+        def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+            model.train()
+            loss = self.compute_loss(model, self._prepare_inputs(inputs))
+            loss.backward()
+            return loss.detach()
+
+    trainer, _, _ = _trainer(tmp_path, "layeropt", ga=ga, max_grad_norm=0.3)
+    trainer.__class__ = type("LayeroptMine", (LayeroptTrainer, Mine), {})
+    with pytest.raises(TrainerSetupError, match="did not go through self.accelerator.backward"):
+        trainer.train()

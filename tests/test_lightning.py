@@ -177,6 +177,38 @@ def test_callback_refuses_what_it_cannot_make_exact():
         _fit(Manual(), [LayeroptCallback()])
 
 
+class _ClipsFromStep2(Net):
+    """Lightning's own conditional-clipping example: configure_gradient_clipping clips
+    only from the third step on."""
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        if self.global_step >= 2:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+class _ClipsEveryStep(Net):
+    """An override that clips on every step, as the default does."""
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+def test_a_step_that_configure_gradient_clipping_skips_is_refused():
+    """The callback clips every step during backward: a step the module's override does not
+    clip was clipped all the same (silently, before); now refused at that step's end. An
+    override that clips every step stays exact."""
+    with pytest.raises(LightningSetupError, match="did not call clip_gradients"):
+        _fit(_ClipsFromStep2(layeropt.AdamW), [LayeroptCallback()], steps=4,
+             gradient_clip_val=0.05)
+    ref, got = _ClipsEveryStep(torch.optim.AdamW), _ClipsEveryStep(layeropt.AdamW)
+    _fit(ref, steps=4, gradient_clip_val=0.05)
+    _fit(got, [LayeroptCallback()], steps=4, gradient_clip_val=0.05)
+    for p, q in zip(got.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_callback_with_a_compiled_module_and_clipping():
     """A ``torch.compile``'d module: the two passes of clipping run its graph twice."""
     from torch._functorch import config as functorch_config

@@ -128,18 +128,29 @@ class LayeroptAccelerator(Accelerator):
         self.offloads: weakref.WeakKeyDictionary[InBackwardOptimizer, Any] = \
             weakref.WeakKeyDictionary()
         self._lo_handles: dict[int, Attachment] = {}
-        # (max_norm, norm_type, parameters) / value; _UNSET: learned on the first step -
-        # never with offload_state: that step holds every gradient until opt.step(),
-        # which steps them all at once, with the whole state on the device
-        given = max_grad_norm is not None or clip_value is not None or bool(offload_state)
-        unset = None if given else _UNSET
-        self._lo_norm: Any = unset if max_grad_norm is None else (
-            float(max_grad_norm), float(norm_type), None)
-        self._lo_value: Any = unset if clip_value is None else float(clip_value)
-        self._lo_learning: int | None = None  # engine txn of the learning step, while it runs
+        self._lo_given = (max_grad_norm, float(norm_type), clip_value)
+        self._reset_clipping()
         # accelerate compiles the prepared models: graphs two backwards can run, until
         # free_memory() (layeropt.integrations.two_pass_compile)
         self._lo_compiling = contextlib.ExitStack()
+
+    def _reset_clipping(self) -> None:
+        """The clipping as given to ``__init__`` (again after ``free_memory()``)."""
+        max_grad_norm, norm_type, clip_value = self._lo_given
+        # (max_norm, norm_type, ids of the parameters or None: all) / value; _UNSET:
+        # learned on the first step - never with offload_state: that step holds every
+        # gradient until opt.step(), which steps them all at once, the whole state on the
+        # device
+        given = (max_grad_norm is not None or clip_value is not None
+                 or bool(self.layeropt_offload_state))
+        unset = None if given else _UNSET
+        self._lo_norm: Any = unset if max_grad_norm is None else (
+            float(max_grad_norm), norm_type, None)
+        self._lo_value: Any = unset if clip_value is None else float(clip_value)
+        self._lo_learning: int | None = None  # engine txn of the learning step, while it runs
+        # what the latest syncing backward clipped that the loop has not asked for since
+        self._lo_unasked: set[str] = set()
+        self._lo_measured = -1  # the engine transaction of the latest clipping backward
 
     # -- the layeropt optimizers and attachments -----------------------------
     @property
@@ -189,6 +200,7 @@ class LayeroptAccelerator(Accelerator):
             handle.remove()
         self._lo_handles.clear()
         self._lo_compiling.close()
+        self._reset_clipping()  # (a model prepared again may not clip as the last did)
         return super().free_memory(*objects)
 
     # -- backward ---------------------------------------------------------------
@@ -203,6 +215,14 @@ class LayeroptAccelerator(Accelerator):
                 f"backward got {sorted(unknown)}, which LayeroptAccelerator does not support."
             )
         self._end_learning(opts)
+        if self._lo_unasked:
+            what, self._lo_unasked = " and ".join(sorted(self._lo_unasked)), set()
+            raise AccelerateSetupError(
+                f"the last optimizer step did not call {what}, but LayeroptAccelerator "
+                "clipped its gradients during backward, as the steps before it asked (or "
+                "max_grad_norm= / clip_value= said); that update was applied clipped. "
+                "In-backward updates clip every step the same way: clip on every step "
+                "that syncs, or on none.")
         loss = loss / self.gradient_accumulation_steps  # as Accelerator.backward
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
@@ -216,10 +236,14 @@ class LayeroptAccelerator(Accelerator):
         max_norm = norm_type = params = None
         if self._lo_norm is not None:
             max_norm, norm_type, params = self._lo_norm
+            self._lo_unasked.add("clip_grad_norm_")
+        if self._lo_value is not None:
+            self._lo_unasked.add("clip_grad_value_")
         layeropt_backward(
             loss, opts, max_norm=max_norm, norm_type=2.0 if norm_type is None else norm_type,
             scaler=self.scaler, parameters=params, **kwargs,
         )
+        self._lo_measured = opts[0]._lo_engine.txn  # (the norm the next clip call returns)
 
     def _end_learning(self, opts: list[InBackwardOptimizer]) -> None:
         """After the learning step's optimizer.step(): what it did not clip, it never clips."""
@@ -256,6 +280,8 @@ class LayeroptAccelerator(Accelerator):
         if not opts or not any(o.attached for o in opts):
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         parameters = list(parameters)
+        if not self.sync_gradients:  # a micro-batch's partial sum, held in .grad: torch's
+            return self._clip_held(super().clip_grad_norm_, parameters, max_norm, norm_type)
         key = (float(max_norm), float(norm_type))
         if self._learning_now() and self._lo_norm is _UNSET:
             self._lo_norm = (*key, parameters)
@@ -267,13 +293,49 @@ class LayeroptAccelerator(Accelerator):
                 "the gradients were used and freed. Make every optimizer step clip the same "
                 "way, or pass max_grad_norm= to LayeroptAccelerator."
             )
+        if self._lo_measured != opts[0]._lo_engine.txn:
+            raise AccelerateSetupError(
+                "clip_grad_norm_ after a backward that did not go through "
+                "accelerator.backward(loss) (loss.backward()?): that backward updated the "
+                "parameters unclipped. Call accelerator.backward(loss), as accelerate's "
+                "examples do.")
+        self._check_clipped_parameters(parameters, opts)
+        self._lo_unasked.discard("clip_grad_norm_")
         return opts[0].last_grad_norm
+
+    def _clip_held(self, clip: Any, *args: Any) -> Any:
+        """Clip on a micro-batch that does not sync: the held partial sum, for real (it is
+        in ``.grad``; in host memory, torch's clipping guard refuses it)."""
+        if self.scaler is not None:
+            raise AccelerateSetupError(
+                "clipping on a micro-batch that does not sync, with a GradScaler: "
+                "LayeroptAccelerator unscales only the step's own gradients. Clip when "
+                "accelerator.sync_gradients, as accelerate's examples do.")
+        return clip(*args)
+
+    def _check_clipped_parameters(self, parameters: list[Tensor],
+                                  opts: list[InBackwardOptimizer]) -> None:
+        """The loop clips the parameters backward measured: those learned, or (given
+        ``max_grad_norm=``) every parameter of the layeropt optimizers."""
+        measured = self._lo_norm[2]
+        mine = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
+        asked = {id(p) for p in parameters} & mine
+        expected = mine if measured is None else {id(p) for p in measured} & mine
+        if asked != expected:
+            raise AccelerateSetupError(
+                f"clip_grad_norm_ over {len(asked)} of the layeropt optimizers' parameters, "
+                f"but LayeroptAccelerator measured the norm of {len(expected)} during "
+                "backward (the parameters learned on the first step, or all of them with "
+                "max_grad_norm=). Clip the same parameters on every step; to clip a part "
+                "of them, leave max_grad_norm unset: the first step learns which.")
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """Each layer's gradient is clipped by value before its update (learned or given)."""
         opts = self.layeropt_optimizers
         if not opts or not any(o.attached for o in opts):
             return super().clip_grad_value_(parameters, clip_value)
+        if not self.sync_gradients:  # a micro-batch's partial sum, held in .grad: torch's
+            return self._clip_held(super().clip_grad_value_, parameters, clip_value)
         if self._learning_now() and self._lo_value is _UNSET:
             self._lo_value = float(clip_value)
             self._apply_clip_value()
@@ -284,6 +346,7 @@ class LayeroptAccelerator(Accelerator):
                 f"clipped {self._describe()} during backward. Make every optimizer step "
                 "clip the same way, or pass clip_value= to LayeroptAccelerator."
             )
+        self._lo_unasked.discard("clip_grad_value_")
         return None
 
     def _describe(self) -> str:

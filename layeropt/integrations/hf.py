@@ -279,6 +279,7 @@ class LayeroptTrainer(Trainer):
         sync = bool(acc.sync_gradients)
         had = acc.__dict__.get("backward")
         acc.backward = functools.partial(self._layeropt_backward, opt, sync)
+        self._layeropt_measured = False  # (a backward through accelerator.backward, syncing)
         acc.clip_grad_norm_ = self._layeropt_grad_norm  # the Trainer clips after training_step
         try:
             with contextlib.nullcontext() if sync else opt.no_step():
@@ -308,6 +309,7 @@ class LayeroptTrainer(Trainer):
             layeropt_backward(loss, opt, **kwargs)
             return
         max_norm = self.args.max_grad_norm if (self.args.max_grad_norm or 0) > 0 else None
+        self._layeropt_measured = True
         layeropt_backward(
             loss,
             opt,
@@ -326,6 +328,12 @@ class LayeroptTrainer(Trainer):
         """
         if math.isinf(max_norm):
             return None
+        if not getattr(self, "_layeropt_measured", True):
+            raise TrainerSetupError(
+                "the Trainer clips (max_grad_norm > 0) after a training_step whose backward "
+                "did not go through self.accelerator.backward(loss) (loss.backward()?): "
+                "that backward updated the parameters unclipped. Call "
+                "self.accelerator.backward(loss) in training_step, as the Trainer's does.")
         return self.layeropt_optimizer().last_grad_norm
 
     def train(self, *args: Any, **kwargs: Any) -> Any:

@@ -115,6 +115,7 @@ class LayeroptCallback(Callback):
         self._optimizers: list[InBackwardOptimizer] = []
         self._patched: list[tuple[Any, str]] = []
         self._clip: tuple[float, str] | None = None
+        self._unasked = False
         self._compiling = contextlib.ExitStack()  # (layeropt.integrations.two_pass_compile)
 
     # -- setup / teardown ------------------------------------------------------
@@ -139,6 +140,7 @@ class LayeroptCallback(Callback):
         clip_val = float(trainer.gradient_clip_val or 0.0)
         algorithm = _algorithm(trainer.gradient_clip_algorithm)
         self._clip = (clip_val, algorithm) if clip_val > 0 else None
+        self._unasked = False  # a step clipped in backward whose clip_gradients did not come
         by_value = clip_val if self._clip is not None and algorithm == "value" else None
         # each step's closure zeroes the gradients before its backward (and fit(ckpt_path=)
         # loads the checkpoint's parameters): what another optimizer's backward updated
@@ -227,13 +229,14 @@ class LayeroptCallback(Callback):
                 max_norm = math.inf  # measure only
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             layeropt_backward(tensor, opts, max_norm=max_norm, scaler=scaler, **kwargs)
+            self._unasked = self._clip is not None  # (clip_gradients says it was asked)
 
         return backward
 
     def _clip_gradients(self, optimizer: Any, clip_val: float = 0.0,
                         gradient_clip_algorithm: Any = "norm") -> None:
         algorithm = _algorithm(gradient_clip_algorithm)
-        if clip_val <= 0:
+        if clip_val <= 0 and self._clip is None:
             return
         if self._clip != (float(clip_val), algorithm):
             raise LightningSetupError(
@@ -242,6 +245,18 @@ class LayeroptCallback(Callback):
                 "where the gradients were used and freed. Set the clipping with "
                 "Trainer(gradient_clip_val=..., gradient_clip_algorithm=...) only."
             )
+        self._unasked = False
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        """Refuse a step clipped in backward that the module did not ask to clip."""
+        if self._unasked:
+            self._unasked = False
+            raise LightningSetupError(
+                "this optimizer step did not call clip_gradients (an overridden "
+                "configure_gradient_clipping that skipped it?), but LayeroptCallback clipped "
+                f"it during backward, as Trainer(gradient_clip_val={self._clip[0]}) says; that "
+                "update was applied clipped. In-backward updates clip every step the same "
+                "way: clip on every step, or leave gradient_clip_val unset.")
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:
