@@ -63,6 +63,7 @@ class _Reads(TorchFunctionMode):
 _TORCH_TAKES_EARLY_STOP = "early_stop" in inspect.signature(tc.checkpoint).parameters
 
 
+@torch.compiler.disable  # (run as it is inside compiled code: its pins are not traced)
 def _non_reentrant(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], **options: Any
 ) -> Any:

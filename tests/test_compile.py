@@ -16,6 +16,7 @@ autograd capture counter), so a silent fallback to eager cannot pass.
 from __future__ import annotations
 
 import copy
+import functools
 import shutil
 from typing import Any
 
@@ -189,3 +190,44 @@ def _accumulate_and_clip_through_compiled_model():
     assert counter.frame_count >= 1, "dynamo did not compile the model"
     for p, q in zip(ref.parameters(), model.parameters()):
         assert_same(p.detach(), q.detach())
+
+
+class _GatedSegment(torch.nn.Module):
+    """A checkpointed segment that reads ``gate`` through a mask, with dropout."""
+
+    def __init__(self, ck: Any) -> None:
+        super().__init__()
+        self.gate, self.body, self.head = (torch.nn.Linear(16, 16), torch.nn.Linear(16, 16),
+                                           torch.nn.Linear(16, 4))
+        self.drop, self.ck = torch.nn.Dropout(0.2), ck
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def segment(x: torch.Tensor) -> torch.Tensor:
+            return self.drop(torch.tanh(self.body(x))) * (self.gate.weight.sum(0) > 0)
+
+        return self.head(self.ck(segment, x) + self.gate(x))
+
+
+def test_layeropt_checkpoint_inside_a_compiled_model():
+    """layeropt.checkpoint in a function torch.compile traces runs as it is (dynamo
+    raised an internal error on it); equal to torch's checkpoint compiled."""
+    plain = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    torch.manual_seed(0)
+    ref = _GatedSegment(plain)
+    model = copy.deepcopy(ref)
+    model.ck = layeropt.checkpoint
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = layeropt.AdamW(model.parameters(), lr=1e-2)
+    compiled_ref = torch.compile(ref, backend="aot_eager")
+    compiled = torch.compile(model, backend="aot_eager")
+    layeropt.attach(compiled, opt)
+    for step in range(3):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        for m, o in ((compiled_ref, ref_opt), (compiled, opt)):
+            torch.manual_seed(step)
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert_same(opt.state_dict(), ref_opt.state_dict())
