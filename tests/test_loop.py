@@ -9,6 +9,7 @@ each training step reseeds the global RNG before its forward.
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,15 @@ from torch import Tensor, nn
 import layeropt
 from layeropt.loop import LoopAccumulator, LoopStateError, loop_recurrent, loop_stack
 from layeropt.memory import PeakMemory
+
+
+@pytest.fixture(autouse=True)
+def _no_attached_optimizer_left_over() -> None:
+    """A LoopAccumulator given no optimizer takes every live attached one (docs/loops.md):
+    an earlier test's, kept alive by a reference cycle until the collector runs (a
+    ``pytest.raises`` traceback holding its frame), would be taken too."""
+    if any(o.attached for o in layeropt.optim.live_optimizers()):
+        gc.collect()
 
 B, SAMPLES, C = 3, 16, 4  # batch, samples per transmit, extractor channels
 
