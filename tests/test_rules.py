@@ -580,13 +580,18 @@ def _scaler_overflow_in_one(m, opts, x, step, lo, ctx):
         o.zero_grad()
 
 
-def _keep_zero_head_every_other(m, opts, x, step, lo, ctx):
-    """zero_grad(set_to_none=False); SGD's layer 0 is used only on even steps."""
+def _head_every_other(m, x, step):
+    """A backward that reaches SGD's layer 0 on even steps only."""
     inner = m.module if hasattr(m, "module") else m
     if step % 2 == 0:
         m(x).pow(2).mean().backward()
     else:
         inner[1:](torch.randn(4, 16, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+
+
+def _keep_zero_head_every_other(m, opts, x, step, lo, ctx):
+    """zero_grad(set_to_none=False); SGD's layer 0 is used only on even steps."""
+    _head_every_other(m, x, step)
     for o in opts:
         o.step()
         o.zero_grad(set_to_none=False)
@@ -594,12 +599,8 @@ def _keep_zero_head_every_other(m, opts, x, step, lo, ctx):
 
 def _module_keeps_zero_head_every_other(m, opts, x, step, lo, ctx):
     """The same, zeroed by the model's ``zero_grad(set_to_none=False)`` before backward."""
-    inner = m.module if hasattr(m, "module") else m
     m.zero_grad(set_to_none=False)
-    if step % 2 == 0:
-        m(x).pow(2).mean().backward()
-    else:
-        inner[1:](torch.randn(4, 16, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+    _head_every_other(m, x, step)
     for o in opts:
         o.step()
 
