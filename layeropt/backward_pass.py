@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .checking.verify import Verifier
 from .distributed import TwoPasses
-from .errors import LayeroptError
+from .errors import TWO_PASSES_ERROR, LayeroptError
 from .engine.transforms import Transform, prepare_grads, reduce_grad
 from .optim import InBackwardOptimizer, live_optimizers, no_step_all, optimizer_list
 
@@ -235,7 +235,13 @@ def backward(
         verifiers = {e: e.find(Verifier) for e in engines}
         verifying = {e: set(v.shadows) for e, v in verifiers.items() if v is not None}
         with no_step_all(o for o in optimizers if o._lo_engine in skipped):
-            _attached_backward(loss, engines, retain_graph, transform)
+            try:
+                _attached_backward(loss, engines, retain_graph, transform)
+            except RuntimeError as exc:  # an op whose backward runs once (see the message)
+                if not any(s in str(exc) for s in ("second time", "called twice",
+                                                   "retain_graph")):
+                    raise
+                raise LayeroptError(TWO_PASSES_ERROR.format(error=exc)) from exc
         unhooked.prepare(transform)
         for e, before in verifying.items():  # LAYEROPT_VERIFY: the real side, torch's recipe
             verifiers[e].transform_real([p for p in verifiers[e].shadows if p not in before],

@@ -73,6 +73,15 @@ AUTOCAST_STEP_ERROR = (
     "(the forward and the loss inside it, backward and step() after it)."
 )
 
+TWO_PASSES_ERROR = (
+    "layeropt.backward(loss, max_norm=... or scaler=...) runs backward twice over one "
+    "graph (a measure pass that keeps it, then the step pass), and an op in this graph "
+    "lets its backward run only once ({error}). Use ops whose backward can run twice: for "
+    "layeropt.losses.linear_cross_entropy, impl='chunked' (the default takes torch's own "
+    "op where there is one); or clip with attach(..., bucket_max_norm=...) per layer, "
+    "which needs one pass."
+)
+
 FAULT_WARNING = (
     "a backward raised after layeropt had already updated {n} parameter(s) in it (the "
     "first: {name}): torch.optim would have applied none of this backward, so the model "

@@ -569,3 +569,20 @@ def test_chunked_backward_under_bf16_autocast(label_smoothing):
     for a, b in zip(*grads):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-3)
+
+
+@pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"), reason="torch's op: 2.13+")
+def test_two_passes_through_torchs_op_name_the_chunked_impl():
+    """layeropt.backward(max_norm=) runs two passes; torch's linear_cross_entropy (what
+    impl="auto" takes) lets its backward run once: the error names impl="chunked", and
+    nothing was updated (it was torch's bare "called twice")."""
+    torch.manual_seed(0)
+    m = nn.Linear(8, 8)
+    w = nn.Parameter(torch.randn(50, 8))
+    opt = layeropt.AdamW([*m.parameters(), w], lr=1e-2)
+    layeropt.attach(nn.ModuleDict({"m": m}), opt)
+    before = [p.detach().clone() for p in m.parameters()]
+    loss = linear_cross_entropy(m(torch.randn(6, 8)), w, torch.randint(0, 50, (6,)))
+    with pytest.raises(layeropt.LayeroptError, match=r"backward run only once.*impl='chunked'"):
+        layeropt.backward(loss, max_norm=1.0)
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
