@@ -47,6 +47,15 @@ class LoopStateError(LayeroptError):
     """A :class:`LoopAccumulator` was used out of order (see the message)."""
 
 
+SHARED_GRAPH_ERROR = (
+    "acc.backward() of iteration {i} reaches a part of the graph an earlier iteration's "
+    "backward already freed: a tensor computed before the loop (an encoder's output) that "
+    "every iteration reads. Each backward frees the graph it runs through, so the memory "
+    "stays at one iteration's. Compute that part inside each iteration, or detach it "
+    "before the loop if it does not train."
+)
+
+
 class LoopAccumulator:
     """Backward each loop iteration at once; step the optimizer once per n.
 
@@ -181,14 +190,19 @@ class LoopAccumulator:
         scaled = loss / self.n if self.reduction == "mean" else loss
         to_backward = scaled if self.scaler is None else self.scaler.scale(scaled)
         last = self.count == self.n - 1
-        if last:
-            self._last_backward(to_backward)
-        else:
-            with contextlib.ExitStack() as stack:
-                for opt in self._attached():
-                    stack.enter_context(opt.no_step())
-                    self._deferred[opt] = None
-                to_backward.backward()
+        try:
+            if last:
+                self._last_backward(to_backward)
+            else:
+                with contextlib.ExitStack() as stack:
+                    for opt in self._attached():
+                        stack.enter_context(opt.no_step())
+                        self._deferred[opt] = None
+                    to_backward.backward()
+        except RuntimeError as exc:
+            if self.count and "second time" in str(exc):  # (torch's freed-graph error)
+                raise LoopStateError(SHARED_GRAPH_ERROR.format(i=self.count + 1)) from exc
+            raise
         self.count += 1
         value = scaled.detach()
         self._total = value if self._total is None else self._total + value

@@ -967,3 +967,16 @@ def test_cuda_dropout_replay_with_int_inputs(shape):
         assert (a is None) == (b is None)
         if a is not None:
             assert_same(a, b)
+
+
+def test_a_tensor_every_iteration_reads_from_before_the_loop_is_a_clear_error():
+    """An encoder's output computed once before the loop: the second backward finds its
+    graph freed. The error says why and what to do (it was torch's "retain_graph=True",
+    which acc.backward does not take)."""
+    enc, head = nn.Linear(4, 4), nn.Linear(4, 1)
+    opt = torch.optim.SGD([*enc.parameters(), *head.parameters()], lr=0.1)
+    z = enc(torch.randn(2, 4))
+    acc = LoopAccumulator(3, optimizer=opt)
+    acc.backward(head(z).sum())
+    with pytest.raises(LoopStateError, match="iteration 2 reaches a part of the graph"):
+        acc.backward(head(2 * z).sum())
