@@ -257,8 +257,10 @@ DDP_JOIN_ERROR = (
 DDP_UNUSED_ERROR = (
     "a parameter DDP synchronises got no gradient in this backward (an unused "
     "parameter under static_graph=True); layeropt cannot tell whether other "
-    "processes used it, so it would step on a wrong gradient. Use every parameter "
-    "in every forward, or leave the unused ones to a plain torch.optim optimizer."
+    "processes used it, so it would step on a wrong gradient. Construct DDP with "
+    "find_unused_parameters=True (exact with layeropt, static_graph or not), use every "
+    "parameter in every forward, or leave the unused ones to a plain torch.optim "
+    "optimizer."
 )
 
 

@@ -113,6 +113,10 @@ TRAIN = {
     "ddp-accum-no_sync-clip_value": ("ddp", "sgd", dict(clip_value=0.01), "no_sync"),
     "fsdp2-clip": ("fsdp2", "adam", dict(clip=0.05), None),
     "fsdp2-accum-no_step-clip": ("fsdp2", "sgd", dict(clip=0.05), "no_step"),
+    # FSDP2 holds the unsharded gradients of backwards that do not sync: the measure pass
+    # reduced and dropped them, the step pass stepped without them (silently, before)
+    "fsdp2-accum-no_sync-clip": ("fsdp2", "adam", dict(clip=0.05), "no_sync"),
+    "fsdp2-accum-no_sync-clip-scaler": ("fsdp2", "sgd", dict(clip=0.05, scaler=True), "no_sync"),
 }
 # Relative tolerance against one process on the combined batch (reassociated sums).
 CLOSE_RTOL = {"adam": 1e-5, "adamw_fused": 1e-5, "sgd": 1e-6}

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -375,3 +376,24 @@ def test_a_detached_verifier_no_longer_acts():
         model(torch.randn(4, 3))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert not model._forward_pre_hooks
+
+
+def test_gradients_zeroed_in_place_by_hand_verify_clean():
+    """A loop that zeroes with ``p.grad.zero_()`` keeps the same tensors: exact, and verify
+    no longer calls it "not zeroed" (it did: identity alone)."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = layeropt.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    layeropt.attach(model, opt, verify=3)
+    for step in range(4):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(x).sum().backward()
+            o.step()
+            for p in m.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)

@@ -295,7 +295,15 @@ class Verifier(Wrapper):
             if model is not None and id(model) not in self.forward_hooks:
                 ref = weakref.ref(self)
                 self.forward_hooks[id(model)] = model.register_forward_pre_hook(
-                    lambda *_: (v := ref()) is not None and v.settle("its next forward"))
+                    lambda *_: (v := ref()) is not None and v.on_forward())
+
+    def on_forward(self) -> None:
+        """An attached model's forward begins: apply a pending step (:meth:`settle`);
+        a gradient the loop zeroed in place since ``step()`` (``p.grad.zero_()``) is no
+        longer the last step's (autograd adds onto zeros as onto nothing)."""
+        self.settle("its next forward")
+        for key in [k for k, g in self.unzeroed.items() if not g.any()]:
+            del self.unzeroed[key]
 
     def _end(self) -> None:
         self._unwatch()

@@ -23,7 +23,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..engine.registry import allow_local_updates, check_local_hooks_allowed
 from ..attaching import DDPAttachment, attach_ddp
@@ -34,6 +34,32 @@ __all__ = [
     "check_local_hooks_allowed",
     "allow_local_updates",
 ]
+
+def _fsdp_params(model: nn.Module) -> list[Any]:
+    """FSDP2's per-parameter states (``FSDPParam``) of ``model``'s ``fully_shard`` modules
+    (private; the same names in torch 2.8-2.15)."""
+    found = []
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        group = None if get_state is None else getattr(get_state(), "_fsdp_param_group", None)
+        found += getattr(group, "fsdp_params", None) or ()
+    return found
+
+
+def _fsdp_held(fsdp_params: list[Any]) -> list[tuple[Any, Tensor | None, Tensor | None]]:
+    """Copies of the unsharded gradients FSDP2 holds from backwards that did not reduce
+    (``set_requires_gradient_sync(False)``): pass 1 reduces them with its own and drops
+    them, and pass 2 must find them again, as the one backward of torch's recipe does."""
+    held = []
+    for fsdp_param in fsdp_params:
+        accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+        param = getattr(fsdp_param, "_unsharded_param", None)
+        grad = None if param is None else param.grad
+        if accumulated is not None or grad is not None:
+            held.append((fsdp_param, None if accumulated is None else accumulated.clone(),
+                         None if grad is None else grad.detach().clone()))
+    return held
+
 
 class TwoPasses:
     """``layeropt.backward``'s two passes on DDP models (clipping, GradScaler).
@@ -50,16 +76,20 @@ class TwoPasses:
 
     def __init__(self, engines: list[Any]) -> None:
         self.states = []
+        self.fsdp_params: list[Any] = []  # FSDP2's, of the attached models
         for e in engines:
             for a in list(e.attachments):
                 if isinstance(a, DDPAttachment) and a._state not in self.states:
                     self.states.append(a._state)
+                elif a.model is not None:
+                    self.fsdp_params += _fsdp_params(a.model)
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
         grads = {p: None if p.grad is None else p.grad.detach().clone()
                  for state in self.states for p in state.owner}
         fired = [set(state.fired) for state in self.states]
+        held = _fsdp_held(self.fsdp_params)
         try:
             yield
         finally:
@@ -67,6 +97,9 @@ class TwoPasses:
                 state.fired = before
             for p, grad in grads.items():
                 p.grad = grad
+            for fsdp_param, accumulated, grad in held:  # (pass 1 reduced and dropped them)
+                fsdp_param.unsharded_accumulated_grad = accumulated
+                fsdp_param._unsharded_param.grad = grad
 
     def arm(self, loss: Tensor) -> None:
         """Before pass 2: DDP's reducer expects this backward (what DDP's forward does)."""
