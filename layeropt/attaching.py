@@ -21,7 +21,7 @@ from .distributed.fsdp_offload import check_fsdp2_offload
 from .engine.boundaries import refuse_open_updates, take_over
 from .engine.registry import hooked_by, mark_hooked, unmark_hooked
 from .checking.watch import WATCHERS
-from .errors import ATTACHED_TWICE, AttachError, user_frame, warn
+from .errors import ATTACHED_TWICE, COMM_HOOK_ERROR, AttachError, user_frame, warn
 from .engine.landing import Bucket, Settings, drop_dead_hooks
 from .optim import InBackwardOptimizer, in_backward_spelling, live_optimizers, optimizer_list
 from .checking.verify import Verifier, verify_steps
@@ -642,14 +642,13 @@ def attach_ddp(
         if hooks and all(type(st) is _Copied for _, st in hooks):
             hooks.clear()  # a copy of an attached model: its reducer was built without them
         if hooks:
-            raise AttachError(
-                "this DDP model already has a communication hook, and DDP accepts only "
-                "one. layeropt needs its own (it averages, then steps each bucket): "
-                "build the DDP model without register_comm_hook."
-            )
+            raise AttachError(COMM_HOOK_ERROR)
         state = _HookState(ddp_model, overlap)
+        try:  # (a built-in hook, _register_builtin_comm_hook, is in no list to look at)
+            ddp_model.register_comm_hook(state, _allreduce_then_step)
+        except RuntimeError as exc:
+            raise AttachError(COMM_HOOK_ERROR) from exc
         ddp_model.register_forward_pre_hook(state.forward)
-        ddp_model.register_comm_hook(state, _allreduce_then_step)
         # The reducer must not copy buckets back into .grad after the hook.
         ddp_model.reducer._set_optimizer_in_backward()
         _DDP_STATES[ddp_model] = state

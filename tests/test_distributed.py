@@ -389,6 +389,13 @@ def _errors(rank: int) -> dict[str, str]:
         ddp.register_comm_hook(group, allreduce_hook)
         attach_ddp(ddp, layeropt.Adam(ddp.parameters()))
 
+    def builtin_comm_hook():  # (in no list DDP keeps: torch's own error came, after hooks)
+        from torch._C._distributed_c10d import BuiltinCommHookType
+
+        ddp = DDP(_model(), process_group=group)
+        ddp._register_builtin_comm_hook(BuiltinCommHookType.FP16_COMPRESS)
+        attach_ddp(ddp, layeropt.Adam(ddp.parameters()))
+
     def attach_twice():
         ddp = DDP(_model(), process_group=group)
         opt = layeropt.Adam(ddp.parameters())
@@ -425,6 +432,7 @@ def _errors(rank: int) -> dict[str, str]:
         negative_cap=negative_cap,
         uneven_inputs_join=uneven_inputs_join,
         other_comm_hook=other_comm_hook,
+        builtin_comm_hook=builtin_comm_hook,
         attach_twice=attach_twice,
         plain_torch_optimizer=plain_torch_optimizer,
         global_clipping=global_clipping,
@@ -1084,6 +1092,8 @@ LOCAL = "AttachError: a layeropt hook was about to step a parameter"
 ERRORS = {
     "other_comm_hook": ["AttachError: this DDP model already has a communication hook",
                         "without register_comm_hook"],
+    "builtin_comm_hook": ["AttachError: this DDP model already has a communication hook",
+                          "without register_comm_hook"],
     "attach_twice": ["AttachError: this DDP model is already attached", ".remove()"],
     "negative_cap": ["ValueError: bucket_cap_mb must be >= 0, got -1"],
     "uneven_inputs_join": ["AttachError: DDP's join() (uneven inputs) is not supported",
@@ -1092,7 +1102,7 @@ ERRORS = {
                               "layeropt.Adam(...)"],
     "global_clipping": ["ok"],  # layeropt.backward clips under DDP too
     "static_graph_unused": ["AttachError: a parameter DDP synchronises got no gradient",
-                            "plain torch.optim"],
+                            "find_unused_parameters=True", "plain torch.optim"],
     "plain_unwrapped_allowed": ["ok"],
     "plain_unwrapped": [LOCAL, "allow_local_updates(model)"],
     "plain_on_module": [LOCAL, "layeropt.attach(ddp_model, opt)"],
