@@ -23,7 +23,9 @@ __all__ = ["LayeroptError", "AttachError", "BackwardStateError", "VerifyError", 
 IN_A_TRAINER = (
     "in a trainer, use its integration (layeropt.integrations.lightning.LayeroptCallback, "
     "layeropt.integrations.accelerate.LayeroptAccelerator, "
-    "layeropt.integrations.hf.LayeroptTrainer or layeropt.integrations.hf.LayeroptCallback)."
+    "layeropt.integrations.hf.LayeroptTrainer or layeropt.integrations.hf.LayeroptCallback); "
+    "with LayeroptAccelerator, accumulate through accelerator.accumulate(model) and "
+    "gradient_accumulation_steps=, not accelerator.no_sync() or backwards alone."
 )
 
 
