@@ -229,9 +229,26 @@ GLOBAL_ESTIMATE_ERROR = (
     "state is per parameter."
 )
 
+WRAPPED_STEP_ERROR = (
+    "{name} wraps a layeropt optimizer and has a step() of its own (a Lookahead, an "
+    "average of the weights, a schedule around the inner step): layeropt steps the inner "
+    "optimizer during backward and frees the gradients, so {name}.step() would then find "
+    "none and skip its own part. Use {name} around a plain torch optimizer, without "
+    "layeropt."
+)
+
+RANDOM_STEP_ERROR = (
+    "{name}.step() draws random numbers (stochastic rounding, gradient noise): stepped "
+    "one layer at a time during backward it would draw them in another order than one "
+    "step() over every parameter, so the results would differ. Nothing was updated. Use "
+    "it as a plain optimizer (without layeropt.attach), or turn its randomness off "
+    "(torchao: bf16_stochastic_round=False)."
+)
+
 SKIP_CONTRACT_ERROR = (
-    "{name}.step() changed a parameter that had no gradient in the call (shape {shape}, "
-    "param group {group}): it does not skip parameters whose .grad is None, the contract "
+    "{name}.step() changed a parameter that had no gradient in the call, or its state "
+    "(shape {shape}, param group {group}): it does not skip parameters whose .grad is "
+    "None, the contract "
     "of torch's optimizers that updating one layer at a time relies on (weight decay "
     "applied before checking p.grad is the usual cause), so each layer's call would "
     "change every parameter again. That call may have changed other parameters too "

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 
 from .engine.registry import ENGINES
 from .engine.subset import SubsetStepper, narrowable
-from .errors import LayeroptError
+from .errors import WRAPPED_STEP_ERROR, AttachError, LayeroptError
 from .engine.landing import Engine
 
 __all__ = [
@@ -390,8 +390,18 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     while not isinstance(optimizer, InBackwardOptimizer) and isinstance(
         getattr(optimizer, "optimizer", None), Optimizer
     ):
+        cls = type(optimizer)
+        if (isinstance(optimizer, Optimizer) and cls.step is not Optimizer.step
+                and not cls.__module__.startswith(_FORWARDING)
+                and isinstance(unwrap_optimizer(optimizer.optimizer), InBackwardOptimizer)):
+            raise AttachError(WRAPPED_STEP_ERROR.format(name=cls.__qualname__))
         optimizer = optimizer.optimizer
     return optimizer
+
+
+# Wrappers whose step() only forwards to the optimizer they hold (and the GradScaler)
+_FORWARDING = ("accelerate.", "lightning.", "pytorch_lightning.", "lightning_fabric.",
+               "transformers.", "layeropt.")
 
 
 def optimizer_list(optimizer: Any) -> list[Any]:

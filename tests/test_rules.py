@@ -741,6 +741,104 @@ def test_a_step_that_changes_parameters_without_a_gradient_is_refused(groups, ca
         m(torch.randn(4, 6)).pow(2).mean().backward()
 
 
+class NoisySGD(torch.optim.Optimizer):
+    """Gradient noise drawn in step(): in backward, drawn in another order."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad + 0.01 * torch.randn_like(p), alpha=-g["lr"])
+
+
+class SGDWithAverage(torch.optim.Optimizer):
+    """An average of every weight kept in the state, gradient or not (SWA/EMA kept by
+    the optimizer): one call per layer would average partly updated weights."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"])
+            for p in g["params"]:
+                avg = self.state[p].setdefault("avg", p.detach().clone())
+                avg.lerp_(p, 0.5)
+
+
+class CountsInADict(CountingAdam):
+    """The step count in a dict on the optimizer (and in ``state["step"]``)."""
+
+    def __init__(self, params: Any, lr: float = 0.01) -> None:
+        super().__init__(params, lr)
+        del self.t
+        self.counters = {"t": 0}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        self.counters["t"] += 1
+        self.state["step"] = self.state.get("step", 0) + 1
+        self.t = self.counters["t"]
+        super().step(closure)
+        self.t = self.counters["t"]
+
+
+# optimizer class -> the error its in-backward training raises (None: exact)
+KEEPS_MORE = {
+    NoisySGD: r"NoisySGD.step\(\) draws random numbers",
+    SGDWithAverage: r"changed a parameter that had no gradient in the call, or its state",
+    CountsInADict: None,
+}
+
+
+@pytest.mark.parametrize("cls", list(KEEPS_MORE), ids=[c.__name__ for c in KEEPS_MORE])
+def test_optimizers_keeping_more_than_per_parameter_state(cls):
+    """Each was silently different; now exact, or refused at its first probed call."""
+    runs = []
+    for lo in (False, True):
+        m = _model()
+        opt = (layeropt.in_backward(cls) if lo else cls)(m.parameters())
+        if lo:
+            layeropt.attach(m, opt)
+        torch.manual_seed(1)
+        for step in range(3):
+            loss = m(torch.randn(4, 6, generator=torch.Generator().manual_seed(step)))
+            if lo and KEEPS_MORE[cls] is not None:
+                with pytest.raises(layeropt.BackwardStateError, match=KEEPS_MORE[cls]):
+                    loss.pow(2).mean().backward()
+                return
+            loss.pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((list(m.parameters()), opt))
+    assert_same(runs[1][0], runs[0][0], "params")
+    assert runs[1][1].counters == runs[0][1].counters
+    assert runs[1][1].state["step"] == runs[0][1].state["step"]
+
+
+def test_a_wrapper_with_its_own_step_around_a_layeropt_optimizer_is_refused():
+    """Lookahead(layeropt.AdamW(...)): attach found the inner optimizer and the wrapper's
+    own step() found no gradients to sync (silently; verify passed too)."""
+    class Lookahead(torch.optim.Optimizer):
+        def __init__(self, optimizer: Any) -> None:
+            super().__init__(optimizer.param_groups, {})
+            self.optimizer = optimizer
+
+        def step(self, closure: Any = None) -> Any:
+            return self.optimizer.step(closure)
+
+    m = _model()
+    with pytest.raises(layeropt.AttachError, match="Lookahead wraps a layeropt optimizer"):
+        layeropt.attach(m, Lookahead(layeropt.AdamW(m.parameters())))
+
+
 def test_in_backward_class_answers_as_the_class_it_wraps():
     """Tools special-case optimizers by ``str(cls)`` (the HF Trainer looks for
     "bitsandbytes" to give embeddings 32-bit state); isinstance still holds."""

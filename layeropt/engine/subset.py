@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,7 @@ from ..errors import (
     BackwardStateError,
     GLOBAL_ESTIMATE_ERROR,
     LATE_MOVE_ERROR,
+    RANDOM_STEP_ERROR,
     SKIP_CONTRACT_ERROR,
 )
 
@@ -107,8 +109,8 @@ def _restore_values(target: dict[str, Any], values: dict[str, Any], now: Any) ->
         if isinstance(v, Tensor) and isinstance(old, Tensor) and old.shape == v.shape:
             with torch.no_grad():
                 old.copy_(v)  # the same tensor object, as torch code may hold it
-        else:
-            target[k] = v.clone() if isinstance(v, Tensor) else v
+        else:  # (a container: a copy, the snapshot stays as it was for the next call)
+            target[k] = v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)
 
 
 # Instance attributes that are the optimizer's machinery, not its algorithm's state.
@@ -117,26 +119,53 @@ _MACHINERY = {"param_groups", "state", "defaults", "_opt_called", "last_grad_nor
 _SCALARS = (bool, int, float, complex, str, type(None), Tensor)
 
 
+_NUMBERS = (bool, int, float, complex, str, type(None), numbers.Number)
+
+
+def _numbers(v: Any) -> bool:
+    """Numbers, or a small dict / list / tuple of them (``self.counters = {"t": 0}``)."""
+    if isinstance(v, _NUMBERS):
+        return True
+    if isinstance(v, (list, tuple)) and len(v) <= 64:
+        return all(isinstance(x, _NUMBERS) for x in v)
+    if isinstance(v, dict) and len(v) <= 64:
+        return all(isinstance(x, _NUMBERS) for x in v.values())
+    return False
+
+
+def _kept(items: Any, clone: bool) -> dict[Any, Any]:
+    """Scalars, tensors (copied, or as they are to compare) and small containers of
+    numbers (copied) of ``items``."""
+    return {k: (v.detach().clone() if clone and isinstance(v, Tensor) else
+                copy.deepcopy(v) if clone and not isinstance(v, _NUMBERS) else v)
+            for k, v in items if isinstance(v, _SCALARS) or _numbers(v)}
+
+
 def _own(optimizer: Any, copy: bool = True) -> dict[str, Any]:
-    """Values the optimizer keeps on itself (``self.t += 1`` in ``step``): scalars and
-    tensors (copied, or as they are to compare). One training step moves them once, as
-    its param-group values."""
-    return {
-        k: (v.detach().clone() if copy and isinstance(v, Tensor) else v)
-        for k, v in vars(optimizer).items()
-        if k not in _MACHINERY and not k.startswith("_lo_") and isinstance(v, _SCALARS)
-    }
+    """Values the optimizer keeps on itself (``self.t += 1`` in ``step``, a counter in a
+    dict on it): one training step moves them once, as its param-group values."""
+    return _kept(((k, v) for k, v in vars(optimizer).items()
+                  if k not in _MACHINERY and not k.startswith("_lo_")), copy)
+
+
+def _state_own(optimizer: Any, copy: bool = True) -> dict[Any, Any]:
+    """Entries of ``optimizer.state`` not keyed by a parameter (``state["step"]``)."""
+    return _kept(((k, v) for k, v in optimizer.state.items() if not isinstance(k, Tensor)),
+                 copy)
 
 
 def _snapshot(optimizer: Any) -> list[dict[str, Any]]:
-    """Every param group's values, then the optimizer's own (:func:`_own`)."""
-    return [*(_values(g) for g in optimizer.param_groups), _own(optimizer)]
+    """Every param group's values, then the optimizer's own (:func:`_own`), then its
+    state's entries not keyed by a parameter."""
+    return [*(_values(g) for g in optimizer.param_groups), _own(optimizer),
+            _state_own(optimizer)]
 
 
 def _diff(snapshot: list[dict[str, Any]], optimizer: Any) -> list[str]:
     """The keys whose values differ now from ``snapshot`` (``self.x`` for own values)."""
     keys = {k for b, g in zip(snapshot, optimizer.param_groups) for k in _changed(b, g)}
-    keys.update(f"self.{k}" for k in _changed(snapshot[-1], _own(optimizer, copy=False)))
+    keys.update(f"self.{k}" for k in _changed(snapshot[-2], _own(optimizer, copy=False)))
+    keys.update(f"state[{k!r}]" for k in _changed(snapshot[-1], _state_own(optimizer, False)))
     return sorted(keys)
 
 
@@ -144,7 +173,8 @@ def _restore(optimizer: Any, snapshot: list[dict[str, Any]]) -> None:
     for g, values in zip(optimizer.param_groups, snapshot):
         _restore_values(g, values, [k for k in g if k != "params"])
     # (an attribute a step call made since is deleted: ``self.t = getattr(...) + 1``)
-    _restore_values(vars(optimizer), snapshot[-1], list(_own(optimizer, copy=False)))
+    _restore_values(vars(optimizer), snapshot[-2], list(_own(optimizer, copy=False)))
+    _restore_values(optimizer.state, snapshot[-1], list(_state_own(optimizer, copy=False)))
 
 
 def _inner(t: Tensor) -> list[Tensor]:
@@ -157,20 +187,33 @@ def _inner(t: Tensor) -> list[Tensor]:
 
 
 def _witnesses(optimizer: Any, params: list[Tensor]) -> list[tuple[int, Tensor, Tensor]]:
-    """Each param group's smallest parameter outside ``params`` (the plain tensors it is
-    stored in: a DTensor's local shard), with a copy: a step call over ``params`` leaves
-    it as it is (torch's contract: no gradient, no change). None on fake or meta tensors
-    (``layeropt plan``), which hold no values."""
+    """Each param group's smallest parameter outside ``params`` and its state tensors
+    (the plain tensors they are stored in: a DTensor's local shard), with copies: a step
+    call over ``params`` leaves them as they are (torch's contract: no gradient, no
+    change; an average of every weight kept in the state breaks it too). None on fake or
+    meta tensors (``layeropt plan``), which hold no values."""
     inside = {id(p) for p in params}
     out = []
     for i, g in enumerate(optimizer.param_groups):
         rest = [q for q in g["params"] if id(q) not in inside]
         if rest:
-            for x in _inner(min(rest, key=lambda t: t.numel()).detach()):
+            q = min(rest, key=lambda t: t.numel())
+            state = optimizer.state.get(q, {})
+            tensors = [q.detach(), *(v for v in state.values() if isinstance(v, Tensor))]
+            for x in (x for t in tensors for x in _inner(t)):
                 if x.is_meta or is_fake(x):
                     return []
                 out.append((i, x, x.clone()))
+            out.append((i, q, sorted(map(str, state))))  # (its state's keys: none made)
     return out
+
+
+def _rng_states(params: list[Tensor]) -> list[Tensor]:
+    """The random generators a step call on ``params`` could draw from (the CPU's, and
+    each CUDA device's of theirs)."""
+    devices = {p.device for p in params if p.device.type == "cuda"}
+    return [torch.random.get_rng_state(),
+            *(torch.cuda.get_rng_state(d) for d in sorted(devices, key=str))]
 
 
 class _Saved:
@@ -260,9 +303,13 @@ class SubsetStepper:
             p = order.pop(0)
             record = _Saved(optimizer, [p])
             self._saved.append(record)
+            values = not (p.is_meta or is_fake(p))  # (layeropt plan's tensors hold none)
             witnesses = _witnesses(optimizer, [p])
+            rng = _rng_states([p]) if values else []
             self._transact(optimizer, [p])
             self._check_skipped(optimizer, record, witnesses)
+            if values and not all(map(torch.equal, rng, _rng_states([p]))):
+                self._refuse_probe(optimizer, record, RANDOM_STEP_ERROR)
         if order:
             self._transact(optimizer, order)
 
@@ -285,18 +332,26 @@ class SubsetStepper:
         self._end_probe()
 
     def _check_skipped(self, optimizer: Any, record: _Saved,
-                       witnesses: list[tuple[int, Tensor, Tensor]]) -> None:
+                       witnesses: list[tuple[int, Tensor, Any]]) -> None:
         """Refuse a probed step call (``record``: its undo) that changed a parameter it had
-        no gradient for; the call is undone, with the witnesses."""
+        no gradient for, or its state; the call is undone, with the witnesses."""
         for i, q, before in witnesses:
-            if not torch.equal(q, before):
+            if isinstance(before, list):  # its state's keys
+                same = sorted(map(str, optimizer.state.get(q, {}))) == before
+            else:
+                same = torch.equal(q, before)
+            if not same:
                 with torch.no_grad():
                     for _, w, saved in witnesses:
-                        w.copy_(saved)
-                if not any(r is record for r in self._saved):  # (cleared by _end_probe)
-                    self._saved.append(record)
-                self._refuse(optimizer, [], SKIP_CONTRACT_ERROR.replace(
+                        if not isinstance(saved, list):
+                            w.copy_(saved)
+                self._refuse_probe(optimizer, record, SKIP_CONTRACT_ERROR.replace(
                     "{shape}", str(tuple(q.shape))).replace("{group}", str(i)))
+
+    def _refuse_probe(self, optimizer: Any, record: _Saved, message: str) -> None:
+        if not any(r is record for r in self._saved):  # (cleared by _end_probe)
+            self._saved.append(record)
+        self._refuse(optimizer, [], message)
 
     def _end_probe(self) -> None:
         if self._probing:
