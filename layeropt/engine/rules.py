@@ -493,13 +493,13 @@ class Rules(StepRules):
         if rec.counted:  # a backward that raised is not a step of its own
             self.train_step.stepped_backwards -= 1
             rec.counted = False
-        if rec.stepped:
-            n, name = len(rec.stepped), self.name_of(rec.stepped[0])
-            warn(FAULT_WARNING.format(n=n, name=name))
-            self.train_step.faulted = (n, name)
         if self.backward is rec:
             self.backward = None
         self._route()
+        if rec.stepped:  # (said last: a warning made an error must find all this done)
+            n, name = len(rec.stepped), self.name_of(rec.stepped[0])
+            self.train_step.faulted = (n, name)
+            warn(FAULT_WARNING.format(n=n, name=name))
 
     def pins_released(self) -> None:
         """Pins were released, from inside the recomputation that released them (its
