@@ -710,12 +710,16 @@ def test_a_step_that_is_not_torchs_is_refused_when_the_class_is_made():
         layeropt.in_backward(LayerByLayer)
 
 
-class DecayEveryParameter(torch.optim.Optimizer):
-    """Weight decay applied before the ``p.grad is None`` check: a step changes parameters
-    without a gradient, so one call per layer would decay every layer once per layer."""
+class _WithLr(torch.optim.Optimizer):
+    """A hand-written optimizer's constructor: one hyperparameter, ``lr``."""
 
     def __init__(self, params: Any, lr: float = 0.01) -> None:
         super().__init__(params, {"lr": lr})
+
+
+class DecayEveryParameter(_WithLr):
+    """Weight decay applied before the ``p.grad is None`` check: a step changes parameters
+    without a gradient, so one call per layer would decay every layer once per layer."""
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
@@ -741,11 +745,8 @@ def test_a_step_that_changes_parameters_without_a_gradient_is_refused(groups, ca
         m(torch.randn(4, 6)).pow(2).mean().backward()
 
 
-class NoisySGD(torch.optim.Optimizer):
+class NoisySGD(_WithLr):
     """Gradient noise drawn in step(): in backward, drawn in another order."""
-
-    def __init__(self, params: Any, lr: float = 0.1) -> None:
-        super().__init__(params, {"lr": lr})
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
@@ -755,12 +756,9 @@ class NoisySGD(torch.optim.Optimizer):
                     p.add_(p.grad + 0.01 * torch.randn_like(p), alpha=-g["lr"])
 
 
-class SGDWithAverage(torch.optim.Optimizer):
+class SGDWithAverage(_WithLr):
     """An average of every weight kept in the state, gradient or not (SWA/EMA kept by
     the optimizer): one call per layer would average partly updated weights."""
-
-    def __init__(self, params: Any, lr: float = 0.1) -> None:
-        super().__init__(params, {"lr": lr})
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
