@@ -40,7 +40,7 @@ import copy
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -116,29 +116,25 @@ def _restore_values(target: dict[str, Any], values: dict[str, Any], now: Any) ->
 # Instance attributes that are the optimizer's machinery, not its algorithm's state.
 _MACHINERY = {"param_groups", "state", "defaults", "_opt_called", "last_grad_norm",
               "_zero_grad_profile_name", "_warned_capturable_if_run_uncaptured"}
-_SCALARS = (bool, int, float, complex, str, type(None), Tensor)
+_PLAIN = (bool, int, float, complex, str, type(None), numbers.Number)  # (numpy's too)
+_SCALARS = (*_PLAIN, Tensor)
 
 
-_NUMBERS = (bool, int, float, complex, str, type(None), numbers.Number)
-
-
-def _numbers(v: Any) -> bool:
-    """Numbers, or a small dict / list / tuple of them (``self.counters = {"t": 0}``)."""
-    if isinstance(v, _NUMBERS):
-        return True
+def _small_container(v: Any) -> bool:
+    """A small dict / list / tuple of plain values (``self.counters = {"t": 0}``)."""
     if isinstance(v, (list, tuple)) and len(v) <= 64:
-        return all(isinstance(x, _NUMBERS) for x in v)
+        return all(isinstance(x, _PLAIN) for x in v)
     if isinstance(v, dict) and len(v) <= 64:
-        return all(isinstance(x, _NUMBERS) for x in v.values())
+        return all(isinstance(x, _PLAIN) for x in v.values())
     return False
 
 
 def _kept(items: Any, clone: bool) -> dict[Any, Any]:
-    """Scalars, tensors (copied, or as they are to compare) and small containers of
-    numbers (copied) of ``items``."""
+    """The scalars, tensors and small containers of plain values among ``items``: tensors
+    and containers copied (``clone``), or as they are to compare."""
     return {k: (v.detach().clone() if clone and isinstance(v, Tensor) else
-                copy.deepcopy(v) if clone and not isinstance(v, _NUMBERS) else v)
-            for k, v in items if isinstance(v, _SCALARS) or _numbers(v)}
+                copy.deepcopy(v) if clone and not isinstance(v, _PLAIN) else v)
+            for k, v in items if isinstance(v, _SCALARS) or _small_container(v)}
 
 
 def _own(optimizer: Any, copy: bool = True) -> dict[str, Any]:
@@ -186,12 +182,26 @@ def _inner(t: Tensor) -> list[Tensor]:
     return [t]
 
 
-def _witnesses(optimizer: Any, params: list[Tensor]) -> list[tuple[int, Tensor, Tensor]]:
-    """Each param group's smallest parameter outside ``params`` and its state tensors
-    (the plain tensors they are stored in: a DTensor's local shard), with copies: a step
-    call over ``params`` leaves them as they are (torch's contract: no gradient, no
-    change; an average of every weight kept in the state breaks it too). None on fake or
-    meta tensors (``layeropt plan``), which hold no values."""
+class _Witness(NamedTuple):
+    """A parameter a step call has no gradient for: its plain tensors and its state's
+    (copied), and its state's keys, to see that the call left them as they were."""
+
+    group: int
+    param: Tensor
+    copies: list[tuple[Tensor, Tensor]]
+    keys: list[str]
+
+    def changed(self, optimizer: Any) -> bool:
+        return (sorted(map(str, optimizer.state.get(self.param, {}))) != self.keys
+                or not all(torch.equal(x, c) for x, c in self.copies))
+
+
+def _witnesses(optimizer: Any, params: list[Tensor]) -> list[_Witness]:
+    """Each param group's smallest parameter outside ``params`` (the plain tensors of it
+    and of its state: a DTensor's local shard): a step call over ``params`` leaves them
+    as they are (torch's contract: no gradient, no change; an average of every weight
+    kept in the state breaks it too). None on fake or meta tensors (``layeropt plan``),
+    which hold no values."""
     inside = {id(p) for p in params}
     out = []
     for i, g in enumerate(optimizer.param_groups):
@@ -199,12 +209,11 @@ def _witnesses(optimizer: Any, params: list[Tensor]) -> list[tuple[int, Tensor, 
         if rest:
             q = min(rest, key=lambda t: t.numel())
             state = optimizer.state.get(q, {})
-            tensors = [q.detach(), *(v for v in state.values() if isinstance(v, Tensor))]
-            for x in (x for t in tensors for x in _inner(t)):
-                if x.is_meta or is_fake(x):
-                    return []
-                out.append((i, x, x.clone()))
-            out.append((i, q, sorted(map(str, state))))  # (its state's keys: none made)
+            plain = [x for t in (q.detach(), *(v for v in state.values()
+                                                if isinstance(v, Tensor))) for x in _inner(t)]
+            if any(x.is_meta or is_fake(x) for x in plain):
+                return []
+            out.append(_Witness(i, q, [(x, x.clone()) for x in plain], sorted(map(str, state))))
     return out
 
 
@@ -332,21 +341,16 @@ class SubsetStepper:
         self._end_probe()
 
     def _check_skipped(self, optimizer: Any, record: _Saved,
-                       witnesses: list[tuple[int, Tensor, Any]]) -> None:
+                       witnesses: list[_Witness]) -> None:
         """Refuse a probed step call (``record``: its undo) that changed a parameter it had
         no gradient for, or its state; the call is undone, with the witnesses."""
-        for i, q, before in witnesses:
-            if isinstance(before, list):  # its state's keys
-                same = sorted(map(str, optimizer.state.get(q, {}))) == before
-            else:
-                same = torch.equal(q, before)
-            if not same:
+        for w in witnesses:
+            if w.changed(optimizer):
                 with torch.no_grad():
-                    for _, w, saved in witnesses:
-                        if not isinstance(saved, list):
-                            w.copy_(saved)
+                    for x, saved in (c for v in witnesses for c in v.copies):
+                        x.copy_(saved)
                 self._refuse_probe(optimizer, record, SKIP_CONTRACT_ERROR.replace(
-                    "{shape}", str(tuple(q.shape))).replace("{group}", str(i)))
+                    "{shape}", str(tuple(w.param.shape))).replace("{group}", str(w.group)))
 
     def _refuse_probe(self, optimizer: Any, record: _Saved, message: str) -> None:
         if not any(r is record for r in self._saved):  # (cleared by _end_probe)

@@ -207,24 +207,18 @@ class HostHeld:
         """Forget the held gradients (``zero_grad()``, a skipped step), or those of
         ``params`` (``module.zero_grad()``); with ``set_to_none=False`` each parameter gets
         a zero ``.grad``, as torch's ``zero_grad`` leaves a held gradient."""
-        if params is not None:
-            gone = set(params)
-            for p in [p for p in self.host if p in gone]:
-                acc = self.host.pop(p)
-                if not set_to_none:
-                    p.grad = torch.zeros_like(acc, device=p.device)
+        gone = None if params is None else set(params)
+        for p in [p for p in self.host if gone is None or p in gone]:
+            acc = self.host.pop(p)
+            if not set_to_none:
+                p.grad = torch.zeros_like(acc, device=p.device)
+        if gone is None:
+            self._pending.clear()
+            self.kept.clear()
+        else:
             for landed in self._pending.values():
                 landed[:] = [p for p in landed if p not in gone]
             self.kept -= gone  # (torch's zero_grad clears or zeroes their .grad)
-            if not self.kept:
-                self._kept_buckets.clear()
-                self._kept_bytes = 0
-            return
-        if not set_to_none:
-            for p, acc in self.host.items():
-                p.grad = torch.zeros_like(acc, device=p.device)
-        self.host.clear()
-        self.kept.clear()
-        self._kept_buckets.clear()
-        self._kept_bytes = 0
-        self._pending.clear()
+        if not self.kept:  # the window's budget is free again
+            self._kept_buckets.clear()
+            self._kept_bytes = 0
