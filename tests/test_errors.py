@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -109,10 +110,11 @@ def test_not_a_module():
         layeropt.attach([torch.zeros(2, requires_grad=True)])  # type: ignore[arg-type]
 
 
-def test_bad_bucket_cap():
+@pytest.mark.parametrize("cap, error", [(-1, ValueError), (None, TypeError), ("1", TypeError)])
+def test_bad_bucket_cap(cap: Any, error: type[Exception]):
     m = _mlp()
-    with pytest.raises(ValueError, match="bucket_cap_mb"):
-        layeropt.attach(m, layeropt.Adam(m.parameters()), bucket_cap_mb=-1)
+    with pytest.raises(error, match="bucket_cap_mb"):
+        layeropt.attach(m, layeropt.Adam(m.parameters()), bucket_cap_mb=cap)
 
 
 @pytest.mark.parametrize(

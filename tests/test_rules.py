@@ -837,6 +837,51 @@ def test_a_wrapper_with_its_own_step_around_a_layeropt_optimizer_is_refused():
         layeropt.attach(m, Lookahead(layeropt.AdamW(m.parameters())))
 
 
+class _Lookahead(torch.optim.Optimizer):
+    """timm's Lookahead in short: the base optimizer's step, then every ``k``-th step the
+    weights move halfway back to their slow copies (in the shared per-parameter state)."""
+
+    def __init__(self, base: torch.optim.Optimizer, k: int = 2) -> None:
+        self.base, self.k, self.defaults = base, k, base.defaults
+        self.param_groups, self.state = base.param_groups, base.state
+        self._optimizer_step_pre_hooks: dict[int, Any] = {}
+        self._optimizer_step_post_hooks: dict[int, Any] = {}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        self.base.step()
+        for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
+            state = self.state[p]
+            slow = state.setdefault("slow", p.detach().clone())
+            state["lookahead_step"] = state.get("lookahead_step", 0) + 1
+            if state["lookahead_step"] % self.k == 0:
+                slow.add_(p - slow, alpha=0.5)
+                p.copy_(slow)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.base.zero_grad(set_to_none)
+
+
+def test_in_backward_wrapper_around_a_torch_optimizer_is_exact():
+    """in_backward(Lookahead)(torch.optim.AdamW(...)): the wrapper's step calls its base's
+    step on the stepped bucket; the check for a second optimizer skipping freed parameters
+    took that call for one and refused every bucket after the first."""
+    runs = []
+    for lo in (False, True):
+        m = _model()
+        opt = (layeropt.in_backward(_Lookahead) if lo else _Lookahead)(
+            torch.optim.AdamW(m.parameters(), lr=0.1))
+        if lo:
+            layeropt.attach(m, opt)
+        torch.manual_seed(1)
+        for _ in range(5):
+            m(torch.randn(4, 6)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((list(m.parameters()), opt.base.state_dict()))
+    assert_same(runs[1], runs[0])
+
+
 def test_in_backward_class_answers_as_the_class_it_wraps():
     """Tools special-case optimizers by ``str(cls)`` (the HF Trainer looks for
     "bitsandbytes" to give embeddings 32-bit state); isinstance still holds."""

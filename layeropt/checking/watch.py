@@ -50,6 +50,7 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..engine.registry import ENGINES
+from ..engine.subset import INSIDE
 from .verify import Verifier
 from ..errors import (
     ALSO_APPLIED,
@@ -165,6 +166,8 @@ def _guard_method(method: Callable[..., Any], by_norm: bool, name: str) -> Calla
 def _before_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     """torch's global step pre-hook: refuse a step that would skip a parameter another
     optimizer's attached backward updated and freed (torch would update it twice)."""
+    if INSIDE:  # (the step of an optimizer a stepped one wraps: Lookahead's base)
+        return
     inner = optimizer  # (a wrapper's step - accelerate's, Lightning's - is the one inside)
     while not hasattr(inner, "_lo_engine") and isinstance(
             getattr(inner, "optimizer", None), torch.optim.Optimizer):

@@ -124,6 +124,9 @@ class Settings:
         for name, value in values.items():
             if name not in ("bucket_cap_mb", "clip_value", "bucket_max_norm", "norm_type"):
                 raise TypeError(f"configure() got an unexpected keyword argument {name!r}")
+            if name == "bucket_cap_mb" and not isinstance(value, (int, float)):
+                raise TypeError(f"bucket_cap_mb must be a number of MiB (0: one parameter "
+                                f"per bucket; default 1.0), got {value!r}")
             if name != "norm_type" and value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         for name, value in values.items():

@@ -55,7 +55,7 @@ from ..errors import (
     SKIP_CONTRACT_ERROR,
 )
 
-__all__ = ["SubsetStepper", "narrowable"]
+__all__ = ["INSIDE", "SubsetStepper", "narrowable"]
 
 
 def narrowable(step: Callable[..., Any]) -> bool:
@@ -64,6 +64,11 @@ def narrowable(step: Callable[..., Any]) -> bool:
 
 
 _MISSING = object()
+
+#: The third-party optimizers whose own ``step`` runs now, for a subset of their parameters
+#: (innermost last): a step they call on an optimizer they wrap (Lookahead's base) is part
+#: of the update, not a second optimizer (``layeropt/checking/watch.py``).
+INSIDE: list[Any] = []
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -416,10 +421,12 @@ class SubsetStepper:
             for p in g["params"]
             if p.grad is not None and id(p) not in keep
         ]
+        INSIDE.append(optimizer)
         try:
             for p, _ in hidden:
                 p.grad = None
             self.step(optimizer)
         finally:
+            INSIDE.pop()
             for p, grad in hidden:
                 p.grad = grad
