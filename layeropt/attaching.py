@@ -23,7 +23,8 @@ from .engine.registry import hooked_by, mark_hooked, unmark_hooked
 from .checking.watch import WATCHERS
 from .errors import ATTACHED_TWICE, COMM_HOOK_ERROR, AttachError, user_frame, warn
 from .engine.landing import Bucket, Settings, drop_dead_hooks
-from .optim import InBackwardOptimizer, in_backward_spelling, live_optimizers, optimizer_list
+from .optim import (InBackwardOptimizer, check_groups, in_backward_spelling, live_optimizers,
+                    optimizer_list)
 from .checking.verify import Verifier, verify_steps
 from .checking.verify import verify as start_verifying
 
@@ -53,12 +54,7 @@ def resolve_owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer
                 f"cannot step in backward. Build it as {in_backward_spelling(cls)}(...) "
                 "(same arguments) and attach that."
             )
-        if any(g.get("differentiable", False) for g in o.param_groups):
-            raise AttachError(
-                f"{type(o).__name__}(differentiable=True) builds a graph through its "
-                "update, which cannot happen inside backward. Use differentiable=False "
-                "to attach, or keep this optimizer un-attached."
-            )
+        check_groups(o)
     return optimizers
 
 

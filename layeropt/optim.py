@@ -62,6 +62,39 @@ def _raw_step(cls: type) -> Callable[..., Any]:
     raise LayeroptError(f"{cls.__name__} has no step() method")
 
 
+def check_groups(optimizer: Optimizer) -> None:
+    """Refuse param groups whose in-backward updates could not equal torch's one ``step()``:
+    torch steps a parameter listed twice in a group twice (layeropt once per gradient);
+    a ``differentiable`` update builds a graph; torch's Adafactor with ``eps[0]=None``
+    takes one epsilon per call from the dtype of its first parameter, so a group mixing
+    dtypes gets the epsilon of whichever parameter a call starts with."""
+    name = type(optimizer).__name__
+    for i, g in enumerate(optimizer.param_groups):
+        if g.get("differentiable", False):
+            raise AttachError(
+                f"{name}(differentiable=True) builds a graph through its update, which "
+                "cannot happen inside backward. Use differentiable=False to attach, or keep "
+                "this optimizer un-attached.")
+        params = g["params"]
+        if len({id(p) for p in params}) < len(params):
+            raise AttachError(
+                f"param group {i} of {name} lists a parameter more than once: torch.optim "
+                "updates it once per listing in each step() (and warns that this will be an "
+                "error), layeropt once per gradient. List each parameter once (e.g. "
+                "deduplicate with dict.fromkeys(params)).")
+        eps = g.get("eps")
+        dtypes = {p.dtype for p in params if p.requires_grad}
+        if (isinstance(optimizer, getattr(torch.optim, "Adafactor", ())) and len(dtypes) > 1
+                and isinstance(eps, (tuple, list)) and eps and eps[0] is None):
+            raise AttachError(
+                f"param group {i} of {name} mixes parameter dtypes "
+                f"({', '.join(sorted(str(d) for d in dtypes))}) with eps[0]=None: torch's "
+                "Adafactor then takes one epsilon per step() from the dtype of the first "
+                "parameter it updates, which differs between a whole step and one layer's. "
+                "Give eps a number (e.g. eps=(torch.finfo(torch.bfloat16).eps, 1e-3)) or put "
+                "each dtype in its own param group.")
+
+
 class InBackwardOptimizer(Optimizer):
     """Mixin that gives a ``torch.optim.Optimizer`` subclass in-backward updates.
 
@@ -191,8 +224,24 @@ class InBackwardOptimizer(Optimizer):
         """Torch's ``add_param_group``; attached models hook the new parameters."""
         super().add_param_group(param_group)
         self._lo_group_index = None
+        if self.__dict__.get("_lo_engine") is not None and self.attached:
+            try:
+                check_groups(self)
+            except AttachError:
+                self.param_groups.pop()  # (refused: the optimizer as it was)
+                self._lo_group_index = None
+                raise
         if hasattr(self, "_lo_engine"):
             self._lo_engine.on_param_groups_changed()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's ``state_dict``, its ``state`` in parameter order as torch's usually is
+        (in-backward updates create the state in the order gradients land)."""
+        out = super().state_dict()
+        state = out.get("state")
+        if isinstance(state, dict) and all(type(k) is int for k in state):  # (torch's keys)
+            out["state"] = dict(sorted(state.items()))
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Torch's ``load_state_dict`` (same format both ways)."""

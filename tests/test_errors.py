@@ -139,11 +139,37 @@ def test_invalid_hyperparameters_raise_like_torch(kw, match):
         layeropt.Adam(m.parameters(), **kw)
 
 
-def test_differentiable_optimizer_cannot_attach():
-    m = _mlp()
-    opt = layeropt.Adam(m.parameters(), differentiable=True)
-    with pytest.raises(AttachError, match="differentiable"):
-        layeropt.attach(m, opt)
+# param groups whose in-backward updates cannot equal torch's step(): the optimizer over
+# ``ps``, the parameters of a bf16 and a float32 Linear; the error's words
+GROUP_REFUSALS = {
+    "differentiable": (lambda ps: layeropt.Adam(ps, differentiable=True), "differentiable"),
+    "parameter-listed-twice": (lambda ps: layeropt.SGD(ps + ps[:1], lr=0.1), "more than once"),
+    "adafactor-mixed-dtypes-eps-none": (lambda ps: layeropt.Adafactor(ps), "mixes parameter dtypes"),
+}
+
+
+@pytest.mark.parametrize("case", list(GROUP_REFUSALS))
+@pytest.mark.parametrize("when", ["attach", "add_param_group"])
+def test_param_groups_that_cannot_be_exact_are_refused(case: str, when: str):
+    """A parameter listed twice is stepped twice by torch (once by layeropt); Adafactor's
+    eps[0]=None takes its epsilon from the first parameter a step() call updates."""
+    if case.startswith("adafactor") and not hasattr(torch.optim, "Adafactor"):
+        pytest.skip("torch.optim.Adafactor: torch >= 2.5")
+    make, match = GROUP_REFUSALS[case]
+    m, other = (torch.nn.Sequential(torch.nn.Linear(3, 4).to(torch.bfloat16),
+                                    torch.nn.Linear(4, 2)) for _ in range(2))
+    if when == "attach":
+        with pytest.raises(AttachError, match=match):
+            layeropt.attach(m, make(list(m.parameters())))
+        return
+    made = make(list(other.parameters()))
+    refused = made.param_groups[0]  # (with that class's defaults)
+    opt = type(made)(m[1].parameters(), lr=0.1)  # (one dtype, each parameter once)
+    layeropt.attach(m, opt)
+    before = [dict(g) for g in opt.param_groups]
+    with pytest.raises(AttachError, match=match):
+        opt.add_param_group(refused)
+    assert [dict(g) for g in opt.param_groups] == before  # refused: nothing added
 
 
 def test_failing_bucket_step_leaves_parameters_untouched():

@@ -22,6 +22,25 @@ def test_matches_torch_bitwise(cfg, model_name):
     ref, ref_opt, model, lo_opt = train_pair(model_name, opt_name, kw)
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), lo_opt.state_dict())
+    # in torch's order too (torch.save's bytes): in-backward state is made in landing order
+    assert list(lo_opt.state_dict()["state"]) == list(ref_opt.state_dict()["state"])
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch >= 2.5")
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adafactor_mixed_dtypes_with_an_epsilon_given(foreach: bool):
+    """eps[0]=None is refused with mixed dtypes (tests/test_errors.py); a number is exact."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8).to(torch.bfloat16), torch.nn.Linear(8, 3))
+
+    def loss_fn(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m[1](m[0](x.bfloat16()).float()).pow(2).mean()
+
+    kw = dict(lr=1e-2, eps=(1e-30, 1e-3), foreach=foreach)
+    ref, ref_opt, model, lo_opt = train_pair(
+        "mlp", "Adafactor", kw, model=model, loss_fn=loss_fn,
+        batch_fn=lambda gen: torch.randn(4, 6, generator=gen))
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), lo_opt.state_dict())
 
 
 @pytest.mark.parametrize("cfg", OPTIMIZER_CONFIGS, ids=config_id)

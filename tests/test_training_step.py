@@ -435,6 +435,7 @@ LATE_CHANGES = {
     "lr-set": ("lr", lambda g: g.__setitem__("lr", g["lr"] * 0.5)),
     "weight_decay-set": ("weight_decay", lambda g: g.__setitem__("weight_decay", 0.3)),
     "lr-tensor-in-place": ("lr", lambda g: g["lr"].fill_(0.002)),
+    "betas-tensor-in-place": ("betas", lambda g: g["betas"][0].fill_(0.8)),  # (was missed)
 }
 
 
@@ -442,9 +443,11 @@ LATE_CHANGES = {
 def test_hyperparameter_changed_after_backward_is_refused_at_step(case):
     """torch reads param_groups in step(); the attached backward already used them."""
     key, change = LATE_CHANGES[case]
-    lr = torch.tensor(0.01) if "tensor" in case else 0.01
+    tensors = "tensor" in case
+    lr = torch.tensor(0.01) if tensors else 0.01
+    betas = (torch.tensor(0.9), torch.tensor(0.999)) if tensors else (0.9, 0.999)
     model, batch_fn, loss_fn = make_model("mlp")
-    opt = layeropt.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    opt = layeropt.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=0.1)
     layeropt.attach(model, opt)
     gen = torch.Generator().manual_seed(1)
     loss_fn(model, batch_fn(gen)).backward()

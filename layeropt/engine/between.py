@@ -37,7 +37,13 @@ from ..errors import (
 
 # -- hyperparameters -------------------------------------------------------------
 def _key(value: Any) -> Any:
-    return (id(value), value._version) if isinstance(value, Tensor) else value
+    """What a value is compared by: a tensor by identity and version (``fill_`` on a tensor
+    ``lr``), a tuple or list by its items' keys (tensor ``betas``, a list changed in place)."""
+    if isinstance(value, Tensor):
+        return (id(value), value._version)
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(map(_key, value)))
+    return value
 
 
 def snapshot(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -48,7 +54,7 @@ def snapshot(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         values = {}
         for k, v in g.items():
             if k != "params":
-                values[k] = (id(v), v._version) if isinstance(v, Tensor) else v
+                values[k] = v if type(v) is float else _key(v)
         out.append(values)
     return out
 
@@ -60,7 +66,7 @@ def check_unchanged(before: list[dict[str, Any]], param_groups: list[dict[str, A
         for key, was in old.items():
             if key in group and _key(group[key]) != was:
                 new = group[key]
-                shown = "its old value" if isinstance(new, Tensor) else was
+                shown = "its old value" if isinstance(was, tuple) else was  # (a key)
                 raise BackwardStateError(HYPERPARAMETER_ERROR.format(
                     index=index, key=key, old=shown, new=new, where=where))
 

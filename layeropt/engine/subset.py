@@ -84,19 +84,26 @@ def _same(a: Any, b: Any) -> bool:
         )
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
+    if isinstance(a, (tuple, list)) and type(a) is type(b):  # (tensor betas: each item)
+        return len(a) == len(b) and all(map(_same, a, b))
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - an unusual value that cannot be compared
         return False
 
 
+def _copy(v: Any) -> Any:
+    """A group value as it is now: tensors copied, also inside a tuple or list (betas)."""
+    if isinstance(v, Tensor):
+        return v.detach().clone()
+    if isinstance(v, (tuple, list)) and any(isinstance(x, Tensor) for x in v):
+        return type(v)(map(_copy, v))
+    return v
+
+
 def _values(group: dict[str, Any]) -> dict[str, Any]:
     """A group's values other than ``params``; tensors copied (steps may update them in place)."""
-    return {
-        k: (v.detach().clone() if isinstance(v, Tensor) else v)
-        for k, v in group.items()
-        if k != "params"
-    }
+    return {k: _copy(v) for k, v in group.items() if k != "params"}
 
 
 def _changed(before: dict[str, Any], group: dict[str, Any]) -> list[str]:
