@@ -140,6 +140,46 @@ def test_removed_mid_training_hands_back_the_kept_zero_gradients(where, at, kind
     assert_same(lo.state_dict(), ro.state_dict(), "optimizer state")
 
 
+@pytest.mark.parametrize("then", ["torch.optim", "layeropt", "model.zero_grad"])
+@pytest.mark.parametrize("how", ["remove", "del"])
+def test_a_new_optimizer_taking_over_finds_the_kept_zero_gradients(how, then):
+    """The loop zeroes at the top with ``set_to_none=False``; after three steps a new
+    optimizer takes the model over (the old one removed, or just deleted). torch holds a
+    ``.grad`` for every parameter and the new optimizer steps a skipped layer on its zero;
+    the zeros were lost when the old one went (96 of 256 such handovers differed)."""
+    torch.manual_seed(0)
+    ref = _Branch()
+    model = copy.deepcopy(ref)
+    xs = [torch.randn(2, 4) for _ in range(6)]
+    uses = [True, False, True, False, True, False]
+
+    def train(m: nn.Module, o: Any, steps: range) -> None:
+        for i in steps:
+            if then == "model.zero_grad" and i >= 3:
+                m.zero_grad(set_to_none=False)
+            else:
+                o.zero_grad(set_to_none=False)
+            m(xs[i], uses[i]).backward()
+            o.step()
+
+    train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), range(3))
+    ro = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    train(ref, ro, range(3, 6))
+    lo = layeropt.Adam(model.parameters(), lr=1e-2)
+    handle = layeropt.attach(model, lo)
+    train(model, lo, range(3))
+    if how == "remove":
+        handle.remove()
+    del lo, handle
+    gc.collect()
+    lo = (torch.optim.Adam if then == "torch.optim" else layeropt.Adam)(model.parameters(), lr=1e-2)
+    if then != "torch.optim":
+        layeropt.attach(model, lo)
+    train(model, lo, range(3, 6))
+    _equal(model, ref)
+    assert_same(lo.state_dict(), ro.state_dict(), "optimizer state")
+
+
 def test_an_optimizer_the_user_stopped_referencing_no_longer_acts():
     """``del opt; gc.collect()`` with its attachment never removed: the next backward
     leaves its gradients to whoever steps next (one RuntimeWarning says why), and a new

@@ -84,9 +84,9 @@ def refuse_second_update(stepped: Iterable[Tensor], params: list[Tensor]) -> Non
 
 
 # -- zero_grad(set_to_none=False) ------------------------------------------------
-def kept_after_zero_grad(kept: set[int] | None, stepped: Iterable[Tensor],
-                         set_to_none: bool) -> set[int] | None:
-    """The ids of parameters torch holds a (zeroed) ``.grad`` for after this ``zero_grad``.
+def kept_after_zero_grad(kept: dict[int, Tensor] | None, stepped: Iterable[Tensor],
+                         set_to_none: bool) -> dict[int, Tensor] | None:
+    """The parameters (by id) torch holds a (zeroed) ``.grad`` for after this ``zero_grad``.
 
     ``None``: the loop sets gradients to ``None`` (the default); nothing is kept.
     Otherwise every parameter that got a gradient since the last
@@ -95,16 +95,16 @@ def kept_after_zero_grad(kept: set[int] | None, stepped: Iterable[Tensor],
     """
     if set_to_none:
         return None
-    kept = set() if kept is None else kept
-    kept.update(map(id, stepped))
+    kept = {} if kept is None else kept
+    kept.update((id(p), p) for p in stepped)
     return kept
 
 
-def unused_kept(kept: set[int] | None, stepped: Iterable[Tensor],
+def unused_kept(kept: dict[int, Tensor] | None, stepped: Iterable[Tensor],
                 param_groups: list[dict[str, Any]]) -> list[Tensor]:
     """Kept parameters the latest training step did not update (no gradient now)."""
     if not kept:
         return []
     used = set(map(id, stepped))
     return [p for g in param_groups for p in g["params"]
-            if p.grad is None and id(p) in kept and id(p) not in used]  # fmt: skip
+            if p.grad is None and kept.get(id(p)) is p and id(p) not in used]  # fmt: skip

@@ -251,15 +251,21 @@ class StepRules:
     def give_back_kept(self, owned: set[int] | None = None) -> None:
         """Torch's ``.grad`` carries the kept zero gradients from here (``owned``'s: an
         attachment is removed; all: a ``zero_grad`` with none left): a zero ``.grad`` for
-        each kept parameter that has none and was not stepped since the last ``zero_grad``
-        (torch still holds that one's gradient; the next ``zero_grad`` gives it back)."""
-        optimizer = self._optimizer()
-        if not self.kept_grads or optimizer is None:
+        each kept parameter that has none. Not yet for those the latest backward stepped
+        when no ``step()`` came after it: torch still holds their gradient, for that
+        ``step()`` (this optimizer's ``zero_grad`` gives them back). Once a ``step()``
+        came, the next ``zero_grad`` - any optimizer's, or the model's - finds zeros, as
+        it finds torch's gradients."""
+        kept = self.kept_grads
+        if not kept:
             return
-        given = [p for p in self.unused_kept(optimizer) if owned is None or id(p) in owned]
+        waiting = {id(p) for p in self._this_step()} if self.stepped_since_boundary else ()
+        held = self.stepper.held
+        given = [p for i, p in kept.items() if p.grad is None and i not in waiting
+                 and (owned is None or i in owned) and p not in held]
         for p in given:
             p.grad = torch.zeros_like(p)
-        self.kept_grads -= {id(p) for p in given}
+            del kept[id(p)]
 
     def module_zero_grad(self, params: list[Tensor], set_to_none: bool) -> None:
         """``module.zero_grad(set_to_none)`` over ``params``, before torch's: held
@@ -271,8 +277,8 @@ class StepRules:
         had = [p for p in self._this_step() + self.train_step.skipped if id(p) in ids]
         self.forget_stepped(ids)  # (torch's gradients of them are gone or zero now)
         if set_to_none:
-            if self.kept_grads:
-                self.kept_grads -= ids
+            for i in ids if self.kept_grads else ():
+                self.kept_grads.pop(i, None)
             return
         self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, had, False)
 

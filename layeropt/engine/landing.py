@@ -199,6 +199,8 @@ class Engine(Rules):
         self._places: dict[int, tuple[Settings, tuple[int, str]]] | None = None
         self.stepper: Stepper = PLAIN  # how a step call updates (features wrap it)
         Rules.__init__(self)
+        # deleted without remove(): the kept zero gradients go back to .grad, as remove()'s
+        weakref.finalize(optimizer, self.give_back_kept).atexit = False
 
     def wrap(self, outer: Wrapper) -> None:
         """Install a feature: ``outer`` wraps the stepper (``layeropt/engine/stepper.py``)."""

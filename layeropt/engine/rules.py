@@ -168,9 +168,9 @@ class Rules(StepRules):
         self.train_step = StepRecord()  # the training step in progress
         self.txn = 0  # its transaction, renewed at each backward and boundary
         self.calls: set[str] = set()  # boundary calls the loop made ("step()", "zero_grad()")
-        # zero_grad(set_to_none=False): ids of the parameters whose .grad torch would
-        # keep as zeros - and step at every step(), used or not. None: set_to_none=True.
-        self.kept_grads: set[int] | None = None
+        # zero_grad(set_to_none=False): the parameters (by id) whose .grad torch would keep
+        # as zeros - and step at every step(), used or not. None: set_to_none=True.
+        self.kept_grads: dict[int, Tensor] | None = None
         self.no_step_depth = 0  # open optimizer.no_step() contexts (> 0: hold gradients)
         self.closure_depth = 0  # inside optimizer.step(closure)
         self.measure: Measure | None = None  # layeropt.backward's measure pass
