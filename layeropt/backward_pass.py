@@ -183,29 +183,40 @@ def backward(
     # activation checkpointing update BatchNorm's running statistics) and in the .grad of
     # parameters no attached optimizer owns is undone before pass 2, which does it again,
     # as the single backward of plain training does; kept if pass 2 does not run.
+    # Other attached optimizers the backward reaches sit pass 1 out (their gradients
+    # dropped, not held: pass 2 delivers them again) and step in pass 2, unclipped.
+    others = [o._lo_engine for o in live_optimizers()
+              if o.attached and not any(o._lo_engine is e for e in engines)]
     measured: dict[Tensor, Tensor] = {}
-    buffers = _BufferSnapshot(engines)
+    buffers = _BufferSnapshot(engines + others)
     unhooked.set_aside()
 
     def undo_pass_1() -> None:
         buffers.restore()
         unhooked.restore()
 
-    ddp = TwoPasses(engines)  # DDP models: average before measuring, and again in pass 2
+    ddp = TwoPasses(engines + others)  # DDP models: average before measuring, and in pass 2
     norm = norm_type if max_norm is not None else None
     seen: set[int] = set()  # parameters with a gradient in this backward
     for e in engines:
         e.start_measure(measured, norm, inv_scale, found.get(e))
+    for e in others:
+        e.start_measure({}, None, None, None)
     try:
+        reached: list[Any] = []
         try:
             with ddp.measure():
                 loss.backward(retain_graph=True)
         finally:
-            for e in engines:
-                seen |= e.measure.seen if e.measure is not None else set()
+            for e in engines + others:
+                if e.measure is not None and e.measure.seen:
+                    seen |= e.measure.seen
+                    reached.append(e)
                 e.finish_measure()
         unhooked.measure(measured, norm, inv_scale, found, clipped)
         unhooked.refuse_strays()
+        if scaler is not None:
+            _refuse_unscaled([e for e in reached if any(e is o for o in others)])
     except BaseException:
         undo_pass_1()
         raise
@@ -371,6 +382,20 @@ class _BufferSnapshot:
             for b, version, value in self.saved:
                 if b._version != version or not torch.equal(b, value):
                     b.data.copy_(value)
+
+
+def _refuse_unscaled(engines: list[Any]) -> None:
+    """A scaled backward reached attached optimizers not given to ``layeropt.backward``:
+    they would step on gradients nobody unscales (``scaler.step(opt)`` would)."""
+    if engines:
+        names = ", ".join(type(e._optimizer()).__name__ for e in engines)
+        raise LayeroptError(
+            f"layeropt.backward(scaler=...) reached the parameters of attached optimizer(s) "
+            f"not given to it ({names}): they step in this backward on gradients still "
+            "scaled, where scaler.step(opt) would unscale them. Pass every attached optimizer "
+            "the loss reaches (optimizer=[opt1, opt2]; the default is all of them) and clip "
+            "a subset with parameters=. Nothing was updated."
+        )
 
 
 def _attached_backward(

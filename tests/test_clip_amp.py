@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -380,6 +381,51 @@ def test_backward_reaching_an_unattached_layeropt_optimizer_is_refused(how):
         scaler.update()
     assert_models_equal(model, ref)
     handle.remove()
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["one-backward", "second-held-window"])
+def test_backward_given_one_optimizer_steps_the_others_it_reaches_once(held):
+    """layeropt.backward(loss, opt1, max_norm=) clips opt1's layers only, as
+    clip_grad_norm_(opt1's parameters) would; the other attached optimizer's layers are
+    stepped on their own gradient, unclipped (they got it twice: both passes held it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    ref = copy.deepcopy(model)
+    refs = [torch.optim.Adam(ref[i].parameters(), lr=0.1) for i in (0, 2)]
+    opts = [layeropt.Adam(model[i].parameters(), lr=0.1) for i in (0, 2)]
+    layeropt.attach(model, opts)
+    batches = [torch.randn(4, 8) for _ in range(4)]
+    for step in range(2):
+        xs = batches[2 * step:2 * step + 2] if held else batches[step:step + 1]
+        for i, x in enumerate(xs):
+            (ref(x).square().mean() / len(xs)).backward()
+            last = i == len(xs) - 1
+            with contextlib.nullcontext() if last else opts[1].no_step(), (
+                    contextlib.nullcontext() if last else opts[0].no_step()):
+                loss = model(x).square().mean() / len(xs)
+                if last:
+                    layeropt.backward(loss, opts[0], max_norm=0.05)
+                else:
+                    loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref[0].parameters(), 0.05)
+        for o in refs + opts:
+            o.step()
+            o.zero_grad()
+    assert_models_equal(model, ref)
+    for o, r in zip(opts, refs):
+        assert_same(o.state_dict(), r.state_dict())
+
+
+def test_scaled_backward_reaching_an_optimizer_not_given_is_refused():
+    """Its gradients would step still scaled (scaler.step(opt) unscales them)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opts = [layeropt.SGD(model[i].parameters(), lr=0.1) for i in (0, 1)]
+    layeropt.attach(model, opts)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(layeropt.LayeroptError, match="not given to it"):
+        layeropt.backward(scaler.scale(model(torch.randn(3, 4)).sum()), opts[0], scaler=scaler)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 @pytest.mark.parametrize("opt_name", ["Adagrad", "Adam"])

@@ -75,10 +75,12 @@ class Measure:
     def take(self, param: Tensor) -> None:
         grad = param.grad
         param.grad = None
+        self.seen.add(id(param))
+        if self.norm_type is None and self.found_inf is None:
+            return  # (an engine the pass reaches without measuring it: its gradient waits)
         held = None if id(param) in self.summed else self.stash.get(param)
         # AccumulateGrad would compute held + grad; addition commutes bitwise.
         self.reduce(param, grad if held is None else held + grad)
-        self.seen.add(id(param))
 
     def take_copy(self, param: Tensor, grad: Tensor) -> None:
         """Measure a copy of ``grad`` as ``param``'s (an averaged DDP bucket's slice)."""
