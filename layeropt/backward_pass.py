@@ -78,15 +78,22 @@ def _grad_order(measured: dict[Tensor, Tensor], parameters: list[Tensor]) -> lis
     """Norms in the order ``clip_grad_norm_(parameters)`` stacks them.
 
     The total norm sums the per-tensor norms; its last bit depends on their
-    order, so it follows ``parameters``.
+    order, so it follows ``parameters``, grouped by device and dtype in the order
+    torch's own grouping gives (not first appearance: a model mixing bf16 and
+    float32 layers).
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
     seen: set[int] = set()
+    ordered = []
     for p in parameters:
         if p in measured and id(p) not in seen:
             seen.add(id(p))
-            groups.setdefault((p.device, p.dtype), []).append(measured[p])
-    return [n for ns in groups.values() for n in ns]
+            ordered.append(p)
+    if not ordered:
+        return []
+    grouped = _group_tensors_by_device_and_dtype([ordered], with_indices=True)
+    return [measured[ordered[i]] for _, (_, indices) in grouped.items() for i in indices]
 
 
 def backward(

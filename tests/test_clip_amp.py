@@ -282,6 +282,36 @@ def test_bf16_parameters_match_torch():
     assert_models_equal(ref, model)
 
 
+@pytest.mark.parametrize("first", [torch.bfloat16, torch.float32], ids=["bf16-first", "fp32-first"])
+def test_clipping_a_model_mixing_dtypes_sums_norms_in_torchs_order(first):
+    """clip_grad_norm_ groups the per-tensor norms by (device, dtype) in the order of
+    torch's grouping, not of first appearance; the total's last bits follow that order
+    (11 of 30 norms differed with bf16 layers first)."""
+    other = torch.float32 if first == torch.bfloat16 else torch.bfloat16
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8).to(d) for d in [first, other] * 6])
+    ref = copy.deepcopy(model)
+
+    def loss_fn(net: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        for layer in net:
+            x = torch.tanh(layer(x.to(layer.weight.dtype)))
+        return x.float().pow(2).sum()
+
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    norms, ref_norms = [], []
+    for i in range(12):
+        x = torch.randn(4, 8) * (1 + i % 5)
+        loss_fn(ref, x).backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        norms.append(layeropt.backward(loss_fn(model, x), max_norm=0.05))
+    assert_same(norms, ref_norms, "total norms")
+    assert_models_equal(model, ref)
+
+
 class _CheckpointedBN(torch.nn.Module):
     """A checkpointed segment with a BatchNorm: its recompute updates running stats."""
 
