@@ -176,6 +176,15 @@ def backward(
             "updated."
         )
 
+    # scaler.step(opt) on a fused optimizer not unscaled before (no clipping) divides by
+    # the scale inside the kernel (grad_scale), where unscale_ multiplies by its inverse:
+    # the two differ unless the scale is a power of two
+    fused = [o for o in optimizers if max_norm is None and scaler is not None
+             and getattr(o, "_step_supports_amp_scaling", False)]
+    unhooked.refuse_fused_unscale(fused)
+    if scaler is not None:
+        _refuse_fp16_unscale([o for o in optimizers if not any(o is f for f in fused)])
+
     inv_scale = None
     found: dict[Any, Tensor] = {}  # engine -> its inf/NaN flag (scaler.unscale_ per optimizer)
     if scaler is not None:
@@ -252,9 +261,11 @@ def backward(
         transform = Transform(inv_scale, coef, clipped)
         verifiers = {e: e.find(Verifier) for e in engines}
         verifying = {e: set(v.shadows) for e, v in verifiers.items() if v is not None}
-        with no_step_all(o for o in optimizers if o._lo_engine in skipped):
+        with no_step_all(o for o in optimizers if o._lo_engine in skipped), \
+                _grad_scale(fused, scaler, found):
             try:
-                _attached_backward(loss, engines, retain_graph, transform)
+                _attached_backward(loss, engines, retain_graph, transform,
+                                   [o._lo_engine for o in fused])
             except RuntimeError as exc:  # an op whose backward runs once (see the message)
                 if not any(s in str(exc) for s in ("second time", "called twice",
                                                    "retain_graph")):
@@ -348,6 +359,20 @@ class _Unhooked:
                 "optimizers to clip with optimizer=. Nothing was updated."
             )
 
+    def refuse_fused_unscale(self, fused: list[Any]) -> None:
+        """Their gradients are unscaled here, by multiplying; a fused optimizer's
+        ``scaler.step`` would divide in its kernel (another last bit)."""
+        engines = {id(o._lo_engine) for o in fused}
+        outside = [p for p in self.owned if id(self.owner[id(p)]) in engines]
+        if outside:
+            raise LayeroptError(
+                f"layeropt.backward(scaler=...) without max_norm: {len(outside)} parameter(s) "
+                f"(the first of shape {tuple(outside[0].shape)}) of a fused optimizer are "
+                "outside the attached model, so their gradients would be unscaled here, "
+                "where scaler.step(opt) divides by the scale inside the fused kernel. "
+                "Attach the module that holds them, or build the optimizer with "
+                "fused=False. Nothing was updated.")
+
     def restore(self) -> None:
         """Before pass 2: their .grad as before pass 1 (pass 2 accumulates it again)."""
         for p, grad in self.before.items():
@@ -391,6 +416,17 @@ class _BufferSnapshot:
                     b.data.copy_(value)
 
 
+def _refuse_fp16_unscale(optimizers: list[Any]) -> None:
+    """torch's ``scaler.unscale_`` refuses float16 gradients (``allow_fp16=False``)."""
+    for o in optimizers:
+        if any(p.dtype == torch.float16 and p.requires_grad
+               for g in o.param_groups for p in g["params"]):
+            raise ValueError(  # (torch's words first, as scaler.unscale_ raises them)
+                "Attempting to unscale FP16 gradients. GradScaler needs float32 parameters "
+                "(float16 activations come from torch.autocast); keep the parameters in "
+                "float32, or train bf16 without a scaler. Nothing was updated.")
+
+
 def _refuse_unscaled(engines: list[Any]) -> None:
     """A scaled backward reached attached optimizers not given to ``layeropt.backward``:
     they would step on gradients nobody unscales (``scaler.step(opt)`` would)."""
@@ -406,14 +442,32 @@ def _refuse_unscaled(engines: list[Any]) -> None:
 
 
 def _attached_backward(
-    loss: Tensor, engines: list[Any], retain_graph: bool | None, transform: Transform | None
+    loss: Tensor, engines: list[Any], retain_graph: bool | None, transform: Transform | None,
+    in_kernel: list[Any] = (),  # type: ignore[assignment]
 ) -> None:
     """``loss.backward()`` with the engines told they run inside layeropt.backward (and
-    the held gradients that pass did not reach stepped with ``transform``)."""
+    the held gradients that pass did not reach stepped with ``transform``); the engines
+    ``in_kernel`` leave unscaling to their fused kernel (:func:`_grad_scale`)."""
     with contextlib.ExitStack() as stack:
         for e in engines:
-            stack.enter_context(e.backward_call(transform))
+            t = transform
+            if t is not None and any(e is k for k in in_kernel):
+                t = t._replace(inv_scale=None)
+            stack.enter_context(e.backward_call(t))
         loss.backward(retain_graph=retain_graph)
+
+
+@contextlib.contextmanager
+def _grad_scale(optimizers: list[Any], scaler: Any, found: dict[Any, Tensor]) -> Any:
+    """The fused optimizers' steps in this pass unscale in their kernel, as
+    ``scaler.step(opt)`` sets them to (``grad_scale``, ``found_inf``)."""
+    for o in optimizers:
+        o.grad_scale, o.found_inf = scaler._scale, found[o._lo_engine]
+    try:
+        yield
+    finally:
+        for o in optimizers:
+            del o.grad_scale, o.found_inf
 
 
 def _resolve(optimizer: Any) -> list[InBackwardOptimizer]:

@@ -144,21 +144,24 @@ def test_one_step_call_mixing_two_attachments_clips_each_by_its_own(second, cap)
 
 
 def _scaler(**kw):
-    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, **kw)
+    return torch.amp.GradScaler("cpu", **{"init_scale": 2.0**10, "growth_interval": 2, **kw})
 
 
+@pytest.mark.parametrize("init_scale", [2.0**10, 1000.0], ids=["scale-2^10", "scale-1000"])
 @pytest.mark.parametrize("clip", [None, 0.5])
 @pytest.mark.parametrize("cfg", REPRESENTATIVE, ids=config_id)
-def test_grad_scaler_finite_run_equals_torch(cfg, clip):
+def test_grad_scaler_finite_run_equals_torch(cfg, clip, init_scale):
+    """torch's recipe: unscale_ only to clip. Without it a fused optimizer divides by the
+    scale in its kernel (unscale_ multiplies by the inverse; equal for powers of two)."""
     opt_name, kw = cfg
     model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair("mlp", opt_name, kw, attach={})
-    ref_scaler, scaler = _scaler(), _scaler()
+    ref_scaler, scaler = _scaler(init_scale=init_scale), _scaler(init_scale=init_scale)
     gen = torch.Generator().manual_seed(0)
     for _ in range(5):
         data = batch_fn(gen)
         ref_scaler.scale(loss_fn(ref, data)).backward()
-        ref_scaler.unscale_(ref_opt)
         if clip:
+            ref_scaler.unscale_(ref_opt)
             torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         ref_scaler.step(ref_opt)
         ref_scaler.update()
@@ -167,9 +170,26 @@ def test_grad_scaler_finite_run_equals_torch(cfg, clip):
         scaler.step(opt)
         scaler.update()
         assert scaler.get_scale() == ref_scaler.get_scale()
-    assert scaler.get_scale() > 2.0**10  # the scale grew on schedule
+    assert scaler.get_scale() > init_scale  # the scale grew on schedule
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_grad_scaler_with_float16_parameters_raises_as_torch():
+    """torch's scaler.unscale_ (in scaler.step) refuses float16 gradients; layeropt trained."""
+    model = torch.nn.Linear(8, 4).half()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8).half()
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients") as torch_err:
+        scaler.scale(ref(x).float().square().mean()).backward()
+        scaler.step(torch.optim.SGD(ref.parameters(), lr=0.1))
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=str(torch_err.value)):
+        layeropt.backward(scaler.scale(model(x).float().square().mean()), scaler=scaler)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 @pytest.mark.parametrize("cfg", REPRESENTATIVE, ids=config_id)
