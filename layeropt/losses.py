@@ -183,7 +183,8 @@ def linear_cross_entropy(
         bias: optional ``(V,)`` bias.
         chunk_size: rows per chunk; default :func:`default_chunk_size`.
         ignore_index: target value that adds no loss and no gradient.
-        reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"``.
+        reduction: ``"mean"`` (over non-ignored rows; with none, NaN and zero
+            gradients, as ``F.cross_entropy``), ``"sum"`` or ``"none"``.
         label_smoothing: as in ``F.cross_entropy``.
         impl: ``"torch"`` uses ``F.linear_cross_entropy`` (torch >= 2.13,
             ``label_smoothing == 0``); ``"chunked"`` uses layeropt's own
@@ -227,6 +228,9 @@ def linear_cross_entropy(
     chunk = chunk_size or default_chunk_size(h2.shape[0], weight.shape[1], weight.shape[0])
     chunk = min(chunk, max(h2.shape[0], 1))
     if impl == "torch" or (impl == "auto" and native_ok):
+        if reduction == "mean":
+            no_targets = (t1 == ignore_index).all()
+            h2, weight, bias = _ZeroGradWithoutTargets.apply(no_targets, h2, weight, bias)
         out = F.linear_cross_entropy(
             h2, weight, t1, linear_bias=bias, reduction=reduction, ignore_index=ignore_index,
             options=nn.LinearCrossEntropyOptions(batch_chunk_size=chunk),
@@ -251,6 +255,30 @@ def _check_options(
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
+class _ZeroGradWithoutTargets(torch.autograd.Function):
+    """Identity; zeroes the gradients in backward when no row has a target.
+
+    torch's op divides by the number of counted rows when it precomputes the
+    mean's gradients, so with none it returns NaN gradients where
+    ``F.cross_entropy`` returns zeros (one all-prompt micro-batch would turn
+    the weights NaN). The flag stays a tensor, so this needs no host sync.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, no_targets: Tensor, *xs: Tensor | None) -> tuple[Tensor | None, ...]:
+        ctx.set_materialize_grads(False)  # no zero tensors for inputs without grad
+        ctx.save_for_backward(no_targets)
+        return xs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        (no_targets,) = ctx.saved_tensors
+        # In place: the op's backward hands over fresh tensors, and a copy of the
+        # weight-sized gradient would raise the peak.
+        return (None, *(g if g is None else g.masked_fill_(no_targets, 0) for g in grads))
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -294,8 +322,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
         chunk, eps, n = ctx.chunk, ctx.eps, hidden.shape[0]
         acc = lse.dtype
         if ctx.reduction == "mean":
-            grad_out = grad_out / valid.sum()
-        scale = (grad_out.to(acc).expand(n) * valid).unsqueeze(1)  # ignored rows: 0
+            grad_out = grad_out / valid.sum()  # inf when every row is ignored
+        # where, not `* valid`: ignored rows get exactly 0 even then (inf * 0 is NaN)
+        scale = torch.where(valid, grad_out.to(acc).expand(n), 0.0).unsqueeze(1)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         gh = torch.empty_like(hidden) if need_h else None
         gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None

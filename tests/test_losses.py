@@ -324,6 +324,60 @@ def test_linear_cross_entropy_all_ignored(impl):
         assert torch.all(g == 0)
 
 
+# (bias, reduction, label_smoothing, chunk_size, dtype): every target ignored, e.g. a
+# micro-batch that is all prompt. The mean is 0/0 = NaN but its gradients are zeros.
+ALL_IGNORED_CASES = [
+    (True, "mean", 0.0, 3, torch.float32),
+    (False, "mean", 0.0, None, torch.float32),
+    (True, "mean", 0.0, 1, torch.float64),
+    (True, "mean", 0.1, 3, torch.float32),
+    (True, "sum", 0.0, 3, torch.float32),
+    (False, "sum", 0.1, 4, torch.float64),
+    (True, "none", 0.0, 3, torch.float32),
+    (True, "none", 0.2, 5, torch.float64),
+]
+ALL_IGNORED_PARAMS = [
+    (i, c) for i in IMPLS for c in ALL_IGNORED_CASES if not (i == "torch" and c[2])
+]
+
+
+def _same_with_nan(a: Tensor, b: Tensor) -> bool:
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@pytest.mark.parametrize("impl,case", ALL_IGNORED_PARAMS, ids=_case_id)
+def test_linear_cross_entropy_all_ignored_matches_cross_entropy_exactly(impl, case):
+    """Values and gradients bit for bit: one NaN gradient would make the weights NaN."""
+    bias, reduction, smoothing, chunk, dtype = case
+    h, w, b, t = _lce_inputs(2 * 7, 8, 11, bias, dtype)
+    h3, t2 = h.detach().reshape(2, 7, 8).requires_grad_(), t.reshape(2, 7).fill_(-100)
+    inputs = (h3, w) if b is None else (h3, w, b)
+    ref = F.cross_entropy(
+        F.linear(h3, w, b).transpose(1, 2), t2, reduction=reduction, label_smoothing=smoothing
+    )
+    out = linear_cross_entropy(
+        h3, w, t2, b, chunk_size=chunk, reduction=reduction, label_smoothing=smoothing, impl=impl
+    )
+    assert out.shape == ref.shape and out.dtype == ref.dtype and _same_with_nan(out, ref)
+    assert torch.isnan(out).all() if reduction == "mean" else torch.all(out == 0)
+    grad_out = -2.5 * torch.ones_like(ref)  # a scaled, negative upstream gradient
+    ref_grads = torch.autograd.grad(ref, inputs, grad_out)
+    for name, g, r in zip("hwb", torch.autograd.grad(out, inputs, grad_out), ref_grads):
+        assert torch.equal(g, r) and torch.all(r == 0), f"grad of {name}: {g}"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_all_ignored_micro_batch_leaves_weights_finite(impl):
+    """An all-prompt micro-batch accumulated with a real one: the update stays finite."""
+    h, w, _, t = _lce_inputs(12, 8, 20, False, torch.float32, ignore_every=3)
+    ref_w = w.detach().clone().requires_grad_()
+    prompt = torch.full_like(t, -100)
+    for targets in (prompt, t):
+        linear_cross_entropy(h, w, targets, chunk_size=5, impl=impl).backward()
+        F.cross_entropy(F.linear(h, ref_w), targets).backward()
+    assert torch.isfinite(w.grad).all() and rel(w.grad, ref_w.grad) <= 1e-6
+
+
 def test_chunked_fallback_never_calls_torch_op(monkeypatch):
     """The fallback (torch < 2.13, or label smoothing) must work with no native op."""
 
