@@ -154,6 +154,14 @@ HYPERPARAMETER_ERROR = (
     "scheduler.step() after optimizer.step() (its documented place)."
 )
 
+LOAD_BETWEEN_ERROR = (
+    "{name}.load_state_dict() between an attached backward and step(): that backward "
+    "already updated the parameters and this state, so the load would drop its update "
+    "(torch's step() applies it to the loaded state). Load before backward (at the top "
+    "of the iteration), or after step(); to roll back a bad step, call step() and "
+    "zero_grad() first, then load both the model and the optimizer. Nothing was loaded."
+)
+
 SECOND_UPDATE_ERROR = (
     "step() found a gradient on {n} parameter(s) (the first of shape {shape}) that "
     "the attached backward already updated in this training step: code between "

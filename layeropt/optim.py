@@ -24,7 +24,8 @@ from torch.optim import Optimizer
 
 from .engine.registry import ENGINES
 from .engine.subset import SubsetStepper, narrowable
-from .errors import WRAPPED_STEP_ERROR, AttachError, LayeroptError
+from .errors import (LOAD_BETWEEN_ERROR, WRAPPED_STEP_ERROR, AttachError, BackwardStateError,
+                     LayeroptError)
 from .engine.landing import Engine
 
 __all__ = [
@@ -244,7 +245,11 @@ class InBackwardOptimizer(Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Torch's ``load_state_dict`` (same format both ways)."""
+        """Torch's ``load_state_dict`` (same format both ways); refused between an attached
+        backward that stepped and ``step()`` (it would drop that backward's update)."""
+        engine = self._lo_engine
+        if engine.attachments and engine.stepped_since_boundary:
+            raise BackwardStateError(LOAD_BETWEEN_ERROR.format(name=type(self).__name__))
         with self._lo_engine.stepper.loading(self):  # (offloaded state: loads to the host)
             super().load_state_dict(state_dict)
         self._lo_group_index = None

@@ -7,6 +7,7 @@ or checks that layeropt refuses it loudly with nothing of the step applied.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -457,6 +458,25 @@ def test_hyperparameter_changed_after_backward_is_refused_at_step(case):
     opt.zero_grad()  # the loop can go on (nothing is left to compare)
     loss_fn(model, batch_fn(gen)).backward()
     opt.step()
+
+
+def test_optimizer_state_loaded_between_backward_and_step_is_refused():
+    """torch's step() applies the gradient to the loaded state; the attached backward
+    already applied it, and the load would have dropped that update (a rollback)."""
+    model, batch_fn, loss_fn = make_model("mlp")
+    opt = layeropt.Adam(model.parameters(), lr=0.01)
+    layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    saved = copy.deepcopy(opt.state_dict())
+    loss_fn(model, batch_fn(gen)).backward()
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(layeropt.BackwardStateError, match="load_state_dict"):
+        opt.load_state_dict(saved)
+    assert_same(opt.state_dict(), before)  # nothing was loaded
+    opt.step()
+    opt.zero_grad()
+    opt.load_state_dict(saved)  # after step(): torch's semantics, allowed
+    assert_same(opt.state_dict(), saved)
 
 
 def test_scheduler_before_step_is_refused_and_after_step_is_exact():
