@@ -257,24 +257,48 @@ def checkpoint_modules(
     wrapped = []
     for name, module in chosen:
         if getattr(module.forward, "_layeropt_checkpointed", False):
-            raise ValueError(f"module {name!r} is already checkpointed; remove() the first handle.")
+            raise ValueError(
+                f"module {name!r} is already checkpointed; remove() the handle that wrapped "
+                "it first (a copy or an unpickled model is checkpointed as its original: to "
+                "undo it there, copy the handle along: copy.deepcopy((model, handle)))")
         previous = module.__dict__.get("forward")
         wrapped.append((name, module, previous))
-        module.forward = _checkpointed(module, previous, use_reentrant, checkpoint_kwargs)
+        module.forward = _Checkpointed(module, previous, use_reentrant, checkpoint_kwargs)
     return CheckpointHandle(wrapped)
 
 
-def _checkpointed(module: nn.Module, previous: Any, use_reentrant: bool,
-                  options: dict[str, Any]) -> Any:
-    """``module``'s forward under :func:`checkpoint`. It refers to the module weakly: the
-    module keeps it, and a cycle would free the model only at a garbage collection
-    (torch.optim's models go at ``del``)."""
-    ref = weakref.ref(module)
+class _Checkpointed:
+    """A checkpointed module's ``forward``: ``previous`` (the instance's own forward, or
+    None: its class's) run under :func:`checkpoint`.
 
-    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
-        own = ref()
-        forward = previous if previous is not None else type(own).forward.__get__(own)
-        return checkpoint(forward, *args, use_reentrant=use_reentrant, **options, **kwargs)
+    It refers to the module weakly: the module keeps it in its ``__dict__``, and a
+    cycle would free the model only at a garbage collection (torch.optim's models go
+    at ``del``). A class, not a closure, so that it follows its module: a closure is
+    copied by reference - a ``copy.deepcopy`` of the model (an EMA, a teacher) ran the
+    original's layers - and cannot be pickled. ``__reduce__`` gives the module to
+    rebuild it with, so ``copy.deepcopy`` (through its memo) and ``pickle`` /
+    ``torch.save`` rebind it to the copy's module: a copy is checkpointed the same
+    way, on its own weights. To undo it on a copy, copy the handle along:
+    ``copy.deepcopy((model, handle))``.
+    """
 
-    checkpointed_forward._layeropt_checkpointed = True  # type: ignore[attr-defined]
-    return checkpointed_forward
+    _layeropt_checkpointed = True
+
+    def __init__(self, module: nn.Module, previous: Any, use_reentrant: bool,
+                 options: dict[str, Any]) -> None:
+        self.module_ref = weakref.ref(module)
+        self.previous = previous
+        self.use_reentrant = use_reentrant
+        self.options = options
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        own = self.module_ref()
+        if own is None:
+            raise ReferenceError("this checkpointed forward's module was freed: call the "
+                                 "module itself, not a forward kept (or copied) apart from it")
+        forward = self.previous if self.previous is not None else type(own).forward.__get__(own)
+        return checkpoint(forward, *args, use_reentrant=self.use_reentrant, **self.options,
+                          **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return type(self), (self.module_ref(), self.previous, self.use_reentrant, self.options)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import fnmatch
 import functools
+import io
+import pickle
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -728,6 +730,78 @@ def test_a_checkpointed_model_is_freed_when_a_plain_one_is(attached):
             gc.enable()
 
     assert freed_at_once(True) == freed_at_once(False) is True
+
+
+class _Counted(nn.Linear):
+    """A Linear that counts its forward runs (checkpointed: 2 per training step)."""
+
+    runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return super().forward(x)
+
+
+def _pickled(obj: Any) -> Any:
+    return pickle.loads(pickle.dumps(obj))
+
+
+def _torch_saved(obj: Any) -> Any:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+COPIES = [copy.deepcopy, _pickled, _torch_saved]
+
+
+@pytest.mark.parametrize("instance_forward", [False, True], ids=["class-forward", "partial"])
+@pytest.mark.parametrize("make_copy", COPIES, ids=lambda f: f.__name__.strip("_"))
+def test_a_copy_of_a_checkpointed_model_is_checkpointed_on_its_own_weights(
+        make_copy, instance_forward):
+    """A copy of an attached, checkpointed model (an EMA, a teacher, a saved model) trains
+    as the same model without layeropt does, checkpointed (2 forward runs per step), and
+    leaves the original as it was; each handle undoes its own model only. The wrapped
+    forward was a closure over the original module: a deepcopy ran the original's layers
+    (and stepped them through its attached optimizer), pickling failed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Counted(8, 16), nn.Tanh(), _Counted(16, 4))
+    if instance_forward:  # kept under the wrapping (accelerate's hooks set one like this)
+        model[0].forward = functools.partial(_Counted.forward, model[0])
+    ref = copy.deepcopy(model)  # never wrapped, trained by torch
+    opt = layeropt.Adam(model.parameters(), lr=1e-2)
+    layeropt.attach(model, opt)
+    handle = checkpoint_modules(model, types=_Counted)
+    original = copy.deepcopy(model.state_dict())
+    ema, ema_handle = make_copy((model, handle))
+    ref_opt, ema_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref, ema))
+
+    def train(steps: int) -> None:
+        for step in range(steps):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            for m, o in ((ref, ref_opt), (ema, ema_opt)):
+                m(x).pow(2).mean().backward()
+                o.step()
+                o.zero_grad()
+        assert_models_equal(ref, ema)
+        assert_same(ref_opt.state_dict(), ema_opt.state_dict())
+
+    train(3)
+    assert (ema[0].runs, ema[2].runs, ref[0].runs) == (6, 6, 3)  # the copy recomputes
+    assert_same(original, model.state_dict())
+    with pytest.raises(ValueError, match="copy the handle along"):
+        checkpoint_modules(ema, types=_Counted)
+    ema_handle.remove()  # the copy unwrapped, on its own weights still
+    assert "forward" not in ema[2].__dict__
+    train(1)
+    assert (ema[0].runs, ref[0].runs) == (7, 4)
+    model[0].runs = 0
+    model(torch.randn(4, 8)).sum().backward()  # the original still checkpointed
+    assert model[0].runs == 2
+    handle.remove()
+    assert "forward" not in model[2].__dict__
+    assert (model[0].__dict__.get("forward") is not None) == instance_forward
 
 
 # -- the step of a gradient a pin held: outside the recomputation that released it ----

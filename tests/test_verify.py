@@ -11,7 +11,10 @@
 from __future__ import annotations
 
 import copy
+import gc
+import io
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -376,6 +379,75 @@ def test_a_detached_verifier_no_longer_acts():
         model(torch.randn(4, 3))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert not model._forward_pre_hooks
+
+
+def _train(model: torch.nn.Module, opt: Any, step: int) -> None:
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _torch_saved(model: torch.nn.Module) -> torch.nn.Module:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def _copied_then_verified(make_copy: Callable[[Any], Any]) -> Callable[..., Any]:
+    def case(model: torch.nn.Module, held: dict[str, Any]) -> torch.nn.Module:
+        twin = make_copy(model)  # (an EMA, a saved model) with the verifier's forward hook
+        for step in (1, 2):  # verification ends: the verifier goes
+            _train(model, held["opt"], step)
+        return twin
+    return case
+
+
+def _optimizer_deleted(detach: bool) -> Callable[..., Any]:
+    def case(model: torch.nn.Module, held: dict[str, Any]) -> torch.nn.Module:
+        if detach:
+            held["handle"].remove()
+        held.clear()  # the optimizer (its verifier) deleted while verifying
+        return model
+    return case
+
+
+# how a verifier is abandoned -> the model its forward hook was left on, to train on
+ABANDONED = {
+    "deepcopy made while verifying": _copied_then_verified(copy.deepcopy),
+    "torch.save made while verifying": _copied_then_verified(_torch_saved),
+    "detached, then its optimizer deleted": _optimizer_deleted(detach=True),
+    "its optimizer deleted while attached": _optimizer_deleted(detach=False),
+}
+
+
+@pytest.mark.filterwarnings("ignore:the layeropt optimizer attached to these parameters was")
+@pytest.mark.parametrize("case", list(ABANDONED))
+def test_a_forward_hook_of_an_abandoned_verifier_does_nothing(case):
+    """After one verified step, the verifier is abandoned (table); the model its forward
+    pre-hook was left on then trains with torch.optim exactly as the same model trained
+    by torch alone. The hook returned ``False`` once its verifier was gone, which torch
+    passed to forward as its arguments: ``linear(): argument 'input' must be Tensor``
+    (and a lambda could not be pickled by ``torch.save``)."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    held: dict[str, Any] = {"opt": layeropt.AdamW(model.parameters(), lr=1e-3)}
+    held["handle"] = layeropt.attach(model, held["opt"], verify=2)
+    _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (LAYEROPT_VERIFY: 2 training steps ... equal)
+        _train(model, held["opt"], 0)
+        twin = ABANDONED[case](model, held)
+    gc.collect()
+    ref_opt, twin_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, twin))
+    for step in (3, 4):
+        _train(ref, ref_opt, step)
+        _train(twin, twin_opt, step)
+    for p, q in zip(twin.parameters(), ref.parameters()):
+        test_rules.assert_same(p.detach(), q.detach(), case)
+    test_rules.assert_same(twin_opt.state_dict(), ref_opt.state_dict())
+    assert twin is not model or not model._forward_pre_hooks  # gone with the verifier
 
 
 def test_gradients_zeroed_in_place_by_hand_verify_clean():

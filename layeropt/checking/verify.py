@@ -146,6 +146,36 @@ def _report_unfinished() -> None:
         warn(VERIFY_ENDED.format(n=v.done, total=v.done + v.left, pending=pending))
 
 
+def _remove_hooks(handles: dict[int, Any]) -> None:
+    for handle in handles.values():
+        handle.remove()
+    handles.clear()
+
+
+class _ForwardWatch:
+    """The forward pre-hook :meth:`Verifier._watch_forwards` puts on an attached model:
+    calls the verifier's :meth:`~Verifier.on_forward`, and returns None - whatever else a
+    pre-hook returns, torch passes to ``forward`` as its arguments (a lambda returning
+    ``False`` once the verifier was gone ran ``forward(False)``).
+
+    Inert on any other module and once the verifier is gone: a ``copy.deepcopy`` of
+    the model (an EMA) copies its hooks, and its forward must not settle the original's
+    step. A copy or a pickle of the hook itself (``torch.save(model)``) is inert.
+    """
+
+    def __init__(self, verifier: Verifier | None = None, model: Any = None) -> None:
+        self.refs = None if verifier is None else (weakref.ref(verifier), weakref.ref(model))
+
+    def __call__(self, module: Any, args: Any) -> None:
+        if self.refs is not None and module is self.refs[1]():
+            verifier = self.refs[0]()
+            if verifier is not None:
+                verifier.on_forward()
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return type(self), ()
+
+
 class Verifier(Wrapper):
     """The first ``steps`` training steps of one optimizer, run both ways (module docstring).
 
@@ -167,6 +197,8 @@ class Verifier(Wrapper):
         self.shadows: dict[Tensor, _Shadow] = {}  # this training step's in-backward updates
         self.unzeroed: dict[int, Tensor] = {}  # id(param) -> its .grad after the last step()
         self.forward_hooks: dict[int, Any] = {}  # id(model) -> its forward pre-hook's handle
+        # (a verifier dropped while verifying, its optimizer deleted: its hooks go with it)
+        weakref.finalize(self, _remove_hooks, self.forward_hooks)
         _ACTIVE.add(self)
 
     # -- the stepper ---------------------------------------------------------------
@@ -293,9 +325,8 @@ class Verifier(Wrapper):
         for attachment in list(self.engine.attachments):
             model = attachment.model
             if model is not None and id(model) not in self.forward_hooks:
-                ref = weakref.ref(self)
                 self.forward_hooks[id(model)] = model.register_forward_pre_hook(
-                    lambda *_: (v := ref()) is not None and v.on_forward())
+                    _ForwardWatch(self, model))
 
     def on_forward(self) -> None:
         """An attached model's forward begins: apply a pending step (:meth:`settle`);
@@ -311,9 +342,7 @@ class Verifier(Wrapper):
 
     def _unwatch(self) -> None:
         _ACTIVE.discard(self)
-        for handle in self.forward_hooks.values():
-            handle.remove()
-        self.forward_hooks.clear()
+        _remove_hooks(self.forward_hooks)
 
     def _apply(self, optimizer: Any) -> None:
         """Torch's own step on what the loop left in ``.grad``, then the comparison with
