@@ -21,7 +21,8 @@ from .distributed.fsdp_offload import check_fsdp2_offload
 from .engine.boundaries import refuse_open_updates, take_over
 from .engine.registry import hooked_by, mark_hooked, unmark_hooked
 from .checking.watch import WATCHERS
-from .errors import ATTACHED_TWICE, COMM_HOOK_ERROR, AttachError, user_frame, warn
+from .errors import (ATTACHED_TWICE, COMM_HOOK_ERROR, NO_OWNER_ERROR, NOT_LEAF_ERROR,
+                     OWNED_TWICE_ERROR, SPARSE_MODULE_ERROR, AttachError, user_frame, warn)
 from .engine.landing import Bucket, Settings, drop_dead_hooks
 from .optim import (InBackwardOptimizer, check_groups, in_backward_spelling, live_optimizers,
                     optimizer_list)
@@ -39,11 +40,7 @@ def resolve_owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer
         params = list(model.parameters())
         optimizers = [o for o in live_optimizers() if any(o.owns(p) for p in params)]
         if not optimizers:
-            raise AttachError(
-                "no layeropt optimizer owns any parameter of this model. Create one "
-                "first, e.g. opt = layeropt.Adam(model.parameters()), then call "
-                "layeropt.attach(model, opt)."
-            )
+            raise AttachError(NO_OWNER_ERROR)
     else:
         optimizers = optimizer_list(optimizer)
     for o in optimizers:
@@ -60,17 +57,9 @@ def resolve_owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer
 
 def _check_param(name: str, p: Tensor, module: nn.Module) -> None:
     if not p.is_leaf:
-        raise AttachError(
-            f"parameter {name!r} is not a leaf tensor, so autograd never accumulates "
-            "its gradient. Make it an nn.Parameter (or a leaf with requires_grad=True)."
-        )
+        raise AttachError(NOT_LEAF_ERROR.format(name=name))
     if isinstance(module, _SPARSE_MODULES) and getattr(module, "sparse", False):
-        raise AttachError(
-            f"parameter {name!r} belongs to {type(module).__name__}(sparse=True), whose "
-            "gradients are sparse; layeropt steps dense gradients only. Set "
-            "sparse=False, or give this parameter to a separate plain torch.optim "
-            "optimizer (e.g. torch.optim.SparseAdam)."
-        )
+        raise AttachError(SPARSE_MODULE_ERROR.format(name=name, module=type(module).__name__))
 
 
 def layer_buckets(
@@ -94,11 +83,7 @@ def layer_buckets(
                 continue
             full = f"{mod_name}.{p_name}" if mod_name else p_name
             if len(owners) > 1:
-                raise AttachError(
-                    f"parameter {full!r} is owned by {len(owners)} layeropt optimizers, "
-                    "so it would be stepped twice per backward. Give each parameter "
-                    "to one optimizer (use param groups for different settings)."
-                )
+                raise AttachError(OWNED_TWICE_ERROR.format(name=full, n=len(owners)))
             _check_param(full, p, module)
             seen.add(id(p))
             own.setdefault(id(owners[0]), (owners[0], []))[1].append(p)
@@ -270,6 +255,20 @@ class Attachment:
                 if p.requires_grad is not trainable:
                     changed = True
                     break
+        for ref in self._optimizers:  # param_groups edited in place (not add_param_group)
+            o = ref()
+            if o is None or o._lo_group_index is None:
+                continue
+            seen, groups = o._lo_groups_seen, o.param_groups
+            same = len(seen) == len(groups)
+            for ids, g in zip(seen, groups) if same else ():
+                if ids != tuple(map(id, g["params"])):
+                    same = False
+                    break
+            if not same:  # (the index is rebuilt from them; the hooks follow)
+                o._lo_group_index = None
+                o._lo_engine.on_param_groups_changed(in_backward)
+                changed = True
         if not changed:
             return False
         if in_backward:

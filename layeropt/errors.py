@@ -430,3 +430,25 @@ def user_frame() -> tuple[Any, int]:
     while frame is not None and _internal(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     return frame, level
+
+NO_OWNER_ERROR = (
+    "no layeropt optimizer owns any parameter of this model. Create one first, e.g. "
+    "opt = layeropt.Adam(model.parameters()), then call layeropt.attach(model, opt)."
+)
+
+NOT_LEAF_ERROR = (
+    "parameter {name!r} is not a leaf tensor, so autograd never accumulates its "
+    "gradient. Make it an nn.Parameter (or a leaf with requires_grad=True)."
+)
+
+SPARSE_MODULE_ERROR = (
+    "parameter {name!r} belongs to {module}(sparse=True), whose gradients are sparse; "
+    "layeropt steps dense gradients only. Set sparse=False, or give this parameter to a "
+    "separate plain torch.optim optimizer (e.g. torch.optim.SparseAdam)."
+)
+
+OWNED_TWICE_ERROR = (
+    "parameter {name!r} is owned by {n} layeropt optimizers, so it would be stepped twice "
+    "per backward. Give each parameter to one optimizer (use param groups for different "
+    "settings)."
+)

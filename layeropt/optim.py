@@ -117,6 +117,7 @@ class InBackwardOptimizer(Optimizer):
         self._lo_engine = Engine(self)
         self._lo_stepper = self._new_stepper()
         self._lo_group_index: dict[int, tuple[int, Tensor]] | None = None
+        self._lo_groups_seen: list[tuple[int, ...]] = []
         self.last_grad_norm: Tensor | None = None  # set by layeropt.backward(max_norm=...)
         super().__init__(*args, **kwargs)
         ENGINES.add(self._lo_engine)  # (once torch's __init__ accepted the arguments)
@@ -138,6 +139,9 @@ class InBackwardOptimizer(Optimizer):
             self._lo_group_index = {
                 id(p): (i, p) for i, g in enumerate(self.param_groups) for p in g["params"]
             }
+            # what it was built from: Attachment.sync compares it at each backward (groups
+            # edited in place - a parameter moved, removed or added by hand, reordered)
+            self._lo_groups_seen = [tuple(map(id, g["params"])) for g in self.param_groups]
         return self._lo_group_index
 
     def owns(self, param: Tensor) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -458,6 +459,47 @@ def test_hyperparameter_changed_after_backward_is_refused_at_step(case):
     opt.zero_grad()  # the loop can go on (nothing is left to compare)
     loss_fn(model, batch_fn(gen)).backward()
     opt.step()
+
+
+# param_groups edited in place at the top of a step (not through add_param_group)
+REGROUPINGS = {
+    "reverse": lambda groups: groups.reverse(),
+    "delete-first-group": lambda groups: groups.pop(0),
+    "move-a-parameter": lambda groups: groups[1]["params"].append(groups[0]["params"].pop()),
+    "remove-a-parameter": lambda groups: groups[0]["params"].pop(),
+    "replace-a-params-list": lambda groups: groups[2].__setitem__("params", groups[2]["params"][:1]),
+}
+
+
+@pytest.mark.parametrize("edit", list(REGROUPINGS))
+@pytest.mark.parametrize("opt_name", ["AdamW", "SGD"])
+def test_param_groups_edited_in_place_are_followed(edit, opt_name):
+    """A parameter stepped with another group's lr after the groups moved, and one the
+    optimizer no longer owns still stepped by its hook (every one of these differed)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+
+    def groups(m: torch.nn.Module) -> list[dict[str, Any]]:
+        return [{"params": list(m[0].parameters()), "lr": 1e-2},
+                {"params": list(m[2].parameters()), "lr": 1e-3, "weight_decay": 0.5},
+                {"params": list(m[4].parameters()), "lr": 3e-2}]
+
+    ref_opt = getattr(torch.optim, opt_name)(groups(ref))
+    opt = getattr(layeropt, opt_name)(groups(model))
+    layeropt.attach(model, opt)
+    xs = [torch.randn(4, 8) for _ in range(5)]
+    for m, o in ((ref, ref_opt), (model, opt)):
+        for i, x in enumerate(xs):
+            if i == 2:
+                REGROUPINGS[edit](o.param_groups)
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    assert_models_equal(model, ref)  # (torch's state_dict() fails on a removed parameter)
+    assert_same([opt.state.get(p, {}) for p in model.parameters()],
+                [ref_opt.state.get(q, {}) for q in ref.parameters()], "state")
 
 
 def test_optimizer_state_loaded_between_backward_and_step_is_refused():

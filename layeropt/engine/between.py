@@ -36,11 +36,16 @@ from ..errors import (
 
 
 # -- hyperparameters -------------------------------------------------------------
+_PLAIN = frozenset({float, int, bool, str, type(None)})
+
+
 def _key(value: Any) -> Any:
     """What a value is compared by: a tensor by identity and version (``fill_`` on a tensor
     ``lr``), a tuple or list by its items' keys (tensor ``betas``, a list changed in place)."""
     if isinstance(value, Tensor):
         return (id(value), value._version)
+    if type(value) is tuple and all(map(_PLAIN.__contains__, map(type, value))):
+        return value  # (immutable: itself, as snapshot() keeps it)
     if isinstance(value, (tuple, list)):
         return (type(value), tuple(map(_key, value)))
     return value
@@ -53,8 +58,11 @@ def snapshot(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for g in param_groups:
         values = {}
         for k, v in g.items():
-            if k != "params":
-                values[k] = v if type(v) is float else _key(v)
+            if k == "params":
+                continue
+            t = type(v)  # (no call for plain values and tuples of them: once per step)
+            values[k] = v if t in _PLAIN or t is tuple and all(map(_PLAIN.__contains__,
+                                                                    map(type, v))) else _key(v)
         out.append(values)
     return out
 

@@ -198,6 +198,7 @@ class Engine(Rules):
         # id(param) -> (its attachment's Settings, its layer bucket's key), made when needed
         self._places: dict[int, tuple[Settings, tuple[int, str]]] | None = None
         self.stepper: Stepper = PLAIN  # how a step call updates (features wrap it)
+        self.regrouped = False  # param_groups edited in place in this backward: hooks stale
         Rules.__init__(self)
         # deleted without remove(): the kept zero gradients go back to .grad, as remove()'s
         weakref.finalize(optimizer, self.give_back_kept).atexit = False
@@ -304,6 +305,10 @@ class Engine(Rules):
         params: list[Tensor] = []
         for g in groups:
             params += g.params
+        if self.regrouped:  # (hooks of parameters it no longer owns: torch leaves .grad)
+            groups = [Group([p for p in g.params if optimizer.owns(p)], g.settings)
+                      for g in groups]
+            params = [p for g in groups for p in g.params]
         for p in params:  # the plain path does not look at gradients: this does, once
             grad = p.grad
             if grad is None or grad.is_sparse:
@@ -413,6 +418,14 @@ class Engine(Rules):
                     return repr(name)
         return f"of shape {tuple(param.shape)}"
 
-    def on_param_groups_changed(self) -> None:
+    def on_param_groups_changed(self, in_backward: bool = False) -> None:
+        """The optimizer's param groups changed (``add_param_group``, or edited in place:
+        ``Attachment.sync``): the attachments re-hook - inside a backward at its end, and
+        until then the engine steps only what the optimizer owns now."""
+        if in_backward:
+            self.regrouped = True
+            for attachment in list(self.attachments):
+                attachment.stale = True
+            return
         for attachment in list(self.attachments):
             attachment._rebuild()

@@ -443,6 +443,7 @@ class Rules(StepRules):
             for attachment in list(self.attachments):
                 if attachment.stale:
                     attachment._rebuild()
+            self.regrouped = False
 
     def _leftovers(self, rec: BackwardRecord) -> list[Any]:
         """Gradients that landed but were not stepped, grouped as their buckets."""
