@@ -529,4 +529,14 @@ def two_pass_compile() -> Any:
         return contextlib.nullcontext()
     if not hasattr(config, "donated_buffer"):  # older torch: nothing donated
         return contextlib.nullcontext()
-    return config.patch(donated_buffer=False)
+    stack = contextlib.ExitStack()
+    stack.enter_context(config.patch(donated_buffer=False))
+    # The compile caches' keys leave donation out: a graph compiled earlier with it (a
+    # torch.optim run of the same model, in this process or on disk) would be reused
+    # and the second pass read buffers the first overwrote. No caches in here.
+    from torch._inductor import config as inductor_config
+
+    stack.enter_context(inductor_config.patch(fx_graph_cache=False))
+    if hasattr(config, "enable_autograd_cache"):
+        stack.enter_context(config.patch(enable_autograd_cache=False))
+    return stack

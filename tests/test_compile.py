@@ -192,6 +192,26 @@ def _accumulate_and_clip_through_compiled_model():
         assert_same(p.detach(), q.detach())
 
 
+def test_two_pass_compile_keeps_out_of_the_compile_caches():
+    """The caches' keys leave donated buffers out: a tiny Llama compiled once without the
+    context (a torch.optim run, same process or on disk) had its cached backward reused
+    by layeropt.backward(max_norm=) - the second pass read buffers the first overwrote
+    (3e-5 off, silently). Compiled graphs take nothing from the caches in the context."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    if not hasattr(functorch_config, "donated_buffer"):
+        pytest.skip("this torch donates no buffers")
+    before = (inductor_config.fx_graph_cache, functorch_config.donated_buffer,
+              getattr(functorch_config, "enable_autograd_cache", None))
+    with layeropt.two_pass_compile():
+        assert inductor_config.fx_graph_cache is False
+        assert functorch_config.donated_buffer is False
+        assert getattr(functorch_config, "enable_autograd_cache", False) is False
+    assert (inductor_config.fx_graph_cache, functorch_config.donated_buffer,
+            getattr(functorch_config, "enable_autograd_cache", None)) == before
+
+
 class _GatedSegment(torch.nn.Module):
     """A checkpointed segment that reads ``gate`` through a mask, with dropout."""
 
