@@ -506,7 +506,9 @@ def two_pass_compile() -> Any:
     measuring backward and then the stepping one over the same graph;
     AOTAutograd's donated buffers refuse the second ("compiled with non-empty
     donated buffers"). Inside this context they are off (a memory
-    optimisation of the compiled backward only; the numbers do not change).
+    optimisation of the compiled backward only; the numbers do not change),
+    and so are the compile caches, whose keys leave donation out (a graph
+    compiled earlier with it would be reused): the model compiles afresh.
     Enter it before the model is compiled and keep it while training. On a
     torch without donated buffers (2.4) it does nothing. The
     integrations enter it for you while they train.
