@@ -16,7 +16,7 @@ import torch
 from harness import assert_same
 
 L = pytest.importorskip("lightning.pytorch")
-from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision  # noqa: E402
 from lightning.pytorch.utilities import grad_norm  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -65,6 +65,7 @@ def _fit(module: Net, callbacks: list = (), steps: int = 3, ckpt_path: str | Non
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         warnings.filterwarnings("ignore", ".*litlogger.*")
         warnings.filterwarnings("ignore", ".*ended before the epoch ended.*")  # (same in both)
+        warnings.filterwarnings("ignore", ".*`training_step` returned `None`.*")
         trainer.fit(module, _loader(), ckpt_path=ckpt_path)
     return trainer
 
@@ -282,3 +283,110 @@ def test_callback_offload_state_resumes_into_host_memory(tmp_path, monkeypatch):
     for p, q in zip(module.parameters(), ref.parameters()):
         assert_same(p.detach(), q.detach())
     assert_same(opt.state_dict(), ref.trainer.optimizers[0].state_dict())
+
+
+class _SkipsBatches(Net):
+    """``training_step`` returns ``None`` (Lightning skips that micro-batch) at the given
+    positions of every other accumulation window; records the logged or measured norms."""
+
+    def __init__(self, opt_cls: Any, accumulate: int, skip: tuple[int, ...]) -> None:
+        super().__init__(opt_cls)
+        self.accumulate, self.skip = accumulate, skip
+        self.step_norms: dict[int, float] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        if (batch_idx // self.accumulate) % 2 and batch_idx % self.accumulate in self.skip:
+            return None
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if not issubclass(self.opt_cls, layeropt.InBackwardOptimizer):  # torch's: measured
+            norm = grad_norm(self, norm_type=2).get("grad_2.0_norm_total")  # ({}: no grads)
+            if norm is not None:
+                self.step_norms[self.global_step] = float(norm)
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if name == "grad_2.0_norm_total":  # LayeroptCallback(log_grad_norm=True)'s
+            self.step_norms[self.global_step] = float(value)
+        super().log(name, value, *args, **kwargs)
+
+
+# (trainer settings, accumulate_grad_batches, skipped positions in the window, offload_state)
+SKIPS = {
+    "norm-acc2-last": (SETUPS["clip-norm"], 2, (1,), False),
+    "norm-acc3-last": (SETUPS["clip-norm"], 3, (2,), False),
+    "norm-acc3-first-and-last": (SETUPS["clip-norm"], 3, (0, 2), False),
+    "norm-acc3-middle": (SETUPS["clip-norm"], 3, (1,), False),
+    "norm-acc3-first": (SETUPS["clip-norm"], 3, (0,), False),
+    "norm-acc1-no-gradient": (SETUPS["clip-norm"], 1, (0,), False),
+    "value-acc3-last": (SETUPS["clip-value"], 3, (2,), False),
+    "16-mixed-acc2-last": (SETUPS["16-mixed"], 2, (1,), False),
+    "norm-acc2-last-offload": (SETUPS["clip-norm"], 2, (1,), True),
+    "no-clip-acc2-last": (SETUPS["plain"], 2, (1,), False),
+}
+
+
+@pytest.mark.parametrize("name", list(SKIPS), ids=list(SKIPS))
+def test_training_step_returning_none_matches_torch_optim(name):
+    """A micro-batch whose ``training_step`` returns ``None`` runs no backward. On the last
+    one of a window nothing was clipped in backward: the held gradients are stepped as
+    Lightning clips them (before: stepped unclipped, silently), and the logged norm is
+    theirs (before: the previous step's)."""
+    setup, accumulate, skip, offload = SKIPS[name]
+    def kw() -> dict:  # (each Trainer its own GradScaler)
+        return {**_kw(setup), "accumulate_grad_batches": accumulate}
+
+    ref = _SkipsBatches(torch.optim.AdamW, accumulate, skip)
+    _fit(ref, steps=4, **kw())
+    module = _SkipsBatches(layeropt.AdamW, accumulate, skip)
+    callback = LayeroptCallback(log_grad_norm=True, offload_state=offload)
+    trainer = _fit(module, [callback], steps=4, **kw())
+    for p, q in zip(module.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert_same(trainer.optimizers[0].state_dict(), ref.trainer.optimizers[0].state_dict())
+    assert module.step_norms == pytest.approx(ref.step_norms, rel=1e-6)
+    assert len(ref.step_norms) == (2 if accumulate == 1 else 4)  # (none: no gradients)
+
+
+class _OwnBackward(Net):
+    """Lightning's documented ``backward`` hook, overridden."""
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        (3.0 * loss).backward(*args, **kwargs)
+
+
+class _OwnPrecisionBackward(Precision):
+    """A precision plugin with a ``backward`` of its own."""
+
+    def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any,
+                 **kwargs: Any) -> None:
+        super().backward(3.0 * tensor, model, optimizer, *args, **kwargs)
+
+
+# (module, precision plugin or None, what the error names)
+OWN_BACKWARDS = {
+    "module": (_OwnBackward, None, "_OwnBackward.backward"),
+    "precision-plugin": (Net, _OwnPrecisionBackward, "_OwnPrecisionBackward.backward"),
+}
+
+
+@pytest.mark.parametrize("name", list(OWN_BACKWARDS), ids=list(OWN_BACKWARDS))
+def test_a_backward_of_its_own_is_refused(name):
+    """The callback replaces the precision plugin's backward, which calls the module's: an
+    override of either was skipped silently (the loss not tripled); now refused at fit start,
+    nothing trained. torch.optim runs the override (the numbers the callback would miss)."""
+    cls, plugin, owner = OWN_BACKWARDS[name]
+
+    def kw() -> dict:
+        return {"plugins": [plugin()]} if plugin is not None else {}
+
+    ref, plain = cls(torch.optim.AdamW), Net(torch.optim.AdamW)
+    _fit(ref, **kw())
+    _fit(plain)
+    assert not torch.equal(ref.net[0].weight, plain.net[0].weight)  # the override counts
+    module = cls(layeropt.AdamW)
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(LightningSetupError, match=rf"{owner} .*is overridden.*training_step"):
+        _fit(module, [LayeroptCallback()], **kw())
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before))
+    assert not module.trainer.optimizers[0].attached

@@ -20,7 +20,10 @@ and refuses torch-style accumulation - but it then saves no memory.
   ``gradient_clip_algorithm="value"`` clips each layer's gradient before its
   update (no extra pass);
 * Lightning's own clipping and unscaling after backward become no-ops for
-  the values the callback applied (anything else raises);
+  the values the callback applied (anything else raises); a step whose last
+  micro-batch ran no backward (``training_step`` returned ``None``) was not
+  clipped in backward: Lightning's clipping runs on its held gradients, as
+  with ``torch.optim``;
 * ``log_grad_norm=True`` logs the measured global norm as
   ``grad_2.0_norm_total`` (the name of ``lightning.pytorch.utilities.grad_norm``;
   without clipping it costs the extra backward pass too);
@@ -34,9 +37,10 @@ bit for bit. One process, or several with a DDP strategy (``strategy="ddp"``
 and its variants, ``find_unused_parameters=True`` included): the strategy's
 ``DistributedDataParallel`` wrapper is attached, so each bucket is stepped on
 its averaged gradient. Other strategies under several processes (FSDP,
-DeepSpeed) are refused. Automatic optimization only (with manual
-optimization layeropt's own rules apply: call ``layeropt.backward`` in
-``training_step``). Tested with Lightning 2.6.
+DeepSpeed) are refused, and so is a ``backward`` of the module's or of the
+precision plugin's own (the callback runs backward itself). Automatic
+optimization only (with manual optimization layeropt's own rules apply: call
+``layeropt.backward`` in ``training_step``). Tested with Lightning 2.6.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from . import attach_kwargs, offload_state_once, two_pass_compile
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.plugins.precision import Precision
 except ImportError as exc:  # pragma: no cover - exercised without lightning
     raise ImportError(
         "layeropt.integrations.lightning needs Lightning: pip install 'layeropt[lightning]' "
@@ -89,8 +94,9 @@ class LayeroptCallback(Callback):
 
     Raises:
         LightningSetupError: at ``fit`` start, when no optimizer is a layeropt
-            one, several processes run a strategy other than DDP, or the module
-            uses manual optimization.
+            one, several processes run a strategy other than DDP, the module
+            uses manual optimization, or the module or the precision plugin
+            overrides ``backward``.
 
     Example:
         >>> class Net(L.LightningModule):  # doctest: +SKIP
@@ -116,6 +122,7 @@ class LayeroptCallback(Callback):
         self._patched: list[tuple[Any, str]] = []
         self._clip: tuple[float, str] | None = None
         self._unasked = False
+        self._stepped = False  # this batch's backward applied the update (not just held)
         self._compiling = contextlib.ExitStack()  # (layeropt.integrations.two_pass_compile)
 
     # -- setup / teardown ------------------------------------------------------
@@ -128,6 +135,7 @@ class LayeroptCallback(Callback):
                 "attach the model yourself and call layeropt.backward(loss, ...) instead of "
                 "self.manual_backward(loss)."
             )
+        _refuse_own_backward(pl_module, trainer.precision_plugin)
         self._optimizers = [
             o for o in map(unwrap_optimizer, trainer.optimizers)
             if isinstance(o, InBackwardOptimizer)
@@ -141,6 +149,7 @@ class LayeroptCallback(Callback):
         algorithm = _algorithm(trainer.gradient_clip_algorithm)
         self._clip = (clip_val, algorithm) if clip_val > 0 else None
         self._unasked = False  # a step clipped in backward whose clip_gradients did not come
+        self._stepped = False
         by_value = clip_val if self._clip is not None and algorithm == "value" else None
         # each step's closure zeroes the gradients before its backward (and fit(ckpt_path=)
         # loads the checkpoint's parameters): what another optimizer's backward updated
@@ -161,7 +170,7 @@ class LayeroptCallback(Callback):
         self._compiling.enter_context(two_pass_compile())
         precision = trainer.precision_plugin
         self._patch(precision, "backward", self._backward(trainer))
-        self._patch(precision, "clip_gradients", self._clip_gradients)
+        self._patch(precision, "clip_gradients", self._clip_gradients(precision))
         scaler = getattr(precision, "scaler", None)
         if scaler is not None:
             self._patch(scaler, "unscale_", _unscale_once(scaler))
@@ -229,23 +238,42 @@ class LayeroptCallback(Callback):
                 max_norm = math.inf  # measure only
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             layeropt_backward(tensor, opts, max_norm=max_norm, scaler=scaler, **kwargs)
+            self._stepped = True
             self._unasked = self._clip is not None  # (clip_gradients says it was asked)
 
         return backward
 
-    def _clip_gradients(self, optimizer: Any, clip_val: float = 0.0,
-                        gradient_clip_algorithm: Any = "norm") -> None:
-        algorithm = _algorithm(gradient_clip_algorithm)
-        if clip_val <= 0 and self._clip is None:
-            return
-        if self._clip != (float(clip_val), algorithm):
-            raise LightningSetupError(
-                f"clip_gradients({clip_val}, {algorithm!r}) was called after backward, but "
-                f"LayeroptCallback applied {self._clip or 'no clipping'} during backward, "
-                "where the gradients were used and freed. Set the clipping with "
-                "Trainer(gradient_clip_val=..., gradient_clip_algorithm=...) only."
-            )
-        self._unasked = False
+    def _clip_gradients(self, precision: Any) -> Any:
+        """``Precision.clip_gradients``: a no-op for the clipping a backward applied, the
+        plugin's own where no backward applied this step (its gradients are all held)."""
+        original = type(precision).clip_gradients
+
+        def clip_gradients(optimizer: Any, clip_val: float = 0.0,
+                           gradient_clip_algorithm: Any = "norm") -> None:
+            algorithm = _algorithm(gradient_clip_algorithm)
+            if not self._stepped:
+                # no backward applied this step (training_step returned None on its last
+                # micro-batch): its gradients are held, as torch's, and clipped as torch's
+                if clip_val > 0:
+                    _held_to_grad(self._optimizers)
+                original(precision, optimizer, clip_val, gradient_clip_algorithm)
+                return
+            if clip_val <= 0 and self._clip is None:
+                return
+            if self._clip != (float(clip_val), algorithm):
+                raise LightningSetupError(
+                    f"clip_gradients({clip_val}, {algorithm!r}) was called after backward, "
+                    f"but LayeroptCallback applied {self._clip or 'no clipping'} during "
+                    "backward, where the gradients were used and freed. Set the clipping with "
+                    "Trainer(gradient_clip_val=..., gradient_clip_algorithm=...) only."
+                )
+            self._unasked = False
+
+        return clip_gradients
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        """A new batch: no backward of it has applied an update yet."""
+        self._stepped = False
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         """Refuse a step clipped in backward that the module did not ask to clip."""
@@ -261,10 +289,16 @@ class LayeroptCallback(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:
         """Log the global gradient norm measured in backward (``log_grad_norm``)."""
-        if self.log_grad_norm:
-            norm = unwrap_optimizer(optimizer).last_grad_norm
-            if norm is not None:
-                pl_module.log("grad_2.0_norm_total", norm, on_step=True)
+        if not self.log_grad_norm:
+            return
+        norm = unwrap_optimizer(optimizer).last_grad_norm
+        if not self._stepped:  # no backward measured this step: the held gradients' norm
+            _held_to_grad(self._optimizers)
+            grads = [p.grad for p in trainer.precision_plugin.main_params(optimizer)
+                     if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        if norm is not None:
+            pl_module.log("grad_2.0_norm_total", norm, on_step=True)
 
 
 def _model_to_attach(trainer: pl.Trainer, pl_module: pl.LightningModule) -> torch.nn.Module:
@@ -283,6 +317,35 @@ def _model_to_attach(trainer: pl.Trainer, pl_module: pl.LightningModule) -> torc
             "layeropt.attach (docs/distributed.md)."
         )
     return wrapped
+
+
+def _refuse_own_backward(pl_module: pl.LightningModule, precision: Any) -> None:
+    """The callback replaces the precision plugin's ``backward``, which calls the module's:
+    an override of either would be skipped silently."""
+    owner = None
+    if type(pl_module).backward is not pl.LightningModule.backward:
+        owner = f"{type(pl_module).__qualname__}.backward (the LightningModule's hook)"
+    elif type(precision).backward is not Precision.backward:
+        owner = f"{type(precision).__qualname__}.backward (the precision plugin's)"
+    if owner is not None:
+        raise LightningSetupError(
+            f"{owner} is overridden, but LayeroptCallback runs backward itself "
+            "(layeropt.backward, to update each layer during it), so the override would be "
+            "skipped. Do its work elsewhere: change the loss in training_step (return "
+            "3 * loss, not (3 * loss).backward()), a gradient in a tensor hook "
+            "(param.register_post_accumulate_grad_hook); or train this module with "
+            "torch.optim, without LayeroptCallback."
+        )
+
+
+def _held_to_grad(optimizers: list[InBackwardOptimizer]) -> None:
+    """Held gradients that ``offload_state`` keeps in host memory back in ``.grad``, where
+    torch's are, for Lightning's own clipping to see (the sums autograd would have made)."""
+    for opt in optimizers:
+        engine = opt._lo_engine
+        hidden = engine.held_elsewhere()
+        if hidden:
+            engine.stepper.held.up(hidden)
 
 
 def _algorithm(value: Any) -> str:
