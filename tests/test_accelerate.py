@@ -241,18 +241,21 @@ def test_offload_state_does_not_learn_clipping():
 
 
 # -- how the loop clips: exact, or refused (each was silent before) -------------------
-def _clipping_loop(lo: bool, how: str, ga: int, given: dict) -> tuple[Any, Any]:
+def _clipping_loop(lo: bool, how: str, ga: int, given: dict) -> tuple[Any, Any, list]:
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    if lo:
-        acc = LayeroptAccelerator(cpu=True, gradient_accumulation_steps=ga, **given)
-        opt = layeropt.AdamW(model.parameters(), lr=1e-2)
+    cls = layeropt.AdamW if lo else torch.optim.AdamW
+    acc = (LayeroptAccelerator(cpu=True, gradient_accumulation_steps=ga, **given) if lo
+           else accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ga))
+    if how == "by value, the head on a plain optimizer":
+        opts = [cls(model[0].parameters(), lr=1e-2),
+                torch.optim.AdamW(model[2].parameters(), lr=1e-2)]
     else:
-        acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ga)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = acc.prepare(model, opt)
+        opts = [cls(model.parameters(), lr=1e-2)]
+    model, *opts = acc.prepare(model, *opts)
+    norms = []
     gen = torch.Generator().manual_seed(1)
     for i in range(8):
         x, y = torch.randn(4, 8, generator=gen) * 3, torch.randn(4, 1, generator=gen)
@@ -268,9 +271,23 @@ def _clipping_loop(lo: bool, how: str, ga: int, given: dict) -> tuple[Any, Any]:
                 acc.clip_grad_norm_(model[2].parameters(), 0.1)
             elif how == "the first steps only" and sync and i < 4:
                 acc.clip_grad_norm_(model.parameters(), 0.5)
-            opt.step()
-            opt.zero_grad()
-    return model, unwrap(opt)
+            elif how == "by value, the head only" and sync:
+                acc.clip_grad_value_(model[2].parameters(), 0.05)
+            elif how == "by value, the head on a plain optimizer" and sync:
+                acc.clip_grad_value_(model.parameters(), 0.05)
+            elif how == "by value, then by norm" and sync:
+                acc.clip_grad_value_(model.parameters(), 0.05)
+                norms.append(acc.clip_grad_norm_(model.parameters(), 0.5))
+            elif how == "by norm, then by value" and sync:
+                norms.append(acc.clip_grad_norm_(model.parameters(), 0.5))
+                acc.clip_grad_value_(model.parameters(), 0.05)
+            elif how == "the head by norm, all by value" and sync:
+                norms.append(acc.clip_grad_norm_(model[2].parameters(), 0.1))
+                acc.clip_grad_value_(model.parameters(), 0.05)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+    return model, unwrap(opts[0]), norms
 
 
 # (how the loop clips, micro-batches, what LayeroptAccelerator is given) -> expected
@@ -283,16 +300,28 @@ CLIPPING = {
     ("the first steps only", 1, "learned"): "did not call clip_grad_norm_",
     ("the first steps only", 1, "max_grad_norm"): "did not call clip_grad_norm_",
     ("loss.backward()", 1, "max_grad_norm"): r"did not go through accelerator.backward",
+    # by value: the attachment's setting clips every parameter, so a part is refused
+    ("by value, the head only", 1, "learned"): "clip_grad_value_ over 2 of the",
+    ("by value, the head only", 1, "clip_value"): "clip_grad_value_ over 2 of the",
+    ("by value, the head on a plain optimizer", 1, "learned"): "exact",
+    ("by value, the head on a plain optimizer", 1, "clip_value"): "exact",
+    # backward clips by norm (measured on the raw gradients), then by value
+    ("by norm, then by value", 1, "learned"): "exact",
+    ("by norm, then by value", 2, "both"): "exact",
+    ("the head by norm, all by value", 1, "learned"): "exact",
+    ("by value, then by norm", 1, "learned"): "clip_grad_norm_ after clip_grad_value_",
+    ("by value, then by norm", 2, "both"): "clip_grad_norm_ after clip_grad_value_",
 }
 _GIVEN = {"learned": {}, "max_grad_norm": dict(max_grad_norm=0.5),
-          "clip_value": dict(clip_value=0.05)}
+          "clip_value": dict(clip_value=0.05), "both": dict(max_grad_norm=0.5, clip_value=0.05)}
 
 
 @pytest.mark.parametrize("how,ga,given", list(CLIPPING), ids=["-".join(map(str, k)) for k in CLIPPING])
 def test_how_the_loop_clips_is_followed_or_refused(how, ga, given):
     """Clipping every micro-batch clips the held partial sums, as accelerate does; a
-    subset clipped, a step that stops clipping, a backward that skipped
-    accelerator.backward: refused, where each differed silently before."""
+    subset clipped (by norm with max_grad_norm=, by value always), a step that stops
+    clipping, a backward that skipped accelerator.backward, clipping by value before
+    by norm: refused, where each differed silently before."""
     kw = dict(_GIVEN[given])
     if how == "the head only" and given == "max_grad_norm":
         kw["max_grad_norm"] = 0.1
@@ -306,6 +335,27 @@ def test_how_the_loop_clips_is_followed_or_refused(how, ga, given):
     for p, q in zip(got[0].parameters(), ref[0].parameters()):
         assert_same(p.detach(), q.detach())
     assert_same(got[1].state_dict(), ref[1].state_dict())
+    assert len(got[2]) == len(ref[2])
+    assert all(torch.equal(a, b) for a, b in zip(got[2], ref[2]))  # the norms returned
+
+
+@pytest.mark.parametrize("given", ["learned", "both"])
+def test_value_then_norm_is_refused_before_the_learning_step_updates(given):
+    """Refused at clip_grad_norm_; on the learning step nothing was updated (it holds its
+    gradients until step()); with both given, backward already applied that step."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    model, batch_fn, loss_fn = make_model("mlp")
+    acc = LayeroptAccelerator(cpu=True, **_GIVEN[given])
+    model, _ = acc.prepare(model, layeropt.AdamW(model.parameters(), lr=1e-2))
+    before = copy.deepcopy(model.state_dict())
+    acc.backward(loss_fn(model, batch_fn(torch.Generator().manual_seed(0))))
+    acc.clip_grad_value_(model.parameters(), 0.05)
+    with pytest.raises(AccelerateSetupError, match="clip_grad_norm_ before clip_grad_value_") as e:
+        acc.clip_grad_norm_(model.parameters(), 0.5)
+    learned = given == "learned"
+    assert ("nothing was updated" if learned else "already applied") in str(e.value)
+    assert learned == all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_free_memory_forgets_the_clipping_learned():

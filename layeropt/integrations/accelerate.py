@@ -22,7 +22,9 @@ and updates each layer during backward, with the parameters ``Accelerator`` +
   ``optimizer.step()``, so ``clip_grad_norm_`` really clips them): from the
   second step on, the same ``clip_grad_norm_(parameters, max_norm)`` call
   returns the norm measured during backward, and ``clip_grad_value_`` is
-  applied to each layer before its update. Pass ``max_grad_norm=`` (or
+  applied to each layer before its update, after the norm's coefficient (so
+  ``clip_grad_value_`` before ``clip_grad_norm_``, and by value over a part of
+  the layeropt optimizers' parameters, raise). Pass ``max_grad_norm=`` (or
   ``clip_value=``) to skip the learning step; a later call with other values
   raises;
 * ``offload_state=True`` keeps the prepared layeropt optimizers' state in
@@ -151,6 +153,9 @@ class LayeroptAccelerator(Accelerator):
         # what the latest syncing backward clipped that the loop has not asked for since
         self._lo_unasked: set[str] = set()
         self._lo_measured = -1  # the engine transaction of the latest clipping backward
+        # (engine transaction, the clipping calls of its step in order): backward clips by
+        # norm first, then by value, so value-then-norm is refused (_check_order)
+        self._lo_calls: tuple[int, list[str]] = (-1, [])
 
     # -- the layeropt optimizers and attachments -----------------------------
     @property
@@ -283,6 +288,7 @@ class LayeroptAccelerator(Accelerator):
         if not self.sync_gradients:  # a micro-batch's partial sum, held in .grad: torch's
             return self._clip_held(super().clip_grad_norm_, parameters, max_norm, norm_type)
         key = (float(max_norm), float(norm_type))
+        self._check_order("clip_grad_norm_")
         if self._learning_now() and self._lo_norm is _UNSET:
             self._lo_norm = (*key, parameters)
             return super().clip_grad_norm_(parameters, max_norm, norm_type)  # real gradients
@@ -318,7 +324,7 @@ class LayeroptAccelerator(Accelerator):
         """The loop clips the parameters backward measured: those learned, or (given
         ``max_grad_norm=``) every parameter of the layeropt optimizers."""
         measured = self._lo_norm[2]
-        mine = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
+        mine = self._layeropt_parameter_ids()
         asked = {id(p) for p in parameters} & mine
         expected = mine if measured is None else {id(p) for p in measured} & mine
         if asked != expected:
@@ -334,20 +340,70 @@ class LayeroptAccelerator(Accelerator):
         opts = self.layeropt_optimizers
         if not opts or not any(o.attached for o in opts):
             return super().clip_grad_value_(parameters, clip_value)
+        parameters = list(parameters)
         if not self.sync_gradients:  # a micro-batch's partial sum, held in .grad: torch's
             return self._clip_held(super().clip_grad_value_, parameters, clip_value)
-        if self._learning_now() and self._lo_value is _UNSET:
-            self._lo_value = float(clip_value)
-            self._apply_clip_value()
-            return super().clip_grad_value_(parameters, clip_value)  # real gradients
-        if self._lo_value != float(clip_value):
+        self._check_order("clip_grad_value_")
+        learning = self._learning_now() and self._lo_value is _UNSET
+        if not learning and self._lo_value != float(clip_value):
             raise AccelerateSetupError(
                 f"clip_grad_value_({clip_value}) after backward, but LayeroptAccelerator "
                 f"clipped {self._describe()} during backward. Make every optimizer step "
                 "clip the same way, or pass clip_value= to LayeroptAccelerator."
             )
+        self._check_value_parameters(parameters)  # (before the learning step learns it)
+        if learning:
+            self._lo_value = float(clip_value)
+            self._apply_clip_value()
+            return super().clip_grad_value_(parameters, clip_value)  # real gradients
         self._lo_unasked.discard("clip_grad_value_")
+        mine = self._layeropt_parameter_ids()
+        others = [p for p in parameters if id(p) not in mine]
+        if others:  # (a plain optimizer's, in .grad until its step: torch's, for real)
+            super().clip_grad_value_(others, clip_value)
         return None
+
+    def _applied(self) -> str:
+        """What a refusal at a clipping call says of this step's update."""
+        if self._learning_now():  # (the learning step holds its gradients until step())
+            return "nothing was updated"
+        return "this step's update was already applied during backward"
+
+    def _check_value_parameters(self, parameters: list[Tensor]) -> None:
+        """The loop clips by value every trainable parameter the attachments hook: the
+        value is the attachment's setting, applied to each whole bucket, so a part of
+        them cannot be clipped alone (checked on every call, learned or given)."""
+        clipped = {id(p) for h in self._lo_handles.values() for p in h.owned if p.requires_grad}
+        asked = {id(p) for p in parameters if p.requires_grad} & self._layeropt_parameter_ids()
+        if asked != clipped:
+            raise AccelerateSetupError(
+                f"clip_grad_value_ over {len(asked)} of the layeropt optimizers' trainable "
+                f"parameters, but LayeroptAccelerator clips by value during backward every "
+                f"parameter of the prepared models ({len(clipped)}): the value is a setting of "
+                f"the whole attachment, it cannot clip a part alone ({self._applied()}). "
+                "Clip all of them (accelerator.clip_grad_value_(model.parameters(), value)), "
+                "or train this loop with Accelerator and torch.optim.")
+
+    def _layeropt_parameter_ids(self) -> set[int]:
+        """The prepared layeropt optimizers' parameters (hooked or not), by id."""
+        return {id(p) for o in self.layeropt_optimizers for g in o.param_groups
+                for p in g["params"]}
+
+    def _check_order(self, call: str) -> None:
+        """Backward clips by the norm (measured on the raw gradients) first, then by value:
+        a step that clips by value before clipping by norm cannot be followed."""
+        txn = self.layeropt_optimizers[0]._lo_engine.txn  # (the step the calls belong to)
+        if self._lo_calls[0] != txn:
+            self._lo_calls = (txn, [])
+        calls = self._lo_calls[1]
+        if call == "clip_grad_norm_" and "clip_grad_value_" in calls:
+            raise AccelerateSetupError(
+                "clip_grad_norm_ after clip_grad_value_ in the same step: torch measures and "
+                "clips the norm of the value-clipped gradients, but LayeroptAccelerator clips "
+                "during backward by norm first (measured on the raw gradients), then by value "
+                f"({self._applied()}). Call clip_grad_norm_ before clip_grad_value_ (exact), "
+                "or clip one way only.")
+        calls.append(call)
 
     def _describe(self) -> str:
         parts = []
