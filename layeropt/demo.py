@@ -521,7 +521,9 @@ def _notes(
     Each statement is printed only when this run's numbers show it:
 
     * gradients: torch.optim holds every one until ``step()``; layeropt frees
-      each layer's once backward has updated it. The numbers are the table's
+      each layer's once backward has updated it - or, where layeropt's most
+      equals torch.optim's, that it held as much here (pointing to the
+      no-saving note below when there is one). The numbers are the table's
       "most gradient memory at once"; where a run held fewer at its peak of
       memory (the breakdown above), the note says that the peak is another
       moment.
@@ -561,14 +563,7 @@ def _notes(
         other = f"At its peak of memory, another moment, {who} held {fmt(held)} of them."
     else:
         other = ""
-    notes = [
-        _note(
-            "gradients",
-            f"torch.optim keeps every gradient until step() ({fmt(t_most)} at once); layeropt "
-            f"frees each layer's once backward has updated it (at most {fmt(lo_most)} at once)."
-            + (" " + other if other else ""),
-        )
-    ]
+    notes = [""]  # the gradients note, written once it is known whether a reason follows
     t_other, lo_other = t.at_peak[OTHER], lo.at_peak[OTHER]
     highest = (t.max_by_category[OTHER], lo.max_by_category[OTHER])
     reach = (
@@ -616,6 +611,24 @@ def _notes(
                 f"{when} ({reach}).",
             )
         )
+    if lo_most < t_most:
+        freed = (
+            f"layeropt frees each layer's once backward has updated it (at most {fmt(lo_most)} "
+            "at once)."
+        )
+    else:  # nothing freed early in this run: say so, and point to the reason if one follows
+        because = (
+            ", for the reason below."
+            if any(n.startswith("no saving at this peak") for n in notes)
+            else "."
+        )
+        same = "as much" if lo_most == t_most else "more"
+        freed = f"layeropt held {same} here (at most {fmt(lo_most)} at once){because}"
+    notes[0] = _note(
+        "gradients",
+        f"torch.optim keeps every gradient until step() ({fmt(t_most)} at once); {freed}"
+        + (" " + other if other else ""),
+    )
     ratio = statistics.median(ratios) if ratios else None
     interval = _median_interval(ratios)
     if interval is not None and _time_shown(ratio, interval):
