@@ -96,6 +96,7 @@ def _grad_order(measured: dict[Tensor, Tensor], parameters: list[Tensor]) -> lis
     return [measured[ordered[i]] for _, (_, indices) in grouped.items() for i in indices]
 
 
+@torch.compiler.disable  # (eagerly: its passes and their bookkeeping, in order)
 def backward(
     loss: Tensor,
     optimizer: InBackwardOptimizer | Iterable[InBackwardOptimizer] | None = None,

@@ -109,6 +109,14 @@ NO_GRAPH_TASK_ERROR = (
     "torch._dynamo.config.compiled_autograd off, or upgrade torch."
 )
 
+COMPILED_AUTOGRAD_TWO_PASSES = (
+    "layeropt.backward(max_norm=/scaler=) under torch's compiled autograd: the callback "
+    "that ends each of its passes does not run there, so the step pass would leave its "
+    "gradients unclipped (and unscaled) for step(). Nothing of this backward was "
+    "applied. Call layeropt.backward outside the compiled function, or turn "
+    "torch._dynamo.config.compiled_autograd off for it."
+)
+
 ORPHAN_WARNING = (
     "the layeropt optimizer attached to these parameters was deleted, so this "
     "backward does not update them: their gradients stay in .grad, as without "
@@ -451,4 +459,12 @@ OWNED_TWICE_ERROR = (
     "parameter {name!r} is owned by {n} layeropt optimizers, so it would be stepped twice "
     "per backward. Give each parameter to one optimizer (use param groups for different "
     "settings)."
+)
+
+COMPILED_STEP_ERROR = (
+    "{name}.step() inside a torch.compile'd function while attached: torch would compile "
+    "its own step there (Adam's step count becomes a tensor, and its last bits can "
+    "differ from an eager step), while layeropt's updates run eagerly, in backward. "
+    "Keep step() and zero_grad() outside the compiled function: compile the model "
+    "(torch.compile(model)) or the loss instead. Nothing was updated by this call."
 )

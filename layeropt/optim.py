@@ -24,9 +24,10 @@ from torch.optim import Optimizer
 
 from .engine.registry import ENGINES
 from .engine.subset import SubsetStepper, narrowable
-from .errors import (LOAD_BETWEEN_ERROR, WRAPPED_STEP_ERROR, AttachError, BackwardStateError,
-                     LayeroptError)
+from .errors import (COMPILED_STEP_ERROR, LOAD_BETWEEN_ERROR, WRAPPED_STEP_ERROR, AttachError,
+                     BackwardStateError, LayeroptError)
 from .engine.landing import Engine
+from .engine.nesting import _dynamo_switches
 
 __all__ = [
     "InBackwardOptimizer",
@@ -217,6 +218,11 @@ class InBackwardOptimizer(Optimizer):
         """
         if not self.attached:
             return type(self)._torch_step(self, closure)
+        set_eval_frame = _dynamo_switches()[0]  # (this frame is skipped by dynamo: below)
+        prior = set_eval_frame(None)
+        set_eval_frame(prior)
+        if prior is not None:  # called inside a torch.compile'd function
+            raise LayeroptError(COMPILED_STEP_ERROR.format(name=type(self).__name__))
         engine = self._lo_engine
         return engine.stepper.step_call(engine, closure)  # (a closure's backward is held)
 
@@ -396,6 +402,12 @@ def is_in_backward(optimizer: object) -> bool:
     """Whether ``optimizer`` is a layeropt (in-backward) optimizer."""
     return isinstance(optimizer, InBackwardOptimizer)
 
+
+# step() and zero_grad() run eagerly inside compiled code (dynamo breaks the graph at
+# them; step() refuses it there)
+for _eager in (InBackwardOptimizer.step, InBackwardOptimizer.zero_grad):
+    _eager._torchdynamo_disable = True  # type: ignore[attr-defined]
+    _dynamo_switches()[1](_eager.__code__)
 
 SGD = in_backward(torch.optim.SGD)
 Adam = in_backward(torch.optim.Adam)

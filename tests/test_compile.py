@@ -192,6 +192,73 @@ def _accumulate_and_clip_through_compiled_model():
         assert_same(p.detach(), q.detach())
 
 
+@pytest.mark.parametrize("cap", [0.0, 1.0], ids=["cap0", "default-cap"])
+def test_compiled_function_calling_backward_steps_eagerly(cap):
+    """torch.compile(fn) where fn runs forward + backward(), step() outside: the buckets
+    still waiting at the backward's end were stepped with dynamo's callback still set,
+    tracing torch's Adam (its step count as a tensor: other last bits)."""
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair(
+        "mlp", *ADAM, attach={"bucket_cap_mb": cap})
+    steps = [torch.compile(lambda data, m=m: loss_fn(m, data).backward(), backend="eager")
+             for m in (ref, model)]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        data = batch_fn(gen)
+        for step, o in zip(steps, (ref_opt, opt)):
+            step(data)
+            o.step()
+            o.zero_grad()
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert_same(p.detach(), q.detach())
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_step_inside_a_compiled_function_is_refused():
+    """torch compiles its own step() there; layeropt's updates ran eagerly in backward."""
+    model, _, opt, _, batch_fn, loss_fn, _ = make_pair("mlp", *ADAM, attach={})
+
+    @torch.compile(backend="eager")
+    def train_step(data: Any) -> None:
+        loss_fn(model, data).backward()
+        opt.step()
+
+    with pytest.raises(layeropt.LayeroptError, match="inside a torch.compile'd function"):
+        train_step(batch_fn(torch.Generator().manual_seed(1)))
+
+
+def test_two_pass_backward_under_compiled_autograd_is_refused():
+    """Its passes' end-of-backward callback does not run under compiled autograd: the step
+    pass left the gradients unclipped for step() (a clip that clipped nothing)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    with dynamo.config.patch(compiled_autograd=True):
+        @torch.compile(backend="eager")
+        def train_step(x: torch.Tensor, y: torch.Tensor) -> Any:
+            return layeropt.backward(torch.nn.functional.mse_loss(model(x), y), max_norm=0.05)
+
+        try:
+            norm = train_step(x, y)
+        except layeropt.BackwardStateError as exc:  # where compiled autograd ran it
+            assert "compiled autograd" in str(exc)
+            for p, b in zip(model.parameters(), before):
+                assert_same(p.detach(), b)  # refused before any update
+            return
+    opt.step()  # (compiled autograd did not take this backward: torch's recipe, exact)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    with torch.no_grad():
+        for q, b in zip(ref.parameters(), before):
+            q.copy_(b)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    assert_same(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach())
+
+
 def test_two_pass_compile_keeps_out_of_the_compile_caches():
     """The caches' keys leave donated buffers out: a tiny Llama compiled once without the
     context (a torch.optim run, same process or on disk) had its cached backward reused

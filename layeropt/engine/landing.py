@@ -46,7 +46,7 @@ from torch import Tensor
 
 from . import nesting
 from .between import snapshot
-from .nesting import _graph_task_id
+from .nesting import _dynamo_switches, _graph_task_id
 from .boundaries import Group
 from .rules import IDLE, Rules
 from .stepper import PLAIN, Stepper, Wrapper
@@ -55,19 +55,6 @@ from ..errors import ORPHAN_WARNING, SPARSE_ERROR, AttachError, warn
 __all__ = ["Bucket", "Engine", "Settings"]
 
 _W = TypeVar("_W", bound=Wrapper)
-
-
-@functools.cache
-def _dynamo_switches() -> tuple[Callable[[Any], Any], Callable[[Any], None]]:
-    """dynamo's frame-evaluation switch and code skipper (imported at first attach)."""
-    try:
-        from torch._dynamo import eval_frame
-    except ImportError:  # pragma: no cover - a torch build without dynamo: nothing to hide from
-        return (lambda callback: None), (lambda code: None)
-    set_eval_frame = getattr(eval_frame, "set_eval_frame", None)
-    if set_eval_frame is None:  # torch 2.5 keeps it in the C module only
-        from torch._C._dynamo.eval_frame import set_eval_frame
-    return set_eval_frame, functools.cache(eval_frame.skip_code)
 
 
 # The backward (graph task) that warned about deleted optimizers, once per backward.

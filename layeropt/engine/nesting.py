@@ -16,8 +16,10 @@ parameter's hook fire before its gradient (or its use) is complete:
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +30,26 @@ from .registry import ENGINES
 __all__ = ["Pin", "checkpoint_function", "segment_watcher"]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+@functools.cache
+def _dynamo_switches() -> tuple[Callable[[Any], Any], Callable[[Any], None]]:
+    """dynamo's frame-evaluation switch and code skipper (imported at first attach).
+
+    What the engine runs - hooks, the end of a backward (:class:`TaskEnd`), the
+    optimizer's ``step()`` - runs eagerly, with frame evaluation off: a compiled
+    function that calls ``backward()`` leaves dynamo's callback set, and torch's
+    step traced there computes otherwise (Adam's step count as a tensor)."""
+    try:
+        from torch._dynamo import eval_frame
+    except ImportError:  # pragma: no cover - a torch build without dynamo: nothing to hide from
+        return (lambda callback: None), (lambda code: None)
+    set_eval_frame = getattr(eval_frame, "set_eval_frame", None)
+    if set_eval_frame is None:  # torch 2.5 keeps it in the C module only
+        from torch._C._dynamo.eval_frame import set_eval_frame
+    skip_code = functools.cache(eval_frame.skip_code)
+    skip_code(TaskEnd.__call__.__code__)
+    return set_eval_frame, skip_code
 
 
 class TaskEnd:
@@ -51,7 +73,12 @@ class TaskEnd:
             torch.autograd.Variable._execution_engine.queue_callback(self)
             return
         self.called = True
-        self.end()
+        set_eval_frame = _dynamo_switches()[0]
+        prior = set_eval_frame(None)  # (eagerly, as the hooks: _dynamo_switches)
+        try:
+            self.end()
+        finally:
+            set_eval_frame(prior)
 
     def __del__(self) -> None:
         if not self.called:

@@ -59,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -77,6 +78,7 @@ from ..errors import (
     CLOSURE_HOLD_WARNING,
     DEFER_WARNING,
     NESTED_ERROR,
+    COMPILED_AUTOGRAD_TWO_PASSES,
     NO_GRAPH_TASK_ERROR,
     RETAIN_HOLD_WARNING,
     SCALER_HOLD_WARNING,
@@ -333,6 +335,10 @@ class Rules(StepRules):
         """
         if task == -1:  # before any state changes: nothing of this backward is applied
             raise BackwardStateError(NO_GRAPH_TASK_ERROR)
+        if (self.measure is not None or self.transform is not None) and getattr(
+                sys.modules.get("torch._dynamo.compiled_autograd"),
+                "in_compiled_autograd_region", False):
+            raise BackwardStateError(COMPILED_AUTOGRAD_TWO_PASSES)
         if not defer:
             nesting.outside_segments()  # a first hook outside any segment: nothing is nested
         self.last = self.backward = rec = BackwardRecord(task)
