@@ -515,6 +515,8 @@ class DDPAttachment(Attachment):
     def _taken(self) -> list[Tensor]:
         return self.params
 
+    owned = property(_taken, doc="The parameters DDP synchronises that the optimizers own.")
+
     def _release(self) -> None:
         with self._state.lock:
             self._state.owner = {}

@@ -189,6 +189,12 @@ CLIP_AFTER_BACKWARD = (
     + IN_A_TRAINER
 )
 
+CLIP_EMPTY = (
+    "on no parameters right after an attached backward updated some (a list filtered "
+    "on `p.grad is not None` finds none: every gradient was applied and freed; with "
+    "torch.optim it would hold them all)"
+)
+
 ALSO_APPLIED = (
     " Before this clip, {n} attached backwards since the last step() were each applied "
     "as an update of its own (torch would sum them into one step): run all but the "

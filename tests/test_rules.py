@@ -60,6 +60,13 @@ def _clip_with(clip: Callable[..., Any]) -> Callable[..., None]:
     return loop
 
 
+def _clip_filtered(m, opt, x, lo, ctx):
+    m(x).pow(2).mean().backward()  # fairseq's and accelerate's style: those with a gradient
+    torch.nn.utils.clip_grad_norm_([p for p in m.parameters() if p.grad is not None], 0.05)
+    opt.step()
+    opt.zero_grad()
+
+
 def _edit_grad(m, opt, x, lo, ctx):
     m(x).pow(2).mean().backward()
     for p in m.parameters():  # noise after backward, as Opacus adds it
@@ -285,6 +292,8 @@ RULES: dict[str, tuple[Callable[..., None], str, type | None, str]] = {
                                        layeropt.LayeroptError, "layeropt.backward(loss, max_norm"),
     "imported clip_grad_norm_": (_clip_with(imported_clip_grad_norm_), "loud",
                                  layeropt.LayeroptError, "layeropt.backward(loss, max_norm"),
+    "clip_grad_norm_ of those with a gradient": (_clip_filtered, "loud", layeropt.LayeroptError,
+                                                 "p.grad is not None"),
     "clip_grad_value_ after backward": (_clip_with(torch.nn.utils.clip_grad_value_), "loud",
                                         layeropt.LayeroptError, "clip_value="),
     "gradient edited after backward": (_edit_grad, "loud", layeropt.BackwardStateError,

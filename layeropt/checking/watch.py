@@ -53,6 +53,7 @@ from ..engine.registry import ENGINES
 from ..engine.subset import INSIDE
 from .verify import Verifier
 from ..errors import (
+    CLIP_EMPTY,
     ALSO_APPLIED,
     BackwardStateError,
     CLIP_AFTER_BACKWARD,
@@ -123,13 +124,19 @@ def _guard(fn: Callable[..., Any], by_norm: bool, name: str) -> Callable[..., An
         # only parameters without a gradient can have lost it to an attached backward:
         # a bucket clipped in backward has all of its own (O(1) per bucket, not O(model))
         missing = [p for p in parameters if p.grad is None] if ENGINES else []
-        stepped = _stepped_ids() if missing else ()
-        if stepped and any(id(p) in stepped for p in missing):
+        stepped = _stepped_ids() if missing or not parameters else ()
+        # none at all right after an attached backward: a list filtered on `p.grad is not
+        # None` (fairseq, accelerate's style) finds none of the gradients torch's loop has
+        empty = not parameters and bool(stepped)
+        if empty or stepped and any(id(p) in stepped for p in missing):
             max_norm = args[0] if args else kwargs.get("max_norm", math.inf)
             message = CLIP_AFTER_BACKWARD.format(
                 fn=label,
                 result="it returns a norm of 0" if by_norm else "no gradient is left",
             )
+            if empty:
+                message = message.replace("on parameters that an attached backward has "
+                                          "already updated", CLIP_EMPTY)
             ids = {id(p) for p in parameters}
             applied = max((e.train_step.stepped_backwards for e in list(ENGINES)
                            if any(id(p) in ids for p in e.last.stepped)), default=0)
