@@ -181,7 +181,8 @@ def backward(
     # the scale inside the kernel (grad_scale), where unscale_ multiplies by its inverse:
     # the two differ unless the scale is a power of two
     fused = [o for o in optimizers if max_norm is None and scaler is not None
-             and getattr(o, "_step_supports_amp_scaling", False)]
+             and getattr(o, "_step_supports_amp_scaling", False)
+             and not o._lo_engine.clips]  # (clip_value=/bucket_max_norm=: unscale_ first)
     unhooked.refuse_fused_unscale(fused)
     if scaler is not None:
         _refuse_fp16_unscale([o for o in optimizers if not any(o is f for f in fused)])

@@ -85,6 +85,29 @@ def test_step_after_no_step_backwards_steps_held_gradients():
     assert_same(ref_opt.state_dict(), opt.state_dict())
 
 
+@pytest.mark.parametrize("held", ["no_step", "retain_graph"])
+def test_held_backward_after_a_stepping_one_is_refused(held):
+    """Stepping first, holding second (the wrong way round): torch sums both into one step,
+    layeropt had applied the first as a step of its own and held the second for step()
+    (3 Adam steps where torch has 2). Refused before anything of the second applies."""
+    model, batch_fn, loss_fn = make_model("mlp")
+    opt = layeropt.Adam(model.parameters(), lr=0.01)
+    layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(0)
+    loss_fn(model, batch_fn(gen)).backward()
+    opt.step()  # (a loop that calls step(): its steps are known)
+    opt.zero_grad()
+    loss_fn(model, batch_fn(gen)).backward()  # applied at once
+    after_first = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(layeropt.BackwardStateError, match="held for step"):
+        if held == "no_step":
+            with opt.no_step():
+                loss_fn(model, batch_fn(gen)).backward()
+        else:
+            loss_fn(model, batch_fn(gen)).backward(retain_graph=True)
+    assert all(torch.equal(a, p) for a, p in zip(after_first, model.parameters()))
+
+
 def test_param_with_grad_only_in_early_micro_batch_is_stepped():
     """A held gradient whose parameter gets no gradient in the last backward."""
     torch.manual_seed(0)

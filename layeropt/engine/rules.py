@@ -391,9 +391,14 @@ class Rules(StepRules):
         kept = self.measure is None and self.transform is None and _watch.graph_kept()
         rec.graph = created or kept
         plain = self.measure is None and not self.no_step_depth
-        if plain and self.calls and self.train_step.stepped_backwards:
+        holds = self.measure is None and self.transform is None and (
+            self.no_step_depth or rec.graph or self.closure_depth or rec.scaled)
+        if self.train_step.stepped_backwards and self.calls and (holds or plain):
+            # (held for step(): torch sums it with the one already applied, into one step)
             raise BackwardStateError(ACCUMULATION_ERROR.format(
-                what="a second backward after an attached backward that updated the parameters",
+                what=("a backward held for step() (inside no_step(), or keeping its graph) "
+                      if holds else "a second backward ") + "after an attached backward that "
+                "updated the parameters",
                 outcome="Nothing of this second backward was applied.",
             ))
         for attachment in list(self.attachments):  # layers (un)frozen since attach (rule 7)
