@@ -516,6 +516,7 @@ class DDPAttachment(Attachment):
         return self.params
 
     owned = property(_taken, doc="The parameters DDP synchronises that the optimizers own.")
+    averaged = True  # (its gradients come averaged through DDP's comm hook)
 
     def _release(self) -> None:
         with self._state.lock:

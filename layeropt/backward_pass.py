@@ -207,6 +207,7 @@ def backward(
               if o.attached and not any(o._lo_engine is e for e in engines)]
     measured: dict[Tensor, Tensor] = {}
     buffers = _BufferSnapshot(engines + others)
+    unhooked.add_leaves(loss)
     unhooked.set_aside()
 
     def undo_pass_1() -> None:
@@ -326,6 +327,7 @@ class _Unhooked:
                 self.owner[id(p)] = opt._lo_engine
                 self.owned.append(p)
         self.before: dict[Tensor, Tensor | None] = {}
+        self.leaves: list[Tensor] = []  # other leaves the loss reaches (add_leaves)
 
     def measure(self, measured: dict[Tensor, Tensor], norm_type: float | None,
                 inv_scale: Tensor | None, found: dict[Any, Tensor],
@@ -342,9 +344,30 @@ class _Unhooked:
             if norm is not None and (clipped is None or id(p) in clipped):
                 measured[p] = norm
 
+    def add_leaves(self, loss: Tensor) -> None:
+        """Every other leaf the loss reaches (a module a plain optimizer trains, a tensor
+        no optimizer owns): pass 1 would leave its gradient in ``.grad`` for pass 2 to
+        add to, so it is set aside too (not measured: it is not clipped)."""
+        known = {id(p) for p in self.owned + self.foreign + self.strays}
+        attachments = [a for o in live_optimizers() if o.attached
+                       for a in list(o._lo_engine.attachments)]
+        seen: set[Any] = set()
+        stack = [loss.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            leaf = getattr(fn, "variable", None)  # (an AccumulateGrad node's tensor)
+            if leaf is not None and id(leaf) not in known and not any(
+                    a.hooks(leaf) for a in attachments):
+                known.add(id(leaf))
+                self.leaves.append(leaf)
+            stack.extend(f for f, _ in fn.next_functions)
+
     def set_aside(self) -> None:
         self.before = {p: None if p.grad is None else p.grad.clone()
-                       for p in self.owned + self.foreign + self.strays}
+                       for p in self.owned + self.foreign + self.strays + self.leaves}
 
     def refuse_strays(self) -> None:
         """After pass 1: refuse a backward that reached a left-out optimizer's parameters

@@ -466,6 +466,49 @@ def test_backward_given_one_optimizer_steps_the_others_it_reaches_once(held):
         assert_same(o.state_dict(), r.state_dict())
 
 
+# gradients layeropt.backward(max_norm=)'s two passes must count once: where they are
+LEAVES = {
+    "a module a plain optimizer trains": lambda m, extra: extra.weight,
+    "a parameter no optimizer owns": lambda m, extra: m.aux.weight,
+    "a gradient already in .grad": lambda m, extra: m[2].weight,
+}
+
+
+@pytest.mark.parametrize("where", list(LEAVES))
+def test_two_passes_count_every_gradient_once(where):
+    """torch's recipe (backward; clip_grad_norm_(owned); step): a leaf neither hooked
+    nor clipped got both passes' gradients (2x); a gradient already in .grad when the
+    call began was measured, freed, and the step used the new one alone."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model.add_module("aux", torch.nn.Linear(8, 1))  # in the model, owned by no optimizer
+    extra = torch.nn.Linear(4, 1)  # trained by a plain optimizer
+    ref, ref_extra = copy.deepcopy(model), copy.deepcopy(extra)
+    x, g0 = torch.randn(3, 4), torch.randn(1, 8)
+
+    def loss(m: torch.nn.Module, e: torch.nn.Module) -> torch.Tensor:
+        h = m[1](m[0](x))
+        return (m[2](h) + m.aux(h) + e(x)).pow(2).mean()
+
+    owned = lambda m: list(m[0].parameters()) + list(m[2].parameters())  # noqa: E731
+    opt = layeropt.SGD(owned(model), lr=0.1)
+    layeropt.attach(model, opt)
+    ref_opt = torch.optim.SGD(owned(ref), lr=0.1)
+    if where == "a gradient already in .grad":
+        ref[2].weight.grad, model[2].weight.grad = g0.clone(), g0.clone()
+    loss(ref, ref_extra).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(owned(ref), 0.05)
+    ref_opt.step()
+    norm = layeropt.backward(loss(model, extra), max_norm=0.05, parameters=owned(model))
+    opt.step()
+    assert_same(norm, ref_norm)
+    assert_same(LEAVES[where](model, extra).grad if where != "a gradient already in .grad"
+                else model[2].weight.detach(),
+                LEAVES[where](ref, ref_extra).grad if where != "a gradient already in .grad"
+                else ref[2].weight.detach())
+    assert_models_equal(ref, model)
+
+
 def test_scaled_backward_reaching_an_optimizer_not_given_is_refused():
     """Its gradients would step still scaled (scaler.step(opt) unscales them)."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))

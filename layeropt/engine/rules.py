@@ -228,6 +228,13 @@ class Rules(StepRules):
         held gradients are set aside (restored by :meth:`finish_measure`)."""
         self.measure = m = Measure(measured, norm_type, inv_scale, found_inf)
         self._route()
+        held, optimizer = self.train_step.held, self._optimizer()
+        for attachment in list(self.attachments):  # a gradient already in .grad (set by
+            if getattr(attachment, "averaged", False):  # hand, or from before the layer
+                continue  # was hooked) is summed and clipped as a held one (DDP's: its own)
+            for p in attachment.owned:
+                if p.grad is not None and p not in held and optimizer.owns(p):
+                    held[p] = None
         # torch's reentrant segments deliver a gradient in several pieces, which torch
         # adds to the accumulated one in turn ((held + a) + b): measured in place then,
         # and restored from a copy; else set aside and added once (held + grad)
