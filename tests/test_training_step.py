@@ -7,6 +7,7 @@ or checks that layeropt refuses it loudly with nothing of the step applied.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from typing import Any
@@ -428,6 +429,42 @@ def test_zero_grad_to_none_again_forgets_kept_gradients():
             o.step()
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+# set_to_none=False: torch keeps a zero .grad, and every later step() moves the parameter
+KEPT_AFTER = {
+    "model.zero_grad after a step": lambda m, o, x, lo: (
+        m(x).pow(2).mean().backward(), o.step(), m.zero_grad(set_to_none=False)),
+    "zero_grad of held gradients": lambda m, o, x, lo: (
+        _held_backward(m, o, x, lo), o.zero_grad(set_to_none=False)),
+    "model.zero_grad of held gradients": lambda m, o, x, lo: (
+        _held_backward(m, o, x, lo), m.zero_grad(set_to_none=False)),
+}
+
+
+def _held_backward(m: torch.nn.Module, o: Any, x: torch.Tensor, lo: bool) -> None:
+    with o.no_step() if lo else contextlib.nullcontext():
+        m(x).pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("loop", list(KEPT_AFTER))
+def test_kept_zero_gradients_are_stepped_at_every_later_step(loop):
+    """Two step() calls without a backward (skipped batches) after the zeros were kept:
+    torch steps every parameter twice (weight decay, Adam's count); layeropt forgot the
+    zeros after one step() (they counted as that step's), or never kept held ones."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+    opt = layeropt.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    layeropt.attach(model, opt)
+    x = torch.randn(3, 4)
+    for m, o, lo in ((ref, ref_opt, False), (model, opt, True)):
+        KEPT_AFTER[loop](m, o, x, lo)
+        o.step()
+        o.step()
+    assert_models_equal(model, ref)
+    assert_same(opt.state_dict(), ref_opt.state_dict())
 
 
 # -- hyperparameters changed between backward and step() -----------------------

@@ -180,6 +180,8 @@ class StepRules:
         having updated them."""
         rec = self.last
         if any(id(p) in ids for p in rec.stepped):
+            if rec.by_backward is not None:  # (the backward's part, then step()'s)
+                rec.by_backward = sum(id(p) not in ids for p in rec.stepped[:rec.by_backward])
             rec.stepped = [p for p in rec.stepped if id(p) not in ids]
 
     def skip(self, had_grad: list[Tensor]) -> None:
@@ -222,6 +224,8 @@ class StepRules:
             raise BackwardStateError(SCALED_CLIP_ERROR)
         rec = self.last
         steps = rec.steps  # (stepped_in_backward counts the backward's updates only)
+        if rec.by_backward is None:  # (step()'s updates - kept zeros among them - are not
+            rec.by_backward = len(rec.stepped)  # the backward's: torch still keeps zeros)
         self._step(self.placed(params))
         self._step_stored()
         rec.steps = steps
@@ -237,11 +241,15 @@ class StepRules:
         if attached:
             self.check_boundary("zero_grad()")
             self.check_discard(None, "optimizer.zero_grad()")
+        # what torch holds a .grad for now, and keeps as zeros with set_to_none=False:
+        # the latest backward's, the held ones, any set by hand
+        optimizer = self._optimizer()
+        groups = optimizer.param_groups if optimizer is not None else []
+        had = [] if set_to_none else self._held_now([p for g in groups for p in g["params"]])
         self.stepper.held.drop(set_to_none)  # (torch would zero or drop those in .grad)
         torch_zero_grad(set_to_none)
         self.train_step.held.clear()
-        self.kept_grads = _between.kept_after_zero_grad(
-            self.kept_grads, self._this_step() + self.train_step.skipped, set_to_none)
+        self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, had, set_to_none)
         self.last.zeroed = True
         if attached:
             self.boundary("zero_grad()")
@@ -272,15 +280,22 @@ class StepRules:
         gradients in a store go as torch's in ``.grad`` would, and the parameters torch
         then keeps a zero ``.grad`` for (or no longer does) are followed as for the
         optimizer's ``zero_grad``."""
-        self.stepper.held.drop(set_to_none, params)
         ids = {id(p) for p in params}
-        had = [p for p in self._this_step() + self.train_step.skipped if id(p) in ids]
+        had = [] if set_to_none else [p for p in self._held_now(params) if id(p) in ids]
+        self.stepper.held.drop(set_to_none, params)
         self.forget_stepped(ids)  # (torch's gradients of them are gone or zero now)
         if set_to_none:
             for i in ids if self.kept_grads else ():
                 self.kept_grads.pop(i, None)
             return
         self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, had, False)
+
+    def _held_now(self, params: list[Tensor]) -> list[Tensor]:
+        """Of ``params``, those torch holds a gradient for now: the latest backward's (and
+        a skipped step's), and any with a ``.grad`` or held in a store."""
+        store = self.stepper.held
+        return self._this_step() + self.train_step.skipped + [
+            p for p in params if p.grad is not None or p in store]
 
     def unused_kept(self, optimizer: Any) -> list[Tensor]:
         """Parameters torch would update on a kept zero gradient at this ``step()`` (not
@@ -291,7 +306,10 @@ class StepRules:
 
     def _this_step(self) -> list[Tensor]:
         """What the latest backward stepped, unless a ``zero_grad()`` came after it."""
-        return [] if self.last.zeroed else self.last.stepped
+        rec = self.last
+        if rec.zeroed:
+            return []
+        return rec.stepped if rec.by_backward is None else rec.stepped[:rec.by_backward]
 
     @property
     def stepped_since_boundary(self) -> bool:

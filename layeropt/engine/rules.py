@@ -132,13 +132,15 @@ class BackwardRecord:
         unchecked: rule 6's decision waits for this engine's first gradient.
         scaled / distributed: through a GradScaler-scaled loss; several processes.
         stepped / steps / counted: what it updated, how many updates; counted as a
-            stepping backward of its training step.
+            stepping backward of its training step. by_backward: once a ``step()``
+            updated more after it, how many of ``stepped`` the backward itself did.
         zeroed: a ``zero_grad()`` came after it (its updates are not the next one's).
     """
 
     __slots__ = ("task", "serial", "route", "ready", "ready_bytes", "partial", "incomplete", "gated",
                  "deferred", "defer", "hold", "graph", "sweep", "unchecked", "scaled",
-                 "distributed", "stepped", "steps", "counted", "zeroed", "unpinned")
+                 "distributed", "stepped", "steps", "counted", "zeroed", "unpinned",
+                 "by_backward")
 
     def __init__(self, task: int) -> None:
         self.task = task
@@ -154,6 +156,7 @@ class BackwardRecord:
         self.defer = self.hold = self.graph = self.sweep = self.unchecked = False
         self.scaled = self.distributed = False  # (set by whoever begins it)
         self.stepped: list[Tensor] = []
+        self.by_backward: int | None = None  # of stepped, the backward's (then step()'s)
         self.steps = 0
         self.counted = self.zeroed = False
 
