@@ -6,6 +6,8 @@
 * Each loop that differs from torch where layeropt cannot see it (docs/rules.md, "what
   cannot be detected") raises VerifyError naming its cause, on every kind; so does a
   deliberately wrong in-backward update (the comparison itself works).
+* Each loop layeropt refuses (the rules table's loud rows) raises under verification
+  too, no later than without it: verification never passes it.
 """
 
 from __future__ import annotations
@@ -113,6 +115,36 @@ def _plain(m, opt, x):
     opt.zero_grad()
 
 
+def _first_batch_skipped(by_module: bool) -> Callable[..., None]:
+    """A bad first batch skipped with zero_grad() and no step(): torch drops its gradients;
+    layeropt, before a loop's first step(), took that backward for a step and applied it."""
+    def loop(m, opt, x):
+        m(x).pow(2).mean().backward()
+        if not opt.state:  # (no step() yet: the first batch)
+            m.zero_grad() if by_module else opt.zero_grad()
+            return
+        opt.step()
+        opt.zero_grad()
+    return loop
+
+
+def _state_reset(m, opt, x):
+    """The optimizer's moments reset between backward and step() (from the second step)."""
+    m(x).pow(2).mean().backward()
+    for state in opt.state.values():
+        state["exp_avg"].zero_()
+    opt.step()
+    opt.zero_grad()
+
+
+def _stepped_twice(m, opt, x):
+    """step() twice on one backward's gradients: torch applies them twice."""
+    m(x).pow(2).mean().backward()
+    opt.step()
+    opt.step()
+    opt.zero_grad()
+
+
 # case -> (loop, optimizer class name or class, wrong update injected, words of the cause)
 CASES: dict[str, tuple[Any, Any, bool, str]] = {
     "gradient edited after backward (DINO)": (_cancel_last_layer, "AdamW", False,
@@ -123,6 +155,17 @@ CASES: dict[str, tuple[Any, Any, bool, str]] = {
     "step() reads other parameters' gradients": (_plain, GlobalNormAdam, False,
                                                  "reads other parameters' gradients"),
     "a wrong in-backward update (injected)": (_plain, "AdamW", True, "the update differs"),
+    "first batch skipped with opt.zero_grad()": (
+        _first_batch_skipped(False), "AdamW", False,
+        "a backward's gradients discarded by zero_grad() before the first step(): layeropt "
+        "had already applied them"),
+    "first batch skipped with model.zero_grad()": (
+        _first_batch_skipped(True), "AdamW", False,
+        "a backward's gradients discarded by zero_grad() before the first step()"),
+    "optimizer state reset between backward and step()": (
+        _state_reset, "AdamW", False, "optimizer state changed between backward and step()"),
+    "step() twice per backward": (_stepped_twice, "AdamW", False,
+                                  "step() was called again on a gradient already applied"),
 }
 
 
@@ -469,3 +512,143 @@ def test_gradients_zeroed_in_place_by_hand_verify_clean():
                     p.grad.zero_()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+def _zero_by_hand(m: torch.nn.Module) -> None:
+    for p in m.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+
+
+def _zeroed_after_forward(m, opt, x, step, lo):
+    """Gradients zeroed in place between forward and backward."""
+    loss = m(x).pow(2).mean()
+    _zero_by_hand(m)
+    loss.backward()
+    opt.step()
+
+
+def _zeroed_submodules_called(m, opt, x, step, lo):
+    """Gradients zeroed in place; the layers called one by one, not the attached model."""
+    _zero_by_hand(m)
+    for layer in m:
+        x = layer(x)
+    x.pow(2).mean().backward()
+    opt.step()
+
+
+def _zeroed_compiled(m, opt, x, step, lo):
+    """Gradients zeroed in place; the forward of a torch.compile'd model."""
+    _zero_by_hand(m)
+    torch.compile(m, backend="aot_eager")(x).pow(2).mean().backward()
+    opt.step()
+
+
+def _reattached(verify: int) -> Callable[..., None]:
+    """attach(model, opt, verify=...) again between the second backward and step()."""
+    def loop(m, opt, x, step, lo):
+        m(x).pow(2).mean().backward()
+        if lo and step == 1:
+            layeropt.attach(m, opt, verify=verify)  # (the same handle, its settings anew)
+        opt.step()
+        opt.zero_grad()
+    return loop
+
+
+# loop -> the kinds it runs on (DDP: not the layers one by one, which bypass DDP's
+# forward, nor a second attach, which a DDP model refuses; FSDP2: its sharded gradients
+# are written by FSDP, where no tensor hook sees a zeroing in place - docs/rules.md,
+# "How to check your loop")
+EXACT_BY_HAND: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
+    "gradients zeroed in place after the forward": (_zeroed_after_forward, ("plain", "ddp")),
+    "gradients zeroed in place, layers called one by one": (_zeroed_submodules_called,
+                                                            ("plain",)),
+    "gradients zeroed in place, torch.compile'd model": (_zeroed_compiled, ("plain",)),
+    "re-attached with verify=0 between backward and step()": (_reattached(0), ("plain",)),
+    "re-attached with verify=2 between backward and step()": (_reattached(2), ("plain",)),
+}
+
+
+@pytest.mark.parametrize("kind", test_rules.KINDS)
+@pytest.mark.parametrize("case", list(EXACT_BY_HAND))
+def test_more_exact_loops_pass_verification_and_stay_exact(process_group, kind, case):
+    """Exact loops verify still called wrong: gradients zeroed in place where no
+    zero_grad() or forward of the attached model shows it ("not zeroed"), and a
+    re-attach while a backward waited for step() (a "gradient set after backward")."""
+    loop, kinds = EXACT_BY_HAND[case]
+    if kind not in kinds:
+        pytest.skip("not on this kind (EXACT_BY_HAND says why)")
+    ref, model = (test_rules._wrap(kind, _model()) for _ in range(2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = layeropt.AdamW(model.parameters(), lr=0.01)
+    handle = layeropt.attach(model, opt, verify=3)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (LAYEROPT_VERIFY: ... equal)
+            for step in range(5):
+                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+                loop(ref, ref_opt, x, step, False)
+                loop(model, opt, x, step, True)
+                for p, q in zip(model.parameters(), ref.parameters()):
+                    test_rules.assert_same(p.detach(), q.detach(), f"{case}, step {step}")
+        test_rules.assert_same(opt.state_dict()["state"], ref_opt.state_dict()["state"])
+    finally:
+        handle.remove()
+
+
+def _plain_step_order(layeropt_first: bool) -> Callable[..., None]:
+    """A plain torch.optim optimizer owning the attached model's first layer too."""
+    def loop(m, opt, extra, x):
+        m(x).pow(2).mean().backward()
+        for o in (opt, extra) if layeropt_first else (extra, opt):
+            o.step()
+        opt.zero_grad()
+        extra.zero_grad()
+    return loop
+
+
+@pytest.mark.parametrize("layeropt_first", [True, False], ids=["opt.step() first",
+                                                                "plain step() first"])
+def test_a_plain_optimizer_sharing_a_parameter_is_refused_as_without_verify(layeropt_first):
+    """Verifying, the plain optimizer's step() is refused where the attached loop's is - in
+    the first step, with the same message - though torch's gradients are still in .grad
+    (it passed verification, and was refused once the optimizer updated in backward)."""
+    loop = _plain_step_order(layeropt_first)
+    raised = {}
+    for verify in (0, 3):
+        model = _model()
+        opt = layeropt.AdamW(model.parameters(), lr=0.01)
+        extra = torch.optim.SGD(model[0].parameters(), lr=0.1)
+        handle = layeropt.attach(model, opt, verify=verify)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                for step in range(4):
+                    loop(model, opt, extra, torch.randn(4, 6))
+            except layeropt.BackwardStateError as e:
+                raised[verify] = (step, str(e))
+            finally:
+                handle.remove()
+    assert raised.get(0) == raised.get(3) and raised[0][0] == 0, raised
+    assert "is about to skip parameter '0.weight'" in raised[0][1]
+
+
+LOUD_RULES = [r for r, (_, expected, _, _) in test_rules.RULES.items()
+              if expected != test_rules.EXACT]
+
+
+@pytest.mark.parametrize("kind", test_rules.KINDS)
+@pytest.mark.parametrize("rule", LOUD_RULES)
+def test_loops_layeropt_refuses_do_not_pass_verification(process_group, monkeypatch, kind,
+                                                          rule):
+    """Each loop of the rules table that layeropt refuses raises under LAYEROPT_VERIFY as
+    well, no later than without it: its refusal, or a VerifyError naming the difference
+    (a plain step() after layeropt's, over held gradients, passed)."""
+    if kind in test_rules.NOT_ON.get(rule, ()):
+        pytest.skip(test_rules.NOT_ON_WHY)
+    monkeypatch.setenv("LAYEROPT_VERIFY", "3")
+    out = test_rules.run_rule(kind, rule)
+    assert out["error"] is not None, "passed verification"
+    name, message, step = out["error"]
+    assert name in ("VerifyError", test_rules.RULES[rule][2].__name__), out["error"]
+    assert step <= test_rules.LATE.get(rule, 0), out["error"]

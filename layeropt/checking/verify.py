@@ -18,7 +18,8 @@ bit (``-0.0`` and ``0.0`` are one value, as ``torch.equal`` has it). The
 first difference raises :class:`~layeropt.errors.VerifyError`, naming the
 parameter, the training step, how large the difference is and its likely
 cause - a gradient edited or discarded after backward, gradients not zeroed
-between steps, a parameter changed after its update would have run, or an
+between steps, ``step()`` called again on a gradient it applied, a parameter
+or its optimizer state changed after its update would have run, or an
 update that differs with the same inputs (an optimizer whose ``step()``
 reads other parameters' gradients; a bug in layeropt) - with the fix. The
 loop's own refusals (accumulation, clipping after backward, ...) are raised
@@ -31,7 +32,11 @@ goes on to a ``zero_grad()`` or to its next forward instead (a forward
 pre-hook on each attached model while verifying): there
 (:meth:`Verifier.settle`) the pending step is applied with torch's ``step``
 and compared, a warning says the loop steps in backward, and verification
-ends - the loop trains as it does without ``LAYEROPT_VERIFY``. A program that
+ends - the loop trains as it does without ``LAYEROPT_VERIFY``. After a
+``zero_grad()`` the verifier stays, updating in backward, to see whether the
+loop calls ``step()`` after all: then that ``zero_grad()`` discarded a
+backward that in-backward updating had already applied (a skipped first
+batch), and :class:`~layeropt.errors.VerifyError` says so. A program that
 ends before ``N`` steps were verified says so when it exits.
 
 Memory during verified steps is torch's: every gradient is kept until
@@ -68,6 +73,29 @@ from ..errors import (
 
 __all__ = ["Verifier", "verify", "verify_steps"]
 
+# The causes errors.VERIFY_CAUSES names, and those the loop's order of calls decides.
+CAUSES = {
+    **VERIFY_CAUSES,
+    "state": (
+        "its optimizer state changed between backward and step() (a reset or an edit of "
+        "optimizer.state, e.g. state['exp_avg'].zero_()): torch's step() reads the changed "
+        "state, but in-backward updating had already read and updated it, so the change is "
+        "overwritten. Change optimizer state before backward or after step()."
+    ),
+    "again": (
+        "step() was called again on a gradient already applied (no backward since): "
+        "torch applies it a second time, while in-backward updating applied each backward's "
+        "gradient once and freed it. Call step() once per backward, zero_grad() between."
+    ),
+    "skipped": (
+        "a backward's gradients discarded by zero_grad() before the first step(): layeropt "
+        "had already applied them (before a loop's first step() it takes each backward for "
+        "a training step of its own, as in a loop that never calls step()), where torch "
+        "drops them. Keep that backward from updating the parameters (requires_grad_(False) "
+        "during it, or it inside `with opt.no_step():`), or skip the batch before backward."
+    ),
+}
+
 
 def verify_steps(verify: int | None) -> int:
     """How many training steps to verify: ``verify`` if given, else ``LAYEROPT_VERIFY``."""
@@ -85,8 +113,15 @@ def verify_steps(verify: int | None) -> int:
 
 
 def verify(engine: Any, steps: int) -> None:
-    """Run ``engine``'s next ``steps`` training steps both ways; 0: stop verifying."""
+    """Run ``engine``'s next ``steps`` training steps both ways; 0: stop verifying.
+
+    A backward shadowed and waiting for ``step()`` stays with its verifier, as the first
+    of those steps (the last, for 0): its gradients are still in ``.grad``, which the
+    engine counts as applied already (unwrapped, ``step()`` would refuse them)."""
     current = engine.find(Verifier)
+    if current is not None and current.shadows:
+        current.left = max(steps, 1)
+        return
     if current is not None:
         current._unwatch()
         engine.unwrap(current)
@@ -132,6 +167,7 @@ class _Shadow(NamedTuple):
     param_after: Print
     state_after: dict[str, Print]
     name: str
+    state: dict[str, tuple[Tensor, int]]  # its state's tensors, and their versions, as found
 
 
 _ACTIVE: weakref.WeakSet = weakref.WeakSet()  # verifiers still verifying (reported at exit)
@@ -144,6 +180,37 @@ def _report_unfinished() -> None:
         pending = "; the last backward's update was not applied: no step() followed it" \
             if v.shadows else ""
         warn(VERIFY_ENDED.format(n=v.done, total=v.done + v.left, pending=pending))
+
+
+def _stamps(optimizer: Any, p: Tensor) -> dict[str, tuple[Tensor, int]]:
+    """``p``'s optimizer state tensors and their versions: any in-place edit, or another
+    tensor put there, shows (O(1) each, nothing copied)."""
+    return {k: (v, v._version) for k, v in optimizer.state.get(p, {}).items()
+            if isinstance(v, Tensor)}
+
+
+def _same(stamps: dict[str, tuple[Tensor, int]], now: dict[str, tuple[Tensor, int]]) -> bool:
+    return stamps.keys() == now.keys() and all(
+        now[k][0] is t and now[k][1] == v for k, (t, v) in stamps.items())
+
+
+def _digests(optimizer: Any, p: Tensor) -> tuple[bytes, dict[str, bytes]]:
+    """What ``p`` and its optimizer state are, as fingerprints' digests."""
+    return fingerprint(p).digest, {k: fingerprint(v).digest for k, v in
+                                   optimizer.state.get(p, {}).items() if isinstance(v, Tensor)}
+
+
+def _zero_watch(verifier: Verifier, param: Tensor) -> Callable[[Tensor], None]:
+    """A tensor hook on ``param`` (it runs before its gradient is added onto ``.grad``):
+    calls :meth:`Verifier.before_accumulating`; weak both ways, as the forward hook."""
+    refs = weakref.ref(verifier), weakref.ref(param)
+
+    def hook(grad: Tensor) -> None:
+        v, p = refs[0](), refs[1]()
+        if v is not None and p is not None:
+            v.before_accumulating(p)
+
+    return hook
 
 
 def _remove_hooks(handles: dict[int, Any]) -> None:
@@ -195,15 +262,24 @@ class Verifier(Wrapper):
         self.left = steps
         self.done = 0  # training steps verified
         self.shadows: dict[Tensor, _Shadow] = {}  # this training step's in-backward updates
-        self.unzeroed: dict[int, Tensor] = {}  # id(param) -> its .grad after the last step()
+        # id(param) -> its .grad after the last step(), and that tensor's version then
+        self.unzeroed: dict[int, tuple[Tensor, int]] = {}
+        # the latest backward's record when step() ran, and the parameters it applied
+        # (held, not ids: an id of a freed tensor is another tensor's later)
+        self.applied: tuple[Any, list[Tensor]] = (None, [])
+        self.discarded: tuple[str, int] | None = None  # settled at a zero_grad(): see settle
         self.forward_hooks: dict[int, Any] = {}  # id(model) -> its forward pre-hook's handle
+        self.grad_hooks: dict[int, Any] = {}  # id(param) -> its tensor hook's handle
         # (a verifier dropped while verifying, its optimizer deleted: its hooks go with it)
         weakref.finalize(self, _remove_hooks, self.forward_hooks)
+        weakref.finalize(self, _remove_hooks, self.grad_hooks)
         _ACTIVE.add(self)
 
     # -- the stepper ---------------------------------------------------------------
     def step(self, engine: Any, optimizer: Any, groups: list[Any], params: list[Tensor],
              transform: Any) -> list[Tensor]:
+        if self.discarded is not None:  # (settled: updating in backward, watching step())
+            return self.inner.step(engine, optimizer, groups, params, transform)
         return self.shadow(optimizer, groups, transform)
 
     def zero_grad(self, engine: Any, set_to_none: bool,
@@ -245,13 +321,15 @@ class Verifier(Wrapper):
                     self.shadows[p] = _Shadow(
                         used[p], before[p][1], fingerprint(p),
                         {k: fingerprint(v) for k, v in state.items() if isinstance(v, Tensor)},
-                        self.engine.name_of(p))
+                        self.engine.name_of(p), {})
             finally:
                 for p, grad in zip(params, grads):
                     # a DDP bucket's averaged slice: its own memory, as DDP's write-back
                     p.grad = grad if grad._base is None else grad.clone()
                 saved.restore(optimizer)
                 _restore(optimizer, values)
+            for p in params:  # (restored in place: torch's step() must find these unchanged)
+                self.shadows[p] = self.shadows[p]._replace(state=_stamps(optimizer, p))
         return stepped
 
     def check_zeroed(self, params: list[Tensor]) -> None:
@@ -260,8 +338,29 @@ class Verifier(Wrapper):
         None``) removed since ``step()`` is still the same tensor."""
         for p in params:
             kept = self.unzeroed.get(id(p))
-            if kept is not None and p.grad is kept:
+            if kept is not None and p.grad is kept[0]:
                 self._fail(p, "not zeroed", self.engine.name_of(p), "")
+
+    def before_accumulating(self, p: Tensor) -> None:
+        """``p``'s gradient is about to be added onto ``p.grad``: a ``.grad`` kept since
+        ``step()`` but zeroed in place (``p.grad.zero_()``, wherever the loop does it) is
+        not the last step's gradient any more - adding onto zeros is exact."""
+        kept = self.unzeroed.get(id(p))
+        if kept is not None and p.grad is kept[0]:
+            g = kept[0].to_local() if is_dtensor(kept[0]) else kept[0]
+            if not g.any():
+                del self.unzeroed[id(p)]
+
+    def freed(self) -> set[int]:
+        """Parameters (by ``id``) whose gradient in-backward updating would have applied and
+        freed by now, while torch's stays in ``.grad``: those of pending shadows, and those
+        ``step()`` applied after the latest backward. Another optimizer's ``step()`` on them
+        is refused, as the attached loop's (``layeropt/checking/watch.py``). None once
+        detached: its optimizer is torch's again."""
+        if not self.engine.attachments:
+            return set()
+        record, params = self.applied
+        return {id(p) for p in [*self.shadows, *(params if record is self.engine.last else ())]}
 
     def transform_real(self, params: list[Tensor], transform: Any) -> None:
         """After ``layeropt.backward``'s step pass: its unscaling and clipping applied to
@@ -282,6 +381,11 @@ class Verifier(Wrapper):
     def step_call(self, engine: Any, closure: Callable[[], Any] | None) -> Any:
         """``optimizer.step()``: the in-backward step's leftovers on the shadow, torch's
         own step for real, then the comparison (raises :class:`VerifyError`)."""
+        if self.discarded is not None:  # (settle: that zero_grad() discarded a step)
+            name, step = self.discarded
+            self._end()
+            raise VerifyError(VERIFY_ERROR.format(name=name, step=step, size="-",
+                                                  cause=CAUSES["skipped"]))
         optimizer = engine._optimizer()
         _alone(engine)
         loss = None
@@ -298,11 +402,16 @@ class Verifier(Wrapper):
             self._end()
         return loss
 
-    def settle(self, where: str) -> None:
-        """The loop went on (``where``: a ``zero_grad()``, its next backward) after a
+    def settle(self, where: str, discards: bool = True) -> None:
+        """The loop went on (``where``: a ``zero_grad()``, its next forward) after a
         backward whose updates wait for a ``step()``, and has never called ``step()``:
         each backward is its own training step. Apply this one as ``step()`` would,
-        compare, and end verification (the loop updates in backward from now on)."""
+        compare, and end verification (the loop updates in backward from now on).
+
+        At a ``zero_grad()`` (``discards``) the verifier stays, updating in backward:
+        torch drops those gradients there, so a loop that calls ``step()`` later was not
+        one without ``step()`` - its ``zero_grad()`` discarded a backward (a skipped first
+        batch) that in-backward updating applied, and that ``step()`` raises."""
         engine = self.engine
         optimizer = engine._optimizer()
         if not engine.attachments:  # detached: nothing of it acts any more
@@ -311,13 +420,18 @@ class Verifier(Wrapper):
         if not self.shadows or "step()" in engine.calls or optimizer is None:
             return  # (a loop that calls step(): the usual rules decide)
         stepped = list(self.shadows)
+        name = self.shadows[stepped[0]].name
         self._apply(optimizer)
         for p in stepped:  # freed, as the in-backward update frees them
             p.grad = None
         self.unzeroed.clear()
         self.done += 1
         warn(VERIFY_NO_STEP.format(where=where, n=self.done))
-        self._end()
+        if discards:
+            self.discarded = (name, self.done)
+            self._unwatch()
+        else:
+            self._end()
 
     def _watch_forwards(self) -> None:
         """A forward pre-hook on each attached model: a loop's next forward is where a
@@ -331,9 +445,10 @@ class Verifier(Wrapper):
     def on_forward(self) -> None:
         """An attached model's forward begins: apply a pending step (:meth:`settle`);
         a gradient the loop zeroed in place since ``step()`` (``p.grad.zero_()``) is no
-        longer the last step's (autograd adds onto zeros as onto nothing)."""
-        self.settle("its next forward")
-        for key in [k for k, g in self.unzeroed.items() if not g.any()]:
+        longer the last step's (also where no tensor hook sees it: FSDP2's sharded
+        gradients are written by FSDP, not accumulated by autograd)."""
+        self.settle("its next forward", discards=False)
+        for key in [k for k, (g, _) in self.unzeroed.items() if not g.any()]:
             del self.unzeroed[key]
 
     def _end(self) -> None:
@@ -343,6 +458,7 @@ class Verifier(Wrapper):
     def _unwatch(self) -> None:
         _ACTIVE.discard(self)
         _remove_hooks(self.forward_hooks)
+        _remove_hooks(self.grad_hooks)
 
     def _apply(self, optimizer: Any) -> None:
         """Torch's own step on what the loop left in ``.grad``, then the comparison with
@@ -350,6 +466,12 @@ class Verifier(Wrapper):
         engine = self.engine
         leftovers = [p for g in optimizer.param_groups for p in g["params"]
                      if p.grad is not None and p not in self.shadows]
+        # step() again on the gradient it applied (nothing added to it, nothing done to
+        # it): in backward mode it finds no gradient and leaves these as they are
+        again = {p: _digests(optimizer, p) for p in leftovers
+                 if (kept := self.unzeroed.get(id(p))) is not None
+                 and p.grad is kept[0] and kept[0]._version == kept[1]}
+        leftovers = [p for p in leftovers if p not in again]
         if leftovers:  # what step() itself updates in backward mode (held, set by hand)
             self.shadow(optimizer, engine.placed(leftovers), None)
         for g in engine.placed(list(self.shadows)):  # attach's clipping, as in backward
@@ -358,18 +480,35 @@ class Verifier(Wrapper):
         grads = {p: None if p.grad is None else fingerprint(p.grad) for p in self.shadows}
         moved = {p for p, shadow in self.shadows.items()
                  if fingerprint(p).digest != shadow.param_before.digest}
+        restated = {p for p, shadow in self.shadows.items()
+                    if not _same(shadow.state, _stamps(optimizer, p))}
         type(optimizer)._torch_step(optimizer)  # torch's own step, on what the loop left
         optimizer._opt_called = True
         try:
+            for p, before in again.items():
+                if _digests(optimizer, p) != before:
+                    self._fail(p, "again", engine.name_of(p), "")
             for p, shadow in self.shadows.items():
-                self._compare(optimizer, p, shadow, grads[p], p in moved)
+                self._compare(optimizer, p, shadow, grads[p], p in moved, p in restated)
         finally:
+            self.applied = (engine.last, list(self.shadows))
             self.shadows = {}
-            self.unzeroed = {id(p): p.grad for g in optimizer.param_groups
-                             for p in g["params"] if p.grad is not None}
+            self._keep(optimizer)
+
+    def _keep(self, optimizer: Any) -> None:
+        """After ``step()``: the gradients torch keeps, each to be zeroed before it is added
+        onto (:meth:`check_zeroed`), with a tensor hook to see a zeroing in place."""
+        self.unzeroed = {}
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                self.unzeroed[id(p)] = (p.grad, p.grad._version)
+                if id(p) not in self.grad_hooks and p.requires_grad:
+                    self.grad_hooks[id(p)] = p.register_hook(_zero_watch(self, p))
 
     def _compare(self, optimizer: Any, p: Tensor, shadow: _Shadow, grad: Print | None,
-                 moved: bool) -> None:
+                 moved: bool, restated: bool) -> None:
         state = optimizer.state.get(p, {})
         real = {k: fingerprint(v) for k, v in state.items() if isinstance(v, Tensor)}
         after = fingerprint(p)
@@ -385,6 +524,8 @@ class Verifier(Wrapper):
             cause = "edited"
         elif moved:
             cause = "moved"
+        elif restated:
+            cause = "state"
         else:
             cause = "update"
         self._fail(p, cause, shadow.name, size)
@@ -393,4 +534,4 @@ class Verifier(Wrapper):
         self.shadows = {}
         self._unwatch()  # (the error says how it ended)
         raise VerifyError(VERIFY_ERROR.format(
-            name=name, step=self.done + 1, size=size or "-", cause=VERIFY_CAUSES[cause]))
+            name=name, step=self.done + 1, size=size or "-", cause=CAUSES[cause]))

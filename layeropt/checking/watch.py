@@ -172,7 +172,11 @@ def _guard_method(method: Callable[..., Any], by_norm: bool, name: str) -> Calla
 
 def _before_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     """torch's global step pre-hook: refuse a step that would skip a parameter another
-    optimizer's attached backward updated and freed (torch would update it twice)."""
+    optimizer's attached backward updated and freed (torch would update it twice).
+
+    While that optimizer verifies (``LAYEROPT_VERIFY``) torch's gradient is still in
+    ``.grad``: its verifier says which ones in-backward updating would have freed, and
+    the step is refused as it would be without verifying."""
     if INSIDE:  # (the step of an optimizer a stepped one wraps: Lookahead's base)
         return
     inner = optimizer  # (a wrapper's step - accelerate's, Lightning's - is the one inside)
@@ -181,12 +185,14 @@ def _before_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         inner = inner.optimizer
     own = getattr(inner, "_lo_engine", None)
     for engine in list(ENGINES):
-        if engine is own or not engine.last.stepped:
+        verifier = engine.find(Verifier) if engine is not own else None
+        freed = verifier.freed() if verifier is not None else ()
+        if engine is own or not engine.last.stepped and not freed:
             continue
         stepped = {id(p) for p in engine.last.stepped}
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is None and id(p) in stepped:
+                if p.grad is None and id(p) in stepped or id(p) in freed:
                     cls = type(optimizer)
                     owners = [a.describe() for a in list(engine.attachments)]
                     raise BackwardStateError(SHARED_PARAMETER_ERROR.format(
