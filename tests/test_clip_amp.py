@@ -106,6 +106,40 @@ def test_per_bucket_clipping_equals_torch_per_bucket(mode):
     assert_same(ref_opt.state_dict(), opt.state_dict())
 
 
+class _Branched(torch.nn.Module):
+    """``branch`` is used in the first micro-batch only (its gradient is held to the end)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.branch = torch.nn.Linear(8, 3), torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        return self.body(x) + (self.branch(x) if use_branch else 0)
+
+
+@pytest.mark.parametrize("seed", [54, 130, 173])  # (where arrival order changed the norm)
+def test_held_gradients_are_clipped_per_bucket_in_the_buckets_order(seed):
+    """A held bucket stepped at a backward's end: its norm was summed in arrival order
+    (bias, weight), clip_grad_norm_ over the module sums (weight, bias); last bits."""
+    torch.manual_seed(seed)
+    model = _Branched()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt, bucket_max_norm=0.1)
+    x1, x2 = torch.randn(5, 8), torch.randn(5, 8)
+    ref(x1, True).pow(2).mean().backward()
+    ref(x2, False).pow(2).mean().backward()
+    for m in (ref.body, ref.branch):  # bucket_max_norm: each module's own clip_grad_norm_
+        torch.nn.utils.clip_grad_norm_(list(m.parameters()), 0.1)
+    ref_opt.step()
+    with opt.no_step():
+        model(x1, True).pow(2).mean().backward()
+    model(x2, False).pow(2).mean().backward()
+    opt.step()
+    assert_models_equal(model, ref)
+
+
 @pytest.mark.parametrize("cap", [0.0, 25.0], ids=["bucket-per-call", "one-call"])
 @pytest.mark.parametrize("second", [None, dict(clip_value=0.5), dict(bucket_max_norm=0.02)],
                          ids=["unclipped", "other-value", "per-bucket-norm"])

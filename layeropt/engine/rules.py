@@ -481,18 +481,24 @@ class Rules(StepRules):
             if b.serial == rec.serial and b.arrived != b.full:
                 groups[id(b)] = [p for i, p in enumerate(b.params) if b.arrived >> i & 1]
                 settings[id(b)] = b.settings
-        for p, (b, _) in rec.gated.items():
+        buckets: dict[int, Any] = {}  # (gathered in arrival order: put back in the bucket's,
+        for p, (b, _) in rec.gated.items():  # which a per-bucket norm is summed in)
             groups.setdefault(id(b), []).append(p)
-            settings[id(b)] = b.settings
+            settings[id(b)], buckets[id(b)] = b.settings, b
         for source in (rec.deferred, held):
             for p, b in source.items():
                 groups.setdefault(id(b), []).append(p)
                 settings.setdefault(id(b), None if b is None else b.settings)
+                if b is not None:
+                    buckets[id(b)] = b
         # (a sweep also finds the complete buckets queued in ready: those are stepped there)
         seen: set[int] = {id(p) for b in rec.ready for p in b.params} if rec.sweep else set()
         out = []
         for key, g in groups.items():
             g = [p for p in g if p.grad is not None and id(p) not in seen and not seen.add(id(p))]
+            if len(g) > 1 and key in buckets:
+                where = {id(q): i for i, q in enumerate(buckets[key].params)}
+                g.sort(key=lambda p: where.get(id(p), len(where)))
             if g:
                 out.append(Group(g, settings[key]))
         return out
