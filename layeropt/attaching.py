@@ -319,7 +319,7 @@ def _start_verifying(optimizers: list[InBackwardOptimizer], verify: int | None) 
     for opt in optimizers:
         engine = opt._lo_engine
         if verify is not None or (steps and engine.find(Verifier) is None
-                                  and not engine.calls):
+                                  and not engine.bounded):
             start_verifying(engine, steps)
 
 

@@ -39,6 +39,15 @@ ACCUMULATION_ERROR = (
     "meant to be a full step, call opt.step() after each one; " + IN_A_TRAINER
 )
 
+EARLY_DISCARD_ERROR = (
+    "this loop's first step(): before it, a zero_grad() discarded gradients that an "
+    "attached backward had already applied (a batch skipped before the first step, say): "
+    "torch dropped them, layeropt updated the parameters with them, so the results "
+    "differ from there on. This step() itself was applied as torch's. Skip a batch before "
+    "its backward, or run that backward inside `with opt.no_step():` so that zero_grad() "
+    "drops its gradients as torch does."
+)
+
 CLOSURE_HOLD_WARNING = (
     "this backward runs inside optimizer.step(closure), whose caller may clip or "
     "inspect the gradients before the update: layeropt holds them until the "

@@ -467,6 +467,26 @@ def test_kept_zero_gradients_are_stepped_at_every_later_step(loop):
     assert_same(opt.state_dict(), ref_opt.state_dict())
 
 
+@pytest.mark.parametrize("zero", ["opt.zero_grad", "model.zero_grad"])
+def test_a_batch_discarded_before_the_first_step_is_refused_there(zero):
+    """``backward(); zero_grad(); continue`` on the first batch: torch drops it, layeropt
+    applied it; before any step() the loop might take backwards as steps, so the first
+    step() says so (after stepping as torch's), and the loop goes on."""
+    model, batch_fn, loss_fn = make_model("mlp")
+    opt = layeropt.Adam(model.parameters(), lr=0.01)
+    layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    loss_fn(model, batch_fn(gen)).backward()
+    (opt if zero == "opt.zero_grad" else model).zero_grad()  # "a bad batch: skip it"
+    loss_fn(model, batch_fn(gen)).backward()
+    # (model.zero_grad ends no training step: the two backwards are refused as one)
+    with pytest.raises(layeropt.BackwardStateError, match="first step|ends 2 backwards"):
+        opt.step()
+    opt.zero_grad()
+    loss_fn(model, batch_fn(gen)).backward()  # said once: the loop goes on
+    opt.step()
+
+
 # -- hyperparameters changed between backward and step() -----------------------
 
 # how the loop changes a hyperparameter after backward: (key, change)

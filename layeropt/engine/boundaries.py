@@ -36,12 +36,17 @@ from ..errors import (
     AUTOCAST_STEP_ERROR,
     AttachError,
     DISCARD_ERROR,
+    EARLY_DISCARD_ERROR,
     FAULT_ERROR,
     SCALED_CLIP_ERROR,
     BackwardStateError,
 )
 
 __all__ = ["StepRecord", "StepRules", "Group", "take_over", "refuse_open_updates"]
+
+# in ``calls``: a zero_grad() discarded applied gradients before the loop's first step()
+_EARLY_DISCARD = "discarded before the first step()"
+_STEP_TRIED = "step() called"  # (its first may be refused: a loop that calls step())
 
 
 class Group(NamedTuple):
@@ -212,6 +217,9 @@ class StepRules:
         optimizer = self._optimizer()
         if optimizer is None:
             return loss
+        early = _EARLY_DISCARD in self.calls and "step()" not in self.calls
+        self.calls.discard(_EARLY_DISCARD)
+        self.calls.add(_STEP_TRIED)
         self.check_boundary("step()")
         if _autocast_on() and self._this_step() and _autocast_may_change(optimizer):
             raise BackwardStateError(AUTOCAST_STEP_ERROR.format(name=type(optimizer).__name__))
@@ -233,6 +241,8 @@ class StepRules:
         if params:  # gradients no hook took: layers unfrozen (or hooks lost) since
             for attachment in list(self.attachments):
                 attachment.sync()
+        if early:  # (this step() was torch's; the discarded batch's update was not)
+            raise BackwardStateError(EARLY_DISCARD_ERROR)
         return loss
 
     def zero_grad(self, set_to_none: bool, torch_zero_grad: Callable[[bool], None]) -> None:
@@ -312,6 +322,11 @@ class StepRules:
         return rec.stepped if rec.by_backward is None else rec.stepped[:rec.by_backward]
 
     @property
+    def bounded(self) -> bool:
+        """Whether the loop has called ``step()`` or ``zero_grad()`` (its steps are known)."""
+        return "step()" in self.calls or "zero_grad()" in self.calls
+
+    @property
     def stepped_since_boundary(self) -> bool:
         """Whether an attached backward updated parameters since the last step()/zero_grad()."""
         return self.train_step.stepped_backwards > 0
@@ -351,8 +366,11 @@ class StepRules:
         followed is one whose gradients torch would drop here (a GAN's generator loss
         reaching the discriminator, an actor's loss the critic)."""
         step = self.train_step
-        if (step.stepped_backwards != 1 or step.held_backwards or "step()" not in self.calls
-                or not self.last.stepped):
+        if step.stepped_backwards != 1 or step.held_backwards or not self.last.stepped:
+            return
+        if "step()" not in self.calls:  # (a loop without step() takes backwards as steps:
+            if _STEP_TRIED not in self.calls:  # said at its first step(), if one comes)
+                self.calls.add(_EARLY_DISCARD)
             return
         stepped = self.last.stepped
         if params is not None:
@@ -407,7 +425,7 @@ def take_over(params: list[Tensor], optimizers: list[Any], when: str) -> None:
 def _open(engine: Any) -> bool:
     """Whether ``engine``'s training step is open: a backward of it updated parameters and
     its loop, which calls ``step()``, has not called ``step()`` or ``zero_grad()`` since."""
-    return bool(engine.calls) and engine.stepped_since_boundary
+    return engine.bounded and engine.stepped_since_boundary
 
 
 def refuse_open_updates(model: nn.Module, params: list[Tensor],
