@@ -36,7 +36,6 @@ are those whose ``.grad`` another hook freed. A sparse gradient is refused
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
