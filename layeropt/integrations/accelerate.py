@@ -323,8 +323,9 @@ class LayeroptAccelerator(Accelerator):
                                   opts: list[InBackwardOptimizer]) -> None:
         """The loop clips the parameters backward measured: those learned, or (given
         ``max_grad_norm=``) every parameter of the layeropt optimizers."""
-        measured = self._lo_norm[2]
-        mine = self._layeropt_parameter_ids()
+        measured = self._lo_norm[2]  # (frozen ones have no gradient to clip: not counted)
+        mine = {id(p) for o in opts for g in o.param_groups for p in g["params"]
+                if p.requires_grad}
         asked = {id(p) for p in parameters} & mine
         expected = mine if measured is None else {id(p) for p in measured} & mine
         if asked != expected:
