@@ -439,6 +439,10 @@ KEPT_AFTER = {
         _held_backward(m, o, x, lo), o.zero_grad(set_to_none=False)),
     "model.zero_grad of held gradients": lambda m, o, x, lo: (
         _held_backward(m, o, x, lo), m.zero_grad(set_to_none=False)),
+    "zero_grad after step() applied held gradients": lambda m, o, x, lo: (  # (fuzzer)
+        _held_backward(m, o, x, lo), o.step(), o.zero_grad(set_to_none=False)),
+    "zero_grad after a zero_grad, a backward held and its step()": lambda m, o, x, lo: (
+        o.zero_grad(), _held_backward(m, o, x, lo), o.step(), o.zero_grad(set_to_none=False)),
 }
 
 

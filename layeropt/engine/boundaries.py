@@ -82,8 +82,10 @@ class StepRecord:
             stepper's store (``layeropt/engine/stepper.py``).
         hyper / hyper_txn: the param groups as its first update read them, and
             the transaction that update belonged to (``layeropt/engine/between.py``).
-        skipped: parameters with a gradient in a step ``GradScaler`` skipped (inf/NaN):
-            torch keeps their ``.grad`` as zeros at ``zero_grad(set_to_none=False)``.
+        skipped: parameters torch still holds a ``.grad`` for, which no record of a
+            backward lists: those of a step ``GradScaler`` skipped (inf/NaN), and those
+            the previous ``step()`` updated; ``zero_grad(set_to_none=False)`` keeps
+            them as zeros.
         faulted: a backward of it raised after updating parameters: how many and the
             first one's name (:meth:`StepRules.check_boundary` refuses the step's end).
     """
@@ -238,6 +240,7 @@ class StepRules:
         self._step_stored()
         rec.steps = steps
         self.boundary("step()")
+        self.train_step.skipped += params  # (torch keeps their .grad until a zero_grad)
         if params:  # gradients no hook took: layers unfrozen (or hooks lost) since
             for attachment in list(self.attachments):
                 attachment.sync()
@@ -303,9 +306,9 @@ class StepRules:
     def _held_now(self, params: list[Tensor]) -> list[Tensor]:
         """Of ``params``, those torch holds a gradient for now: the latest backward's (and
         a skipped step's), and any with a ``.grad`` or held in a store."""
-        store = self.stepper.held
-        return self._this_step() + self.train_step.skipped + [
-            p for p in params if p.grad is not None or p in store]
+        store, rec = self.stepper.held, self.last  # (step()'s updates too: torch keeps
+        return ([] if rec.zeroed else rec.stepped) + self.train_step.skipped + [  # their
+            p for p in params if p.grad is not None or p in store]  # .grad after step())
 
     def unused_kept(self, optimizer: Any) -> list[Tensor]:
         """Parameters torch would update on a kept zero gradient at this ``step()`` (not
