@@ -443,6 +443,8 @@ KEPT_AFTER = {
         _held_backward(m, o, x, lo), o.step(), o.zero_grad(set_to_none=False)),
     "zero_grad after a zero_grad, a backward held and its step()": lambda m, o, x, lo: (
         o.zero_grad(), _held_backward(m, o, x, lo), o.step(), o.zero_grad(set_to_none=False)),
+    "nothing kept: model.zero_grad() to None first": lambda m, o, x, lo: (  # (fuzzer)
+        _held_backward(m, o, x, lo), o.step(), m.zero_grad(), m.zero_grad(set_to_none=False)),
 }
 
 

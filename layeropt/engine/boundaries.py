@@ -297,6 +297,9 @@ class StepRules:
         had = [] if set_to_none else [p for p in self._held_now(params) if id(p) in ids]
         self.stepper.held.drop(set_to_none, params)
         self.forget_stepped(ids)  # (torch's gradients of them are gone or zero now)
+        step = self.train_step
+        if step.skipped:
+            step.skipped = [p for p in step.skipped if id(p) not in ids]
         if set_to_none:
             for i in ids if self.kept_grads else ():
                 self.kept_grads.pop(i, None)
