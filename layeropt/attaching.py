@@ -255,20 +255,6 @@ class Attachment:
                 if p.requires_grad is not trainable:
                     changed = True
                     break
-        for ref in self._optimizers:  # param_groups edited in place (not add_param_group)
-            o = ref()
-            if o is None or o._lo_group_index is None:
-                continue
-            seen, groups = o._lo_groups_seen, o.param_groups
-            same = len(seen) == len(groups)
-            for ids, g in zip(seen, groups) if same else ():
-                if ids != tuple(map(id, g["params"])):
-                    same = False
-                    break
-            if not same:  # (the index is rebuilt from them; the hooks follow)
-                o._lo_group_index = None
-                o._lo_engine.on_param_groups_changed(in_backward)
-                changed = True
         if not changed:
             return False
         if in_backward:

@@ -349,8 +349,8 @@ class _Unhooked:
         no optimizer owns): pass 1 would leave its gradient in ``.grad`` for pass 2 to
         add to, so it is set aside too (not measured: it is not clipped)."""
         known = {id(p) for p in self.owned + self.foreign + self.strays}
-        attachments = [a for o in live_optimizers() if o.attached
-                       for a in list(o._lo_engine.attachments)]
+        known.update(id(p) for o in live_optimizers() if o.attached  # (hooked: attach
+                     for a in list(o._lo_engine.attachments) for p in a.owned)  # synced them)
         seen: set[Any] = set()
         stack = [loss.grad_fn]
         while stack:
@@ -359,8 +359,7 @@ class _Unhooked:
                 continue
             seen.add(fn)
             leaf = getattr(fn, "variable", None)  # (an AccumulateGrad node's tensor)
-            if leaf is not None and id(leaf) not in known and not any(
-                    a.hooks(leaf) for a in attachments):
+            if leaf is not None and id(leaf) not in known:
                 known.add(id(leaf))
                 self.leaves.append(leaf)
             stack.extend(f for f, _ in fn.next_functions)

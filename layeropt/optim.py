@@ -85,9 +85,11 @@ def check_groups(optimizer: Optimizer) -> None:
                 "error), layeropt once per gradient. List each parameter once (e.g. "
                 "deduplicate with dict.fromkeys(params)).")
         eps = g.get("eps")
-        dtypes = {p.dtype for p in params if p.requires_grad}
-        if (isinstance(optimizer, getattr(torch.optim, "Adafactor", ())) and len(dtypes) > 1
+        if not (isinstance(optimizer, getattr(torch.optim, "Adafactor", ()))
                 and isinstance(eps, (tuple, list)) and eps and eps[0] is None):
+            continue
+        dtypes = {p.dtype for p in params if p.requires_grad}
+        if len(dtypes) > 1:
             raise AttachError(
                 f"param group {i} of {name} mixes parameter dtypes "
                 f"({', '.join(sorted(str(d) for d in dtypes))}) with eps[0]=None: torch's "
@@ -140,10 +142,24 @@ class InBackwardOptimizer(Optimizer):
             self._lo_group_index = {
                 id(p): (i, p) for i, g in enumerate(self.param_groups) for p in g["params"]
             }
-            # what it was built from: Attachment.sync compares it at each backward (groups
-            # edited in place - a parameter moved, removed or added by hand, reordered)
             self._lo_groups_seen = [tuple(map(id, g["params"])) for g in self.param_groups]
         return self._lo_group_index
+
+    def _regrouped(self) -> bool:
+        """Whether ``param_groups`` were edited in place since the index was built (a
+        parameter moved, removed or added by hand, groups reordered); then the index is
+        dropped, to be rebuilt. The engine asks at each backward and ``step()``."""
+        seen, groups = self._lo_groups_seen, self.param_groups
+        if self._lo_group_index is None:
+            return False
+        same = len(seen) == len(groups)
+        for ids, g in zip(seen, groups) if same else ():  # (loops: once per backward)
+            if ids != tuple(map(id, g["params"])):
+                same = False
+                break
+        if not same:
+            self._lo_group_index = None
+        return not same
 
     def owns(self, param: Tensor) -> bool:
         """Whether ``param`` is in one of this optimizer's param groups."""

@@ -615,6 +615,20 @@ def _module_keeps_zero_head_every_other(m, opts, x, step, lo, ctx):
 
 
 # loop -> kinds it runs on (a forward that skips layers bypasses DDP's wrapper)
+def _regroup_in_place(m, opts, x, step, lo, ctx):
+    """Adam's param_groups edited by hand at the top of steps 1 and 2 (not through
+    add_param_group): a parameter moved to the other group, then the groups reordered."""
+    groups = opts[0].param_groups
+    if step == 1:
+        groups[1]["params"].append(groups[0]["params"].pop())
+    elif step == 2:
+        groups.reverse()
+    m(x).pow(2).mean().backward()
+    for o in opts:
+        o.step()
+        o.zero_grad()
+
+
 MULTI: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
     "layer unfrozen later, two optimizers": (_unfreeze_later, ("plain", "ddp")),
     "optimizer with nothing trainable at attach": (_sgd_frozen_at_attach, ("plain",)),
@@ -625,6 +639,7 @@ MULTI: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
         _keep_zero_head_every_other, ("plain",)),
     "model.zero_grad(set_to_none=False), a layer used every other step": (
         _module_keeps_zero_head_every_other, ("plain",)),
+    "param_groups edited in place": (_regroup_in_place, ("plain", "ddp")),
 }
 
 

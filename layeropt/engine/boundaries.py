@@ -120,6 +120,7 @@ class StepRules:
     placed: Callable[[list[Tensor]], list[Group]]  # (Engine.placed)
     name_of: Callable[[Tensor], str]  # (Engine.name_of)
     closure: Callable[[], contextlib.AbstractContextManager[None]]  # (Rules.closure)
+    on_param_groups_changed: Callable[..., None]  # (Engine.on_param_groups_changed)
 
     # -- held gradients ----------------------------------------------------------
     def _take(self, param: Tensor) -> None:
@@ -219,6 +220,8 @@ class StepRules:
         optimizer = self._optimizer()
         if optimizer is None:
             return loss
+        if optimizer._regrouped():  # param_groups edited by hand: its hooks follow now
+            self.on_param_groups_changed()
         early = _EARLY_DISCARD in self.calls and "step()" not in self.calls
         self.calls.discard(_EARLY_DISCARD)
         self.calls.add(_STEP_TRIED)

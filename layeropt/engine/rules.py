@@ -172,7 +172,9 @@ class Rules(StepRules):
         self.last = BackwardRecord(IDLE)  # the latest backward that reached the engine
         self.train_step = StepRecord()  # the training step in progress
         self.txn = 0  # its transaction, renewed at each backward and boundary
-        self.calls: set[str] = set()  # boundary calls the loop made ("step()", "zero_grad()")
+        # boundary calls the loop made ("step()", "zero_grad()"), and what their rules
+        # remember of them (boundaries.py: a step() tried, a discard before the first)
+        self.calls: set[str] = set()
         # zero_grad(set_to_none=False): the parameters (by id) whose .grad torch would keep
         # as zeros - and step at every step(), used or not. None: set_to_none=True.
         self.kept_grads: dict[int, Tensor] | None = None
@@ -411,6 +413,9 @@ class Rules(StepRules):
                 "updated the parameters",
                 outcome="Nothing of this second backward was applied.",
             ))
+        optimizer = self._optimizer()
+        if optimizer is not None and optimizer._regrouped():  # param_groups edited by hand
+            self.on_param_groups_changed(in_backward=True)
         for attachment in list(self.attachments):  # layers (un)frozen since attach (rule 7)
             if attachment.sync(in_backward=True):
                 rec.sweep = True
