@@ -317,8 +317,9 @@ class _Unhooked:
         self.owner: dict[int, Any] = {}  # id(param) -> the engine of its optimizer
         self.owned: list[Tensor] = []
         self.foreign: list[Tensor] = []
-        for p in candidates.values():
-            if not p.requires_grad or any(a.hooks(p) for a in attachments):
+        for p in candidates.values():  # (a frozen one's .grad, left from before: torch's
+            if ((not p.requires_grad and p.grad is None)  # clip measures and scales it too)
+                    or any(a.hooks(p) for a in attachments)):
                 continue
             opt = next((o for o in optimizers if o.owns(p)), None)
             if opt is None:
