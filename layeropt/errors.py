@@ -48,6 +48,14 @@ EARLY_DISCARD_ERROR = (
     "drops its gradients as torch does."
 )
 
+REMOVE_OPEN_WARNING = (
+    "remove() inside a training step: an attached backward since the last step() or "
+    "zero_grad() already updated the parameters. The optimizer's own step() or "
+    "zero_grad() next ends that step as torch's would (or is refused where it differs), "
+    "but a module's zero_grad(), which torch would use to drop those gradients, is no "
+    "longer watched. Call remove() after step() or zero_grad()."
+)
+
 CLOSURE_HOLD_WARNING = (
     "this backward runs inside optimizer.step(closure), whose caller may clip or "
     "inspect the gradients before the update: layeropt holds them until the "

@@ -237,6 +237,54 @@ def test_an_open_training_step_is_refused_at_attach():
     _equal(model, ref)
 
 
+# after remove() inside a training step: what the loop does next -> the outcome
+# (the loop fuzzer's programs, tests/loopfuzz.py: these were silently different)
+AFTER_REMOVE = {
+    "step()": (lambda m, o, s, x: o.step(), None),
+    "scheduler.step(), step()": (lambda m, o, s, x: (s.step(), o.step()), "param_groups"),
+    "a plain backward, step()": (lambda m, o, s, x: (m(x).pow(2).mean().backward(), o.step()),
+                                 "already updated"),
+    "zero_grad()": (lambda m, o, s, x: o.zero_grad(), "discards gradients"),
+}
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first step", "later step"])
+@pytest.mark.parametrize("then", list(AFTER_REMOVE))
+def test_a_step_removed_while_open_ends_at_the_optimizers_next_call(then, first):
+    """``remove()`` between an attached backward and its ``step()``: the optimizer's own
+    next call ends that training step as an attached one would - exact, or refused
+    where torch's would differ (before the loop's first ``step()``, a discard is said
+    at that step). ``remove()`` warns once the loop has called ``step()``: a module's
+    ``zero_grad()`` is no longer watched."""
+    model, ref = _mlp(), None
+    ref = copy.deepcopy(model)
+    opt, ref_opt = layeropt.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    sched, ref_sched = (torch.optim.lr_scheduler.StepLR(o, 1, 0.5) for o in (opt, ref_opt))
+    handle = layeropt.attach(model, opt)
+    x, y, z = _batches(3, 1)
+    if not first:
+        _train(model, opt, [x])
+        _train(ref, ref_opt, [x])
+    for m in (model, ref):
+        m(y).pow(2).mean().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle.remove()
+    assert [str(w.message)[:33] for w in caught] == (
+        [] if first else ["remove() inside a training step: "])
+    act, refused = AFTER_REMOVE[then]
+    if refused is None:
+        act(model, opt, sched, z)
+        act(ref, ref_opt, ref_sched, z)
+        _equal(model, ref)
+        return
+    if first and then == "zero_grad()":  # (a step-less loop's zero_grad: said at step())
+        act(model, opt, sched, z)
+        act, refused = (lambda m, o, s, x: o.step()), "first step"
+    with pytest.raises(layeropt.BackwardStateError, match=refused):
+        act(model, opt, sched, z)
+
+
 @pytest.mark.parametrize("zeroed", [False, True], ids=["step", "step-zero_grad"])
 def test_a_plain_step_is_refused_while_torch_would_hold_the_gradients(zeroed):
     """opt1's backward updated a layer a plain optimizer shares, opt1.step(); then opt1's

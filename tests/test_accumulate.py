@@ -108,6 +108,31 @@ def test_held_backward_after_a_stepping_one_is_refused(held):
     assert all(torch.equal(a, p) for a, p in zip(after_first, model.parameters()))
 
 
+@pytest.mark.parametrize("held", ["no_step", "retain_graph"])
+@pytest.mark.parametrize("end", ["step", "zero_grad"])
+def test_held_backward_after_a_stepping_one_before_the_first_step_is_refused(held, end):
+    """The same order in a loop that has not called step() or zero_grad() yet: its held
+    backward may still be a step-less loop's accumulation (the next stepping backward
+    applies it), so the step() or zero_grad() ending both is refused, before it applies
+    anything (the fuzzer's seed 36: the held gradients were applied as a second step)."""
+    model, batch_fn, loss_fn = make_model("mlp")
+    opt = layeropt.Adam(model.parameters(), lr=0.01)
+    layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(0)
+    loss_fn(model, batch_fn(gen)).backward()  # applied at once
+    if held == "no_step":
+        with opt.no_step():
+            loss_fn(model, batch_fn(gen)).backward()
+    else:
+        loss_fn(model, batch_fn(gen)).backward(retain_graph=True)
+    after_first = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    with pytest.raises(layeropt.BackwardStateError, match="ends 2 backwards, 1 of which"):
+        opt.step() if end == "step" else opt.zero_grad()
+    assert all(torch.equal(a, p) for a, p in zip(after_first, model.parameters()))
+    assert_same(state, opt.state_dict())
+
+
 def test_param_with_grad_only_in_early_micro_batch_is_stepped():
     """A held gradient whose parameter gets no gradient in the last backward."""
     torch.manual_seed(0)

@@ -493,6 +493,25 @@ def test_a_batch_discarded_before_the_first_step_is_refused_there(zero):
     opt.step()
 
 
+@pytest.mark.parametrize("zero", ["opt.zero_grad", "model.zero_grad"])
+def test_a_batch_discarded_before_the_first_step_is_said_after_remove(zero):
+    """The same discard, then ``remove()`` before that first ``step()``: the step() of
+    the detached optimizer says it (after stepping as torch's); it was lost with the
+    attachment (a loop fuzzer program: ``backward(); zero_grad(); remove(); step()``)."""
+    model, batch_fn, loss_fn = make_model("mlp")
+    ref = copy.deepcopy(model)
+    opt = layeropt.Adam(model.parameters(), lr=0.01)
+    handle = layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    loss_fn(model, batch_fn(gen)).backward()
+    (opt if zero == "opt.zero_grad" else model).zero_grad()
+    handle.remove()
+    assert not all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+    with pytest.raises(layeropt.BackwardStateError, match="first step"):
+        opt.step()
+    opt.step()  # said once
+
+
 # -- hyperparameters changed between backward and step() -----------------------
 
 # how the loop changes a hyperparameter after backward: (key, change)

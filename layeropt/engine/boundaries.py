@@ -47,6 +47,7 @@ __all__ = ["StepRecord", "StepRules", "Group", "take_over", "refuse_open_updates
 # in ``calls``: a zero_grad() discarded applied gradients before the loop's first step()
 _EARLY_DISCARD = "discarded before the first step()"
 _STEP_TRIED = "step() called"  # (its first may be refused: a loop that calls step())
+DETACHED = "detached"  # its last attachment left: its step()/zero_grad() are still the loop's
 
 
 class Group(NamedTuple):
@@ -222,9 +223,7 @@ class StepRules:
             return loss
         if optimizer._regrouped():  # param_groups edited by hand: its hooks follow now
             self.on_param_groups_changed()
-        early = _EARLY_DISCARD in self.calls and "step()" not in self.calls
-        self.calls.discard(_EARLY_DISCARD)
-        self.calls.add(_STEP_TRIED)
+        early = self.first_step()
         self.check_boundary("step()")
         if _autocast_on() and self._this_step() and _autocast_may_change(optimizer):
             raise BackwardStateError(AUTOCAST_STEP_ERROR.format(name=type(optimizer).__name__))
@@ -251,10 +250,41 @@ class StepRules:
             raise BackwardStateError(EARLY_DISCARD_ERROR)
         return loss
 
+    def first_step(self) -> bool:
+        """A ``step()`` was called (attached or not): whether it is the loop's first and a
+        ``zero_grad()`` before it discarded gradients an attached backward had applied
+        (said now: the loop calls ``step()``, so those backwards were not steps)."""
+        early = _EARLY_DISCARD in self.calls and "step()" not in self.calls
+        self.calls.discard(_EARLY_DISCARD)
+        self.calls.add(_STEP_TRIED)
+        return early
+
+    def detached_step(self, torch_step: Callable[[], Any]) -> Any:
+        """``step()`` once the last attachment left (``torch_step``: torch's own). A
+        training step ``remove()`` left open - a backward updated parameters, no
+        ``step()``/``zero_grad()`` since - ends here as an attached ``step()`` ends it:
+        refused, before torch's step, where torch's would differ (a hyperparameter set,
+        a backward since summed onto those gradients); a discard before the loop's
+        first ``step()`` is said after it."""
+        if DETACHED not in self.calls:  # (never attached: torch.optim's, untouched)
+            return torch_step()
+        if self.stepped_since_boundary:
+            self.check_boundary("step()")
+            optimizer = self._optimizer()
+            _between.refuse_second_update(self.last.stepped, [
+                p for g in optimizer.param_groups for p in g["params"] if p.grad is not None])
+        early = self.first_step()
+        loss = torch_step()
+        self.boundary("step()")
+        if early:
+            raise BackwardStateError(EARLY_DISCARD_ERROR)
+        return loss
+
     def zero_grad(self, set_to_none: bool, torch_zero_grad: Callable[[bool], None]) -> None:
         """``optimizer.zero_grad()``: torch's, after the boundary checks; held gradients go."""
         attached = bool(self.attachments)
-        if attached:
+        checked = attached or DETACHED in self.calls  # (the loop's, as detached_step)
+        if checked:
             self.check_boundary("zero_grad()")
             self.check_discard(None, "optimizer.zero_grad()")
         # what torch holds a .grad for now, and keeps as zeros with set_to_none=False:
@@ -267,9 +297,9 @@ class StepRules:
         self.train_step.held.clear()
         self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, had, set_to_none)
         self.last.zeroed = True
-        if attached:
+        if checked:
             self.boundary("zero_grad()")
-        else:  # no hook steps these any more: torch's step() must find the kept zeros
+        if not attached:  # no hook steps these any more: torch's step() must find the kept zeros
             self.give_back_kept()
 
     def give_back_kept(self, owned: set[int] | None = None) -> None:
@@ -354,6 +384,8 @@ class StepRules:
             if optimizer is not None:
                 _between.check_unchanged(before, optimizer.param_groups, where)
         stepped, held = step.stepped_backwards, step.held_backwards
+        if stepped and not held and self.holds_gradients:  # a no_step() / kept-graph
+            held = 1  # backward after the stepping one (a stepping backward steps those before)
         if stepped >= 2 or (stepped and held):
             step.stepped_backwards = step.held_backwards = 0
             raise BackwardStateError(ACCUMULATION_ERROR.format(

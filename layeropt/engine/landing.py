@@ -46,10 +46,10 @@ from torch import Tensor
 from . import nesting
 from .between import snapshot
 from .nesting import _dynamo_switches, _graph_task_id
-from .boundaries import Group
+from .boundaries import DETACHED, Group
 from .rules import IDLE, Rules
 from .stepper import PLAIN, Stepper, Wrapper
-from ..errors import ORPHAN_WARNING, SPARSE_ERROR, AttachError, warn
+from ..errors import ORPHAN_WARNING, REMOVE_OPEN_WARNING, SPARSE_ERROR, AttachError, warn
 
 __all__ = ["Bucket", "Engine", "Settings"]
 
@@ -370,6 +370,10 @@ class Engine(Rules):
         self.give_back_kept({id(p) for p in attachment.owned})
         self.attachments.pop(attachment, None)
         self._places = None
+        if not self.attachments:
+            self.calls.add(DETACHED)
+            if self.bounded and self.stepped_since_boundary:
+                warn(REMOVE_OPEN_WARNING)
 
     @property
     def clips(self) -> bool:
