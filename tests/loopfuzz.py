@@ -1,0 +1,521 @@
+"""Random training loops, run with torch.optim and with layeropt attached, compared bit for bit.
+
+Each program is drawn from ``random.Random(seed)`` (the seed alone reproduces it): an
+optimizer with random options, attach options, and a sequence of what loops do -
+forward and backward (plain, keeping the graph, a second backward), ``no_step()``
+micro-batches, ``layeropt.backward(max_norm=)`` against ``clip_grad_norm_``,
+``step()``, ``zero_grad()`` of the optimizer or the model (either ``set_to_none``),
+freezing layers, hyperparameters set by hand, schedulers, ``load_state_dict``,
+``add_param_group``, ``remove()`` and a new ``attach`` - then shuffled, dropped,
+repeated: orders no hand-written test tries. Every program ends exact (parameters and
+``state_dict()`` equal torch's bit for bit), refused by a layeropt error, or in a
+documented undetectable case it reaches (docs/rules.md, "What cannot be detected":
+a loop that never zeroes its gradients; a module's ``zero_grad()`` after ``remove()``
+inside a training step, or with ``set_to_none=False``). Anything else is a bug:
+
+* ``diff``: the results differ without an error;
+* ``crash``: layeropt raised something other than a ``LayeroptError``;
+* ``torch-error-only``: torch raised, layeropt went on.
+
+``tests/test_loopfuzz.py`` runs a few hundred in CI. By hand, to run more, replay or
+shrink a failing one (from the tests/ folder)::
+
+    python loopfuzz.py --mix all --start 0 --n 5000
+    python loopfuzz.py --mix clip --replay 36
+    python loopfuzz.py --mix clip --minimize 36
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import copy
+import json
+import random
+import traceback
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import layeropt
+
+LAYERS = ["l1", "l2", "head", "branch", "extra"]
+OPTIMIZERS = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "Adamax", "RAdam", "Adadelta"]
+MIXES = ["all", "clip", "clipattach", "chaos"]
+FAILURES = ("diff", "crash", "torch-error-only")
+Op = tuple[str, dict[str, Any]]
+# torch's fused SGD raises this on a step whose parameters mix momentum buffers and none
+# (a layer's first gradient after others' steps): torch's step() too, where it reaches one
+TORCH_LIMIT = "expected Tensor as element"
+
+
+class Net(nn.Module):
+    """Three tanh layers (the third tied to the second, or not) and three heads, two of
+    which a forward may skip (a parameter without gradient in some backwards)."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 8)
+        self.l2 = nn.Linear(8, 8)
+        self.l3 = nn.Linear(8, 8, bias=False)
+        if tied:
+            self.l3.weight = self.l2.weight
+        self.head = nn.Linear(8, 3)
+        self.branch = nn.Linear(8, 3)
+        self.extra = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, branch: bool = False, extra: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x))))))
+        out = self.head(h)
+        if branch:
+            out = out + self.branch(h)
+        if extra:
+            out = out + self.extra(h)
+        return out
+
+
+# -- drawing a program ----------------------------------------------------------------
+def draw_optimizer(r: random.Random) -> tuple[str, dict[str, Any]]:
+    kind = r.choice(OPTIMIZERS)
+    kw: dict[str, Any] = {"lr": r.choice([0.1, 0.01, 0.05])}
+    impl = r.choice([None, "foreach", "forloop", "fused"])
+    if kind == "SGD":
+        kw["momentum"] = r.choice([0.0, 0.9])
+        if kw["momentum"] and r.random() < 0.5:
+            kw["nesterov"] = True
+        kw["weight_decay"] = r.choice([0.0, 0.01])
+        if r.random() < 0.15:
+            kw["maximize"] = True
+    elif kind in ("Adam", "AdamW"):
+        kw["amsgrad"] = r.random() < 0.4
+        kw["weight_decay"] = r.choice([0.0, 0.1]) if kind == "AdamW" else r.choice([0.0, 0.0, 0.01])
+        if r.random() < 0.15:
+            kw["maximize"] = True
+    elif kind == "Adagrad":
+        kw["lr_decay"] = r.choice([0.0, 0.01])
+        kw["weight_decay"] = r.choice([0.0, 0.01])
+        kw["initial_accumulator_value"] = r.choice([0.0, 0.1])
+    elif kind == "RMSprop":
+        kw["centered"] = r.random() < 0.5
+        kw["momentum"] = r.choice([0.0, 0.9])
+        kw["weight_decay"] = r.choice([0.0, 0.01])
+    else:
+        kw["weight_decay"] = r.choice([0.0, 0.01])
+    if impl == "foreach":
+        kw["foreach"] = True
+    elif impl == "forloop":
+        kw["foreach"] = False
+    elif impl == "fused" and kind in ("SGD", "Adam", "AdamW", "Adagrad"):
+        kw["fused"] = True
+    return kind, kw
+
+
+def draw_attach(r: random.Random, mix: str) -> dict[str, Any]:
+    if mix == "clipattach":
+        return r.choice([{"clip_value": 0.05}, {"bucket_max_norm": 0.1},
+                         {"bucket_max_norm": 0.1, "bucket_cap_mb": 0},
+                         {"clip_value": 0.05, "bucket_cap_mb": 0},
+                         {"clip_value": 0.05, "bucket_max_norm": 0.1}])
+    return r.choice([{}, {}, {"bucket_cap_mb": 0}, {"bucket_cap_mb": 100}])
+
+
+def _backward(r: random.Random, held: bool = False, mode: str | None = None) -> Op:
+    return ("fb", {"seed": r.randrange(10**6), "branch": r.random() < 0.35,
+                   "extra": r.random() < 0.25, "ns": held,
+                   "mode": mode or r.choice(["plain"] * 5 + ["retain", "second"])})
+
+
+def _setting(r: random.Random, key: str) -> Op:
+    if key == "freeze":
+        return ("freeze", {"layer": r.choice(LAYERS), "flag": r.random() < 0.5})
+    if key == "hp":
+        return ("hp", {"g": r.randrange(2), "key": r.choice(["lr", "lr", "weight_decay"]),
+                       "val": r.choice([0.0, 0.02, 0.2])})
+    return ("zg", {"who": r.choice(["opt", "model"]), "stn": r.random() < 0.5})
+
+
+def _iteration(r: random.Random, mix: str, reattach: bool) -> list[Op]:
+    """One iteration of a training loop: settings, the backward(s), step(), zero_grad()."""
+    everything = mix == "all"
+    pre: list[Op] = []
+    if everything and r.random() < 0.4:
+        pre.append(_setting(r, "hp"))
+    if everything and r.random() < 0.4:
+        pre.append(_setting(r, "freeze"))
+    if everything and r.random() < 0.3:
+        pre.append(("apg", {"lr": r.choice([0.01, 0.1])}))
+    if reattach and r.random() < 0.3:
+        pre.append(("remove", {}))
+        if r.random() < 0.7:
+            pre.append(("attach", {}))
+    if r.random() < 0.2:
+        pre.append(_setting(r, "zg"))
+    r.shuffle(pre)
+    ops = pre
+    body = r.choice(["plain", "plain", "accum", "clip", "accumclip", "none"]
+                    if mix in ("all", "clip") else ["plain", "plain", "accum", "none"])
+    if body == "plain":
+        ops.append(_backward(r))
+    elif body == "accum":
+        ops += [_backward(r, held=True) for _ in range(r.randint(1, 2))] + [_backward(r)]
+    elif body in ("clip", "accumclip"):
+        if body == "accumclip":
+            ops.append(_backward(r, held=True, mode="plain"))
+        ops.append(("clip", {"seed": r.randrange(10**6), "branch": r.random() < 0.35,
+                             "extra": r.random() < 0.25, "max_norm": r.choice([0.01, 0.1, 1e9]),
+                             "subset": r.random() < 0.25}))
+    ops.append(("step", {}))
+    if everything and r.random() < 0.4:
+        ops.append(("sched", {}))
+    if r.random() < 0.93:
+        ops.append(_setting(r, "zg"))
+    if everything and r.random() < 0.3:
+        ops.append(("sd", {}))
+    return ops
+
+
+def _any_op(r: random.Random, reattach: bool) -> Op:
+    k = r.choice(["freeze", "hp", "zg", "step", "sched", "sd", "apg", "remove", "attach",
+                  "fbns", "fb"])
+    if k in ("freeze", "hp", "zg"):
+        return _setting(r, k)
+    if k in ("remove", "attach") and not reattach:
+        return ("step", {})
+    if k in ("fbns", "fb"):
+        return _backward(r, held=k == "fbns")
+    return (k, {"lr": 0.05} if k == "apg" else {})
+
+
+def draw_program(seed: int, mix: str) -> dict[str, Any]:
+    """A loop of 2-4 iterations, then 0-6 mutations (swap, drop, repeat, insert); ``chaos``
+    draws from everything and mutates most."""
+    if mix not in MIXES:
+        raise ValueError(f"mix={mix!r}: one of {MIXES}")
+    r = random.Random(seed)
+    kind, okw = draw_optimizer(r)
+    akw = draw_attach(r, mix)
+    gen = "all" if mix == "chaos" else mix
+    reattach = gen == "all" and not akw
+    ops: list[Op] = []
+    for _ in range(r.randint(2, 4)):
+        ops += _iteration(r, gen, reattach)
+    for _ in range(r.randint(2, 6) if mix == "chaos" else r.choice([0, 0, 1, 1, 2, 3])):
+        if len(ops) < 2:
+            break
+        m, i = r.random(), r.randrange(len(ops) - 1)
+        if m < 0.4:
+            ops[i], ops[i + 1] = ops[i + 1], ops[i]
+        elif m < 0.7:
+            del ops[i]
+        elif m < 0.85 or mix != "chaos":
+            ops.insert(i, copy.deepcopy(ops[i]))
+        else:
+            ops.insert(r.randrange(len(ops) + 1), _any_op(r, reattach))
+    return {"seed": seed, "mix": mix, "tied": r.random() < 0.7, "opt": kind, "okw": okw,
+            "akw": akw, "sched": r.choice(["exp", "step", "lambda"]), "ops": ops[:15]}
+
+
+# -- running it -----------------------------------------------------------------------
+class Side:
+    """One side of the comparison: the program's model and optimizer, torch's or layeropt's."""
+
+    def __init__(self, prog: dict[str, Any], layer: bool, init: dict[str, torch.Tensor]) -> None:
+        self.model = m = Net(prog["tied"])
+        m.load_state_dict(init)
+        self.layer = layer
+        kind = prog["opt"]
+        cls = getattr(torch.optim, kind)
+        if layer:
+            cls = getattr(layeropt, kind, None) or layeropt.in_backward(cls)
+        params = [p for n, p in m.named_parameters() if not n.startswith("extra.")]
+        self.opt = cls([{"params": params[:2]}, {"params": params[2:]}], **prog["okw"])
+        self.akw = prog["akw"]
+        self.handle = layeropt.attach(m, self.opt, **self.akw) if layer else None
+        self.sched_kind = prog["sched"]
+        self.sched: Any = None
+        self.added = False
+
+    @property
+    def attached(self) -> bool:
+        return self.handle is not None
+
+    def loss(self, a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(a["seed"])
+        x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
+        out = self.model(x, a["branch"], a["extra"])
+        return ((out - y) ** 2).mean(), out
+
+    def _owned(self) -> list[torch.Tensor]:
+        ids = {id(p) for g in self.opt.param_groups for p in g["params"]}
+        return [p for p in self.model.parameters() if id(p) in ids]
+
+    def _attach_clips(self) -> None:
+        """torch's equivalent of attach(clip_value=, bucket_max_norm=), before step():
+        the value clip, then a norm clip per module over its own parameters."""
+        value, norm = self.akw.get("clip_value"), self.akw.get("bucket_max_norm")
+        if value is not None:
+            ps = [p for p in self._owned() if p.grad is not None]
+            if ps:
+                torch.nn.utils.clip_grad_value_(ps, value)
+        if norm is None:
+            return
+        owned, seen = {id(p) for p in self._owned()}, set()
+        for _, mod in self.model.named_modules(remove_duplicate=False):
+            own = []
+            for p in mod.parameters(recurse=False):
+                if id(p) not in seen and p.requires_grad and id(p) in owned:
+                    seen.add(id(p))
+                    own.append(p)
+            own = [p for p in own if p.grad is not None]
+            if own:
+                torch.nn.utils.clip_grad_norm_(own, norm)
+
+    def do(self, name: str, a: dict[str, Any]) -> None:
+        m, opt = self.model, self.opt
+        if name == "fb":
+            loss, out = self.loss(a)
+            with opt.no_step() if self.layer and a["ns"] else contextlib.nullcontext():
+                loss.backward(retain_graph=a["mode"] != "plain")
+                if a["mode"] == "second":
+                    out.abs().mean().backward()
+        elif name == "clip":
+            loss, _ = self.loss(a)
+            subset = list(m.l1.parameters()) + list(m.head.parameters()) if a["subset"] else None
+            if self.layer:
+                kw = {} if subset is None else {"parameters": subset}
+                layeropt.backward(loss, max_norm=a["max_norm"], **kw)
+            else:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(m.parameters() if subset is None else subset,
+                                               a["max_norm"])
+        elif name == "step":
+            if not self.layer and self.akw:
+                self._attach_clips()
+            opt.step()
+        elif name == "zg":
+            (opt if a["who"] == "opt" else m).zero_grad(set_to_none=a["stn"])
+        elif name == "freeze":
+            getattr(m, a["layer"]).requires_grad_(a["flag"])
+        elif name == "hp":
+            if a["g"] < len(opt.param_groups):
+                opt.param_groups[a["g"]][a["key"]] = a["val"]
+        elif name == "sched":
+            if self.sched is None:
+                S = torch.optim.lr_scheduler
+                self.sched = {"exp": lambda: S.ExponentialLR(opt, 0.5),
+                              "step": lambda: S.StepLR(opt, 1, 0.5),
+                              "lambda": lambda: S.LambdaLR(opt, lambda e: 1 / (e + 1)),
+                              }[self.sched_kind]()
+            self.sched.step()
+        elif name == "apg":
+            if not self.added:
+                self.added = True
+                opt.add_param_group({"params": list(m.extra.parameters()), "lr": a["lr"]})
+        elif name == "sd":
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        elif name == "remove":
+            if self.layer and self.attached:
+                self.handle.remove()
+                self.handle = None
+        elif name == "attach":
+            if self.layer:
+                self.handle = layeropt.attach(m, opt, **self.akw)
+        else:
+            raise ValueError(f"unknown op {name!r}")
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"params": [p.detach().clone() for p in self.model.parameters()],
+                "state": copy.deepcopy(self.opt.state_dict())}
+
+
+class NeverZeroed:
+    """Flags the torch program once it reaches docs/rules.md's undetectable "loop that
+    never zeroes its gradients": a gradient a ``step()`` applied is still in ``.grad``
+    (nonzero) at a later ``step()`` or backward, so torch applies it again."""
+
+    def __init__(self, side: Side) -> None:
+        self.side = side
+        self.applied: set[int] = set()
+
+    def reached(self, name: str) -> bool:
+        return name in ("step", "fb", "clip") and any(
+            id(p) in self.applied and p.grad is not None and bool(p.grad.any())
+            for p in self.side.model.parameters())
+
+    def after(self, name: str, a: dict[str, Any]) -> None:
+        s = self.side
+        if name == "step":
+            self.applied |= {id(p) for p in s._owned() if p.grad is not None}
+        elif name == "zg":
+            ps = s.model.parameters() if a["who"] == "model" else s._owned()
+            self.applied -= {id(p) for p in ps}
+
+
+def _unwatched_discard(lo: Side, name: str, a: dict[str, Any]) -> bool:
+    """docs/rules.md's undetectable "module's zero_grad() after remove()": ``remove()``
+    came inside a training step (an attached backward updated parameters, no ``step()``
+    or ``zero_grad()`` since: it warns where the loop has called either), and the
+    model's ``zero_grad()`` drops what torch still held of that backward."""
+    return (name == "zg" and a["who"] == "model" and not lo.attached
+            and lo.opt._lo_engine.stepped_since_boundary)
+
+
+def _unkept_after_remove(t: Side, lo: Side, name: str, a: dict[str, Any]) -> bool:
+    """docs/rules.md's undetectable "``zero_grad(set_to_none=False)`` of a module after
+    ``remove()``": torch zeroes gradients it still holds (its next step updates those
+    parameters on zeros), which layeropt had freed before the attachment left."""
+    return (name == "zg" and a["who"] == "model" and not a["stn"] and not lo.attached
+            and any(p.grad is not None and q.grad is None
+                    for p, q in zip(t.model.parameters(), lo.model.parameters())))
+
+
+def _diff(a: Any, b: Any, path: str = "") -> list[str]:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+            d = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else "shape"
+            return [f"{path}: max difference {d}"]
+        return []
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            if k not in a or k not in b:
+                out.append(f"{path}.{k}: only on {'torch' if k in a else 'layeropt'}")
+            else:
+                out += _diff(a[k], b[k], f"{path}.{k}")
+        return out
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{path}[{i}]")]
+    same = a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
+    return [] if same else [f"{path}: {a!r} vs {b!r}"]
+
+
+def _differences(t: Side, lo: Side) -> list[str]:
+    names = [n for n, _ in t.model.named_parameters()]
+    return _diff(dict(zip(names, t.snapshot()["params"])), dict(zip(names, lo.snapshot()["params"])),
+                 "param") + _diff(t.snapshot()["state"], lo.snapshot()["state"], "state_dict")
+
+
+def run_program(prog: dict[str, Any]) -> dict[str, Any]:
+    """Both sides op by op, then a closing ``step()`` if a backward is pending; the
+    outcome: ``exact``, ``refused``, ``undetectable``, ``torch-error`` (torch raised, or layeropt
+    reached ``TORCH_LIMIT`` before a refusal), or one of ``FAILURES``."""
+    torch.manual_seed(prog["seed"])
+    init = Net(prog["tied"]).state_dict()
+    t, lo = Side(prog, False, init), Side(prog, True, init)
+    never_zeroed = NeverZeroed(t)
+    out: dict[str, Any] = {"seed": prog["seed"], "mix": prog["mix"], "status": "exact"}
+    pending = stepped = False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i, (name, a) in enumerate([*prog["ops"], ("end", {})]):
+                if name == "end":  # (a loop that never called step() gets one: before
+                    if not pending and stepped:  # it, each backward is a step - rules.md)
+                        break
+                    name = "step"
+                if (never_zeroed.reached(name) or _unwatched_discard(lo, name, a)
+                        or _unkept_after_remove(t, lo, name, a)):
+                    return {**out, "status": "undetectable", "at": i}
+                errors = []
+                for side in (t, lo):
+                    try:
+                        side.do(name, a)
+                        errors.append(None)
+                    except Exception as e:  # noqa: BLE001 - classified below
+                        errors.append(e)
+                terr, lerr = errors
+                if terr is not None:
+                    status = ("torch-error" if lerr is not None or TORCH_LIMIT in str(terr)
+                              else "torch-error-only")
+                    return {**out, "status": status, "at": i, "error": repr(terr)[:200]}
+                never_zeroed.after(name, a)
+                if lerr is not None and TORCH_LIMIT in str(lerr):
+                    return {**out, "status": "torch-error", "at": i, "error": repr(lerr)[:200]}
+                if lerr is not None:
+                    ok = isinstance(lerr, layeropt.LayeroptError)
+                    return {**out, "status": "refused" if ok else "crash", "at": i, "op": name,
+                            "error": f"{type(lerr).__name__}: {lerr}"[:300],
+                            **({} if ok else {"traceback": traceback.format_exception(lerr)[-4:]})}
+                pending = name in ("fb", "clip") or (pending and name != "step")
+                stepped = stepped or name == "step"
+            found = _differences(t, lo)
+            return {**out, "status": "diff", "differences": found[:6]} if found else out
+    finally:
+        if lo.handle is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                lo.handle.remove()
+
+
+def run_block(mix: str, start: int, n: int) -> list[dict[str, Any]]:
+    return [run_program(draw_program(s, mix)) for s in range(start, start + n)]
+
+
+# -- by hand: more programs, one program, a smaller program -----------------------------
+def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
+    """The shortest program still ending in ``status``: drop chunks of ops, then simplify
+    each op's arguments and the setup (delta debugging)."""
+    def still(p: dict[str, Any]) -> bool:
+        return run_program(p)["status"] == status
+
+    n = 2
+    while prog["ops"]:
+        ops, chunk = prog["ops"], max(1, len(prog["ops"]) // n)
+        for i in range(0, len(ops), chunk):
+            cand = {**prog, "ops": ops[:i] + ops[i + chunk:]}
+            if still(cand):
+                prog, n = cand, max(n - 1, 2)
+                break
+        else:
+            if chunk == 1:
+                break
+            n = min(len(ops), n * 2)
+    for i in range(len(prog["ops"])):
+        for k, v in [("branch", False), ("extra", False), ("mode", "plain"), ("subset", False),
+                     ("stn", True)]:
+            cand = copy.deepcopy(prog)
+            if cand["ops"][i][1].get(k, v) != v:
+                cand["ops"][i][1][k] = v
+                if still(cand):
+                    prog = cand
+    for k, v in [("tied", False), ("akw", {})] + [("okw", {kk: vv for kk, vv in prog["okw"].items()
+                                                          if kk != key}) for key in prog["okw"]
+                                                   if key != "lr"]:
+        cand = {**prog, k: v}
+        if prog[k] != v and still(cand):
+            prog = cand
+    return prog
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mix", default="all", choices=MIXES)
+    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--n", type=int, default=200)
+    ap.add_argument("--replay", type=int, help="print one program and its outcome")
+    ap.add_argument("--minimize", type=int, help="shrink one program keeping its outcome")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    one = args.replay if args.replay is not None else args.minimize
+    if one is not None:
+        prog = draw_program(one, args.mix)
+        if args.minimize is not None:
+            prog = minimize(prog, run_program(prog)["status"])
+        print(json.dumps({k: v for k, v in prog.items() if k != "ops"}))
+        for op in prog["ops"]:
+            print("  ", op)
+        print(json.dumps(run_program(prog), indent=1))
+        return
+    counts: collections.Counter[str] = collections.Counter()
+    for res in run_block(args.mix, args.start, args.n):
+        counts[res["status"]] += 1
+        if res["status"] in FAILURES:
+            print(json.dumps(res))
+    print(dict(counts))
+
+
+if __name__ == "__main__":
+    main()

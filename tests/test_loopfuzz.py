@@ -1,0 +1,37 @@
+"""Random training loops (tests/loopfuzz.py): each equals torch.optim bit for bit, or is
+refused by a layeropt error, or reaches the one documented undetectable case.
+
+A failure prints the program's seed; ``python tests/loopfuzz.py --mix MIX --minimize SEED``
+shrinks it to the few operations that still fail. ``LAYEROPT_SOAK=k`` runs k times as
+many programs.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from harness import SOAK
+from loopfuzz import FAILURES, run_block
+
+# (mix, programs): what each mix draws is in loopfuzz.draw_program
+BLOCKS = [
+    ("all", 1000),  # every operation, settings between iterations, re-attach
+    ("clip", 600),  # layeropt.backward(max_norm=) against clip_grad_norm_, with accumulation
+    ("clipattach", 400),  # attach(clip_value=, bucket_max_norm=), the strict schedule
+    ("chaos", 1000),  # the loops shuffled, cut and padded with random operations
+]
+
+
+@pytest.mark.parametrize("mix,n", BLOCKS, ids=[b[0] for b in BLOCKS])
+def test_random_loops_equal_torch_or_are_refused(mix, n):
+    torch.set_num_threads(1)
+    outcomes = run_block(mix, 0, n * SOAK)
+    failed = [o for o in outcomes if o["status"] in FAILURES]
+    assert not failed, (f"{len(failed)} of {len(outcomes)} programs failed; the first: {failed[0]}"
+                        f" (python tests/loopfuzz.py --mix {mix} --minimize {failed[0]['seed']})")
+    counts = collections.Counter(o["status"] for o in outcomes)
+    # the programs train: most end exact, not refused (a mix that only refused would pass)
+    assert counts["exact"] >= len(outcomes) // 3, counts
