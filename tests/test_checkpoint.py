@@ -10,6 +10,7 @@ tensor's gradient contributions inside the segment first, off in the last bits).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import functools
@@ -326,6 +327,81 @@ def test_other_reentrant_checkpoint_raises_before_any_update():
     loss_fn(model, data).backward()  # the engine was reset: a normal step follows
     assert opt.stepped_in_backward == 8
     handle.remove()
+
+
+# -- an unattached model's torch reentrant segments: not the attached engine's backward ----
+# A loop, one token each: "m" a backward of the attached model (its next micro-batch), "o"
+# one of another model that runs torch.utils.checkpoint(use_reentrant=True) (a teacher, a
+# model plain torch trains), "[" / "]" enter / leave ``no_step()``, "S" step() + zero_grad().
+OTHER_MODEL_LOOPS = {
+    "after the window": "[m] o m S",
+    "between two windows": "[m] o [m] S",
+    "inside the window": "[m o] m S",
+    "before the window": "o [m] m S",
+    "twice, held all": "[m m] o o S",
+    "after a stepping backward": "m o S",
+}
+
+
+def _other_loss(m: nn.Module, x: torch.Tensor, ck: bool = False) -> torch.Tensor:
+    h = m[0](x)
+    body = lambda t: torch.tanh(m[1](t))  # noqa: E731
+    h = tc.checkpoint(body, h, use_reentrant=True) if ck else body(h)
+    return (m[2](h) - x).pow(2).mean()
+
+
+@pytest.mark.parametrize("opt_name,kw", [("SGD", dict(lr=0.1, momentum=0.9)),
+                                         ("Adam", dict(lr=1e-2))], ids=["SGD", "Adam"])
+@pytest.mark.parametrize("loop", OTHER_MODEL_LOOPS.values(), ids=OTHER_MODEL_LOOPS.keys())
+def test_another_models_reentrant_backward_leaves_the_engine_alone(loop, opt_name, kw):
+    """Its segments' pre-hook began a deferring backward at every engine; one that reached
+    none of an engine's parameters still ended as the engine's: it stepped the gradients
+    held for step(), which then refused the loop."""
+    loss = _other_loss
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 4)])
+    ref, other = copy.deepcopy(model), copy.deepcopy(model)
+    ref_opt = getattr(torch.optim, opt_name)(ref.parameters(), **kw)
+    opt = getattr(layeropt, opt_name)(model.parameters(), **kw)
+    layeropt.attach(model, opt)
+    batches = iter(torch.randn(5, 4, generator=torch.Generator().manual_seed(i))
+                   for i in range(20))
+    for _ in range(2):
+        with contextlib.ExitStack() as window:
+            for token in loop.replace(" ", ""):
+                if token == "m":
+                    x = next(batches)
+                    loss(ref, x).backward()
+                    loss(model, x).backward()
+                elif token == "o":
+                    loss(other, torch.randn(5, 4), ck=True).backward()
+                elif token == "[":
+                    window.enter_context(opt.no_step())
+                elif token == "]":
+                    window.close()
+                else:
+                    for o in (ref_opt, opt):
+                        o.step()
+                        o.zero_grad()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_another_models_reentrant_backward_is_not_the_latest_backward():
+    """Nor did it become the engine's latest backward (what it stepped: none): a zero_grad()
+    that discards what the attached backward applied went unrefused."""
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 4)])
+    other = copy.deepcopy(model)
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    _other_loss(model, torch.randn(5, 4)).backward()
+    opt.step()
+    opt.zero_grad()
+    _other_loss(model, torch.randn(5, 4)).backward()
+    _other_loss(other, torch.randn(5, 4), ck=True).backward()
+    with pytest.raises(BackwardStateError, match="discards gradients"):
+        opt.zero_grad()
 
 
 # -- pins: no recomputation sees an updated weight --------------------------------

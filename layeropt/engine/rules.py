@@ -342,8 +342,9 @@ class Rules(StepRules):
 
         ``defer``: begun by a torch reentrant segment, which runs whether or
         not this engine's parameters take part; what concerns only a
-        backward that reaches them (:meth:`_decide`) waits for the first
-        gradient that lands here.
+        backward that reaches them (:meth:`_decide`, which makes it ``last``)
+        waits for the first gradient that lands here; one that none reaches ends
+        without touching the engine (:meth:`_end`).
         """
         if task == -1:  # before any state changes: nothing of this backward is applied
             raise BackwardStateError(NO_GRAPH_TASK_ERROR)
@@ -351,10 +352,11 @@ class Rules(StepRules):
                 sys.modules.get("torch._dynamo.compiled_autograd"),
                 "in_compiled_autograd_region", False):
             raise BackwardStateError(COMPILED_AUTOGRAD_TWO_PASSES)
+        self.backward = rec = BackwardRecord(task)
         if not defer:
             nesting.outside_segments()  # a first hook outside any segment: nothing is nested
-        self.last = self.backward = rec = BackwardRecord(task)
-        self.txn += 1  # a transaction of its own
+            self.last = rec
+            self.txn += 1  # a transaction of its own
         rec.scaled = _watch.scaled_backward()
         _watch.WATCHERS.watch_tools()  # (a tool imported since attach: guarded first)
         rec.distributed = world_size() > 1
@@ -396,6 +398,9 @@ class Rules(StepRules):
     def _decide(self, rec: BackwardRecord) -> None:
         """Rules 6 and 7 for a backward that reaches this engine's parameters."""
         rec.unchecked = False
+        if self.last is not rec:  # begun by a torch segment: it reaches the engine now
+            self.last = rec
+            self.txn += 1
         # backward(create_graph=True): the gradients' graph is for something the loop
         # does before the update (a gradient penalty's backward); retain_graph=True: more
         # backwards over this graph may follow before it (truncated BPTT's next time step)
@@ -445,6 +450,8 @@ class Rules(StepRules):
         held = self.train_step.held
         store = self.stepper.held
         try:
+            if rec.unchecked:  # begun by a torch segment, none of ours reached: not ours
+                return
             if held:
                 store.flush()  # buckets that only partly landed in a holding backward
             if self.measure is not None:
