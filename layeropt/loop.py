@@ -71,15 +71,18 @@ class LoopAccumulator:
     * ``torch.optim`` optimizers (or layeropt ones not attached): call
       ``acc.step()`` (or ``optimizer.step()``) after the loop.
 
-    Clipping and ``GradScaler`` (``max_norm=``, ``scaler=``): the n-th
-    backward also unscales and clips, as ``scaler.unscale_(opt);
-    clip_grad_norm_(parameters, max_norm)`` would after the last backward of
-    the hand-written loop, bit for bit. Attached layeropt optimizers get it
-    through :func:`layeropt.backward` (one extra backward pass of the last
-    iteration only); plain optimizers through torch's own ``unscale_`` and
-    ``clip_grad_norm_``. Each loss is passed through ``scaler.scale`` before
-    its backward; ``acc.step()`` then runs ``scaler.step(opt)`` for each
-    optimizer and ``scaler.update()``.
+    Clipping and ``GradScaler`` (``max_norm=``, ``scaler=``): the result is
+    the hand-written torch loop's, bit for bit: each loss through
+    ``scaler.scale`` before its backward; after the last backward, only when
+    clipping, ``scaler.unscale_(opt); clip_grad_norm_(parameters,
+    max_norm)``; then ``scaler.step(opt)`` for each optimizer and
+    ``scaler.update()``. Without clipping there is no ``unscale_``:
+    ``scaler.step`` unscales (a fused optimizer's kernel divides by the
+    scale, which differs from ``unscale_``'s multiply in the last bits unless
+    the scale is a power of two). Attached layeropt optimizers get it through
+    :func:`layeropt.backward` in the n-th backward (one extra backward pass
+    of the last iteration only); plain optimizers through torch's own
+    ``unscale_``, ``clip_grad_norm_`` and ``scaler.step`` in ``acc.step()``.
 
     One accumulator counts one training step at a time. ``acc.step()`` or
     ``acc.reset()`` starts the next one; as a context manager, leaving the
@@ -99,9 +102,9 @@ class LoopAccumulator:
             kept in :attr:`grad_norm`.
         norm_type: the p of the p-norm, as in ``clip_grad_norm_``.
         scaler: a ``torch.amp.GradScaler``: every loss is scaled by it, the
-            gradient unscaled after the n-th backward (and an inf/NaN skips the
-            step, as ``scaler.step`` does); ``acc.step()`` calls
-            ``scaler.step(opt)`` and ``scaler.update()``.
+            gradient unscaled (with ``unscale_`` only when clipping) and an
+            inf/NaN skips the step, as ``scaler.step`` does; ``acc.step()``
+            calls ``scaler.step(opt)`` and ``scaler.update()``.
         parameters: what you would pass to ``clip_grad_norm_`` (the total norm
             is summed in this order). Default: the attached models'
             ``parameters()`` (as :func:`layeropt.backward`), then the given
@@ -235,7 +238,8 @@ class LoopAccumulator:
 
         Attached optimizers: :func:`layeropt.backward` measures the accumulated
         gradient and steps each layer unscaled and clipped. Plain optimizers:
-        ``scaler.unscale_`` and ``clip_grad_norm_`` on ``.grad``, torch's own.
+        ``scaler.unscale_`` and ``clip_grad_norm_`` on ``.grad``, torch's own;
+        ``unscale_`` only with ``max_norm`` (else ``scaler.step`` unscales).
         Inside an outer ``no_step()`` the gradient keeps accumulating (scaled,
         unclipped): the outer accumulation's last backward clips the whole sum.
         """
@@ -245,6 +249,11 @@ class LoopAccumulator:
             return
         plain = [o for o in self.optimizers if not any(o is a for a in attached)]
         scaler = self.scaler if self.scaler is not None and self.scaler.is_enabled() else None
+        # Plain optimizers: scaler.unscale_(opt) only to clip, as torch's clipping recipe
+        # and layeropt.backward do. Without clipping scaler.step(opt) unscales itself: the
+        # same multiply for a non-fused optimizer, a division inside the kernel for a fused
+        # one (unscale_ first would multiply by 1/scale: another last bit).
+        unscale = plain if scaler is not None and self.max_norm is not None else []
         if attached:
             params = self.parameters
             if params is None and plain:  # the plain optimizers' parameters clipped too
@@ -253,12 +262,12 @@ class LoopAccumulator:
             self.grad_norm = backward(loss, attached, max_norm=self.max_norm,
                                       norm_type=self.norm_type, scaler=scaler,
                                       parameters=params)
-            # plain optimizers: unscaled here (layeropt.backward unscales its own only)
-            for o in plain if scaler is not None else ():
+            # plain optimizers: unscaled here to clip (layeropt.backward unscales its own only)
+            for o in unscale:
                 scaler.unscale_(o)
             return
         loss.backward()
-        for o in plain if scaler is not None else ():
+        for o in unscale:
             scaler.unscale_(o)
         if self.max_norm is not None:
             params = self.parameters if self.parameters is not None else _optimizer_params(plain)

@@ -433,12 +433,12 @@ def _scaler() -> torch.amp.GradScaler:
 
 def _torch_clip_step(ref: Sino, ref_opts: list, losses: Callable[[Sino], list[Tensor]],
                      n: int, clip: float | None, scaler: Any) -> Tensor | None:
-    """The hand-written torch loop: n backwards of loss_i/n, unscale_, clip_grad_norm_
-    over model.parameters(), step, zero_grad."""
+    """The hand-written torch loop of docs/loops.md: n backwards of loss_i/n; only when
+    clipping, unscale_ and clip_grad_norm_ over model.parameters(); step, zero_grad."""
     for loss in losses(ref):
         loss = loss / n
         (scaler.scale(loss) if scaler else loss).backward()
-    for o in ref_opts if scaler else ():
+    for o in ref_opts if scaler and clip else ():  # unscale_ only to clip
         scaler.unscale_(o)
     norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip) if clip else None
     for o in ref_opts:
@@ -672,6 +672,50 @@ def test_clipping_with_an_attached_and_a_plain_optimizer(clip, use_scaler):
     assert_models_equal(ref, m)
     for o, r in zip([lo, plain], ref_opts):
         assert_same(r.state_dict(), o.state_dict())
+
+
+FUSED_CASES = [(fused, clip) for fused in (True, False) for clip in (None, CLIP)]
+
+
+@pytest.mark.parametrize("fused, clip", FUSED_CASES,
+                         ids=[f"{'fused' if f else 'foreach'}-clip{c}" for f, c in FUSED_CASES])
+def test_scaler_not_a_power_of_two_attached_plain_and_torch_loop_bitwise(fused, clip):
+    """GradScaler(init_scale=1000.0): the fused kernel's divide by the scale differs from
+    unscale_'s multiply by its inverse in the last bits. Attached, plain and the docs'
+    torch loop (unscale_ only when clipping) agree bit for bit: parameters, optimizer
+    state, scaler state, norm."""
+    n = 3
+    ref, m_lo, m_plain = make(), make(), make()
+    kw = dict(lr=0.01, fused=fused, foreach=None if fused else True)
+    ref_opt = torch.optim.Adam(ref.parameters(), **kw)
+    lo = layeropt.Adam(m_lo.parameters(), **kw)
+    plain = torch.optim.Adam(m_plain.parameters(), **kw)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1000.0, growth_interval=2)
+               for _ in range(3)]
+    accs = [LoopAccumulator(n, opt, max_norm=clip, scaler=sc)
+            for opt, sc in ((lo, scalers[1]), (plain, scalers[2]))]
+    for s in range(3):
+        x, t = batch(s, n)
+        torch.manual_seed(100 + s)
+        ref_norm = _torch_clip_step(ref, [ref_opt], _iteration_losses(x, t, n), n, clip,
+                                    scalers[0])
+        for m, acc in zip((m_lo, m_plain), accs):
+            # attached only for its own side (the plain side's accumulator would take it)
+            with layeropt.attach(m, lo) if m is m_lo else contextlib.nullcontext():
+                torch.manual_seed(100 + s)
+                for i in range(n):
+                    acc.backward(m.loss_i(x, t, i))
+                acc.step()
+            assert all(p.grad is None for p in m.parameters())
+            if clip:
+                assert torch.equal(acc.grad_norm, ref_norm) and ref_norm > clip
+            else:
+                assert acc.grad_norm is None
+    assert scalers[0].get_scale() == 2000.0  # grew once on schedule: no step skipped
+    for m, opt, sc in ((m_lo, lo, scalers[1]), (m_plain, plain, scalers[2])):
+        assert_models_equal(ref, m)
+        assert_same(ref_opt.state_dict(), opt.state_dict())
+        assert_same(scalers[0].state_dict(), sc.state_dict())
 
 
 def test_clipping_misuse_is_a_clear_error():
