@@ -111,15 +111,18 @@ def backward(
     """Backward with exact global-norm clipping and/or a ``GradScaler``.
 
     Equal to ``loss.backward(); scaler.unscale_(opt); clip_grad_norm_(params,
-    max_norm); scaler.step(opt); scaler.update()`` with plain torch (any part
-    optional), while every layer is still updated during backward and its
-    gradient freed at once. Pass ``scaler.scale(loss)`` as ``loss`` when using
+    max_norm); scaler.step(opt); scaler.update()`` with plain torch (the scaler
+    optional; without ``max_norm``, ``unscale_`` and the clip left out too: a fused
+    optimizer's kernel then divides by the scale, as ``scaler.step`` has it), while
+    every layer is still updated during backward and its gradient freed at once. Pass ``scaler.scale(loss)`` as ``loss`` when using
     a scaler, then call ``scaler.step(opt)`` (a no-op) and ``scaler.update()``
     as usual.
 
     Args:
         loss: the (scaled) loss to differentiate.
         optimizer: the attached layeropt optimizer(s); default: every attached one.
+            Without a scaler, attached optimizers owning some of ``parameters`` are
+            added (``clip_grad_norm_(parameters)`` clips them whoever steps them).
         max_norm: clip the global gradient norm to this value (``None``: no
             clipping).
         norm_type: the p of the p-norm, as in ``clip_grad_norm_``.
@@ -136,7 +139,8 @@ def backward(
 
     Returns:
         The total gradient norm (of the unscaled gradient) when clipping,
-        else ``None``. It is also stored as ``optimizer.last_grad_norm``.
+        else ``None``. It is also stored as ``optimizer.last_grad_norm`` (``None``
+        after a call without ``max_norm``).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -147,21 +151,30 @@ def backward(
     optimizers = _resolve(optimizer)
     if scaler is not None and not scaler.is_enabled():
         scaler = None  # a disabled scaler is plain backward, as in torch
+    given = parameters is not None  # clip_grad_norm_(parameters): only those are clipped
+    if given:
+        parameters = list(parameters)
+        if scaler is None:  # (it clips them, whichever attached optimizer steps them)
+            optimizers = optimizers + _owners(parameters, optimizers)
     engines = [o._lo_engine for o in optimizers]
     if max_norm is None and scaler is None:
+        for o in optimizers:
+            o.last_grad_norm = None  # (nothing measured: no earlier step's norm left)
         _attached_backward(loss, engines, retain_graph, None)
         return None
-
+    if scaler is not None:
+        _refuse_unscaled_twice(scaler, optimizers)
+    # Other attached optimizers the backward reaches sit pass 1 out (their gradients
+    # dropped, not held: pass 2 delivers them again) and step in pass 2, unclipped.
+    others = [o._lo_engine for o in live_optimizers()
+              if o.attached and not any(o._lo_engine is e for e in engines)]
     # Layers unfrozen (or frozen) since attach: hooked (unhooked) now, so that the
-    # measure pass sees every gradient the step will use. (A plain backward picks
-    # them up as it goes, rule 7 of landing.py; two passes cannot.)
-    for e in engines:
+    # measure pass sees every gradient the step will use - the others' too. (A plain
+    # backward picks them up as it goes, rule 7 of landing.py; two passes cannot.)
+    for e in engines + others:
         for attachment in list(e.attachments):
             attachment.sync()
-
-    given = parameters is not None  # clip_grad_norm_(parameters): only those are clipped
-    parameters = _as_attached(optimizers, list(parameters) if given
-                              else _parameters(optimizers))
+    parameters = _as_attached(optimizers, parameters if given else _parameters(optimizers))
     clipped = frozenset(map(id, parameters)) if given else None
     # Trainable parameters no attached hook steps: torch's recipe measures, unscales and
     # clips them too. Each pass accumulates into their .grad, so pass 1's is measured
@@ -201,10 +214,6 @@ def backward(
     # activation checkpointing update BatchNorm's running statistics) and in the .grad of
     # parameters no attached optimizer owns is undone before pass 2, which does it again,
     # as the single backward of plain training does; kept if pass 2 does not run.
-    # Other attached optimizers the backward reaches sit pass 1 out (their gradients
-    # dropped, not held: pass 2 delivers them again) and step in pass 2, unclipped.
-    others = [o._lo_engine for o in live_optimizers()
-              if o.attached and not any(o._lo_engine is e for e in engines)]
     measured: dict[Tensor, Tensor] = {}
     buffers = _BufferSnapshot(engines + others)
     unhooked.add_leaves(loss)
@@ -507,6 +516,28 @@ def _resolve(optimizer: Any) -> list[InBackwardOptimizer]:
     return optimizer_list(optimizer)  # type: ignore[return-value]
 
 
+def _owners(parameters: list[Tensor], optimizers: list[Any]) -> list[Any]:
+    """Attached optimizers not in ``optimizers`` that own some of ``parameters``."""
+    ids = {id(p) for p in parameters}
+    return [o for o in live_optimizers() if o.attached and not any(o is q for q in optimizers)
+            and any(id(p) in ids for g in o.param_groups for p in g["params"])]
+
+
+def _refuse_unscaled_twice(scaler: Any, optimizers: list[Any]) -> None:
+    """Before anything runs: ``scaler.unscale_(opt)`` runs once per ``update()``."""
+    from torch.amp.grad_scaler import OptState
+
+    for o in optimizers:
+        if scaler._per_optimizer_states[id(o)]["stage"] is not OptState.READY:
+            raise LayeroptError(
+                f"layeropt.backward(scaler=...) after scaler.unscale_/step was already called "
+                f"for this {type(o).__name__} since the last scaler.update(). Accumulating "
+                "micro-batches? Run all but the last inside `with opt.no_step():` as plain "
+                "scaler.scale(loss).backward(), and only the last through layeropt.backward"
+                "(scaler=...); then scaler.step(opt) (optional) and scaler.update(). Nothing "
+                "was updated.")
+
+
 def _record_for_scaler(scaler: Any, optimizers: list[Any], found: dict[Any, Tensor]) -> None:
     """Leave the scaler as if ``scaler.unscale_(opt)`` had run for each optimizer."""
     from torch.amp.grad_scaler import OptState
@@ -514,12 +545,6 @@ def _record_for_scaler(scaler: Any, optimizers: list[Any], found: dict[Any, Tens
     for o in optimizers:
         found_inf = found[o._lo_engine]
         state = scaler._per_optimizer_states[id(o)]
-        if state["stage"] is not OptState.READY:
-            raise LayeroptError(
-                "scaler.unscale_/step was already called for this optimizer in this "
-                "iteration; with layeropt.backward(scaler=...) call only "
-                "scaler.step(opt) (optional) and scaler.update() afterwards."
-            )
         state["found_inf_per_device"] = {found_inf.device: found_inf}
         state["stage"] = OptState.UNSCALED
 

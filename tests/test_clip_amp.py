@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import copy
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -225,6 +227,37 @@ def test_grad_scaler_with_float16_parameters_raises_as_torch():
     with layeropt.attach(model, opt), pytest.raises(ValueError, match=str(torch_err.value)):
         layeropt.backward(scaler.scale(model(x).float().square().mean()), scaler=scaler)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("kw", [dict(lr=0.1, weight_decay=0.01, fused=True),
+                                dict(lr=0.1, weight_decay=0.01, foreach=False)],
+                         ids=["fused", "forloop"])
+@pytest.mark.parametrize("kind", ["SGD", "Adam"])
+def test_a_skipped_step_then_zero_grad_keeping_zeros(kind, kw):
+    """A step GradScaler skips (inf), then ``zero_grad(set_to_none=False)``: torch keeps a
+    zero ``.grad`` for every parameter that had one, and its next step() updates a layer
+    that step does not reach on it. A fused optimizer's ``scaler.step`` calls step(),
+    which forgot the skipped step's parameters (a fuzzer over AMP loops found it)."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 2), "b": torch.nn.Linear(4, 2)})
+    ref = copy.deepcopy(model)
+    ref_opt, opt = getattr(torch.optim, kind)(ref.parameters(), **kw), \
+        getattr(layeropt, kind)(model.parameters(), **kw)
+    ref_scaler, scaler = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    x = torch.randn(3, 4)
+    with layeropt.attach(model, opt):
+        for both in (True, False):  # an inf first step over both layers, then "a" alone
+            for m, o, s in ((ref, ref_opt, ref_scaler), (model, opt, scaler)):
+                loss = m["a"](x).sum() + (m["b"](x).sum() * float("inf") if both else 0)
+                if m is ref:
+                    s.scale(loss).backward()
+                else:
+                    layeropt.backward(s.scale(loss), scaler=s)
+                s.step(o)
+                s.update()
+                o.zero_grad(set_to_none=not both)
+    assert_models_equal(model, ref)
+    assert_same(opt.state_dict()["state"], ref_opt.state_dict()["state"])
 
 
 @pytest.mark.parametrize("cfg", REPRESENTATIVE, ids=config_id)
@@ -499,6 +532,103 @@ def test_backward_given_one_optimizer_steps_the_others_it_reaches_once(held):
     assert_models_equal(model, ref)
     for o, r in zip(opts, refs):
         assert_same(o.state_dict(), r.state_dict())
+
+
+class _TrunkHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.head, self.aux = (torch.nn.Linear(4, 8), torch.nn.Linear(8, 3),
+                                           torch.nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor, aux: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        return self.head(h) + (self.aux(h) if aux else 0)
+
+
+# two optimizers, each attached to its own layers (opt1: the trunk; opt2: head and aux),
+# and layeropt.backward(loss, opt1 or opt2, max_norm=): what the loop does
+TWO_OPTIMIZERS = {
+    # parameters= names the trunk too: clip_grad_norm_ clips it, whoever steps it
+    "parameters= over both": dict(given=1, parameters=True, freeze=False),
+    # opt2's head frozen for one backward, then unfrozen: its hooks come back before
+    # the measure pass (it got both passes' gradients)
+    "the other's layer unfrozen": dict(given=0, parameters=False, freeze=True),
+}
+
+
+@pytest.mark.parametrize("case", list(TWO_OPTIMIZERS))
+def test_backward_given_one_optimizer_and_the_other_attached_one(case):
+    """Found by a fuzzer over loops with several optimizers: both stepped a layer of the
+    optimizer not given on another gradient than torch's (unclipped; twice the
+    gradient), without an error."""
+    kw = TWO_OPTIMIZERS[case]
+    torch.manual_seed(0)
+    model = _TrunkHeads()
+    ref = copy.deepcopy(model)
+    x0, x = torch.randn(5, 4), torch.randn(5, 4)
+
+    def make(m: _TrunkHeads, ns: Any) -> list[torch.optim.Optimizer]:
+        return [ns.SGD(m.trunk.parameters(), lr=0.1),
+                ns.SGD([*m.head.parameters(), *m.aux.parameters()], lr=0.1)]
+
+    refs, opts = make(ref, torch.optim), make(model, layeropt)
+    layeropt.attach(model.trunk, opts[0])
+    layeropt.attach(model.head, opts[1])
+    layeropt.attach(model.aux, opts[1])
+    for m, os_ in ((ref, refs), (model, opts)):
+        if kw["freeze"]:  # (a GAN's freeze for one backward)
+            m.head.requires_grad_(False)
+            m(x0, aux=True).pow(2).mean().backward()
+            m.head.requires_grad_(True)
+            for o in os_:
+                o.step()
+                o.zero_grad()
+        loss = m(x).pow(2).mean()
+        clip = (list(m.parameters()) if kw["parameters"]
+                else [p for g in os_[kw["given"]].param_groups for p in g["params"]])
+        if m is ref:
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(clip, 0.1)
+        else:
+            got = layeropt.backward(loss, opts[kw["given"]], max_norm=0.1,
+                                    **({"parameters": clip} if kw["parameters"] else {}))
+        for o in os_:
+            o.step()
+    assert_same(got, norm)
+    assert_models_equal(model, ref)
+
+
+def test_last_grad_norm_is_reset_by_a_backward_that_measures_nothing():
+    """``opt.last_grad_norm`` is the norm the latest layeropt.backward measured: one
+    without max_norm leaves None, not an earlier step's norm (a logger read it)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    with layeropt.attach(model, opt):
+        x = torch.randn(5, 4)
+        norm = layeropt.backward(model(x).square().mean(), max_norm=1.0)
+        opt.step()
+        assert opt.last_grad_norm is norm
+        layeropt.backward(model(x).square().mean())
+        opt.step()
+        assert opt.last_grad_norm is None
+
+
+def test_a_second_scaled_backward_before_update_is_refused_before_anything_runs():
+    """layeropt.backward(scaler=) twice before scaler.update() (micro-batches without
+    no_step()): refused before the measure pass, naming no_step(); nothing changes."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    opt = layeropt.Adam(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    with layeropt.attach(model, opt):
+        x = torch.randn(5, 4)
+        layeropt.backward(scaler.scale(model(x).square().mean()), scaler=scaler)
+        before = [p.detach().clone() for p in model.parameters()]
+        state = copy.deepcopy(opt.state_dict())
+        with pytest.raises(layeropt.LayeroptError, match="no_step"):
+            layeropt.backward(scaler.scale(model(x).square().mean()), scaler=scaler)
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert_same(state, opt.state_dict())
+        assert all(p.grad is None for p in model.parameters())
 
 
 # gradients layeropt.backward(max_norm=)'s two passes must count once: where they are

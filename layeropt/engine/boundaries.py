@@ -241,8 +241,9 @@ class StepRules:
         self._step(self.placed(params))
         self._step_stored()
         rec.steps = steps
-        self.boundary("step()")
-        self.train_step.skipped += params  # (torch keeps their .grad until a zero_grad)
+        skipped = self.train_step.skipped  # (a step GradScaler skipped: a fused optimizer's
+        self.boundary("step()")  # scaler.step calls this step() - their .grad stays too)
+        self.train_step.skipped += skipped + params  # (torch keeps their .grad until a zero_grad)
         if params:  # gradients no hook took: layers unfrozen (or hooks lost) since
             for attachment in list(self.attachments):
                 attachment.sync()
@@ -384,8 +385,10 @@ class StepRules:
             if optimizer is not None:
                 _between.check_unchanged(before, optimizer.param_groups, where)
         stepped, held = step.stepped_backwards, step.held_backwards
-        if stepped and not held and self.holds_gradients:  # a no_step() / kept-graph
-            held = 1  # backward after the stepping one (a stepping backward steps those before)
+        if stepped and not held and where == "step()" and self.holds_gradients:
+            held = 1  # a no_step() / kept-graph backward after the stepping one, before the
+            # loop's first step() (a stepping backward steps those before it; after the
+            # first, refused at that backward); a zero_grad() there may end a step-less loop's
         if stepped >= 2 or (stepped and held):
             step.stepped_backwards = step.held_backwards = 0
             raise BackwardStateError(ACCUMULATION_ERROR.format(
@@ -407,13 +410,15 @@ class StepRules:
         followed is one whose gradients torch would drop here (a GAN's generator loss
         reaching the discriminator, an actor's loss the critic)."""
         step = self.train_step
-        if step.stepped_backwards != 1 or step.held_backwards or not self.last.stepped:
+        if step.stepped_backwards != 1 or step.held_backwards:
             return
         if "step()" not in self.calls:  # (a loop without step() takes backwards as steps:
-            if _STEP_TRIED not in self.calls:  # said at its first step(), if one comes)
-                self.calls.add(_EARLY_DISCARD)
+            if _STEP_TRIED not in self.calls:  # said at its first step(), if one comes;
+                self.calls.add(_EARLY_DISCARD)  # a held backward may have come since)
             return
         stepped = self.last.stepped
+        if not stepped:
+            return
         if params is not None:
             ids = {id(p) for p in params()}
             stepped = [p for p in stepped if id(p) in ids]

@@ -372,7 +372,7 @@ class Engine(Rules):
         self._places = None
         if not self.attachments:
             self.calls.add(DETACHED)
-            if self.bounded and self.stepped_since_boundary:
+            if "step()" in self.calls and self.stepped_since_boundary:  # (not a step-less loop)
                 warn(REMOVE_OPEN_WARNING)
 
     @property
