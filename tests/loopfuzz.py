@@ -333,17 +333,19 @@ class Side:
 
 class NeverZeroed:
     """Flags the torch program once it reaches docs/rules.md's undetectable "loop that
-    never zeroes its gradients": a gradient a ``step()`` applied is still in ``.grad``
-    (nonzero) at a later ``step()`` or backward, so torch applies it again."""
+    never zeroes its gradients": a gradient a ``step()`` applied is still in ``.grad`` at
+    a later ``step()`` (or, nonzero, at a backward), so torch applies it again."""
 
     def __init__(self, side: Side) -> None:
         self.side = side
         self.applied: set[int] = set()
 
     def reached(self, name: str) -> bool:
+        """A backward adds to a nonzero one; a ``step()`` applies one again - zeros too
+        (rules.md's "``step()`` twice on one backward's gradients": Adam moves on zeros)."""
         return name in ("step", "fb", "clip") and any(
-            id(p) in self.applied and p.grad is not None and bool(p.grad.any())
-            for p in self.side.model.parameters())
+            id(p) in self.applied and p.grad is not None
+            and (name == "step" or bool(p.grad.any())) for p in self.side.model.parameters())
 
     def after(self, name: str, a: dict[str, Any]) -> None:
         s = self.side
