@@ -284,6 +284,10 @@ def backward(
                     raise
                 raise LayeroptError(TWO_PASSES_ERROR.format(error=exc)) from exc
         unhooked.prepare(transform)
+        if coef is not None:  # kept zeros (set_to_none=False) step() updates: clipped as
+            for o in optimizers:  # torch's clip scales them (0 * a NaN coefficient: NaN)
+                for p in () if o._lo_engine in skipped else o._lo_engine.unused_kept(o):
+                    p.grad = torch.zeros_like(p).mul_(coef.to(p.device, p.dtype))
         for e, before in verifying.items():  # LAYEROPT_VERIFY: the real side, torch's recipe
             verifiers[e].transform_real([p for p in verifiers[e].shadows if p not in before],
                                       transform)

@@ -260,6 +260,37 @@ def test_a_skipped_step_then_zero_grad_keeping_zeros(kind, kw):
     assert_same(opt.state_dict()["state"], ref_opt.state_dict()["state"])
 
 
+@pytest.mark.parametrize("loss_scale", [1.0, float("nan"), float("inf")])
+def test_kept_zero_gradients_are_clipped_with_the_others(loss_scale):
+    """``zero_grad(set_to_none=False)`` keeps a zero ``.grad`` for a layer the next backward
+    does not reach; torch's clip_grad_norm_ scales it with the rest: zeros stay zeros,
+    unless the total norm is NaN or inf - 0 * NaN is NaN, and torch's step() makes that
+    layer NaN. layeropt stepped its zeros unclipped (found by the AMP fuzzer)."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 2), "b": torch.nn.Linear(4, 2)})
+    ref = copy.deepcopy(model)
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), \
+        layeropt.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(3, 4)
+    with layeropt.attach(model, opt):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            (m["a"](x) + m["b"](x)).sum().backward()
+            o.step()
+            o.zero_grad(set_to_none=False)
+            loss = m["a"](x).sum() * loss_scale  # "b" not reached: its kept zeros
+            if m is ref:
+                loss.backward()
+                norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            else:
+                got = layeropt.backward(loss, max_norm=1.0)
+            o.step()
+            o.zero_grad()
+    same = dict(rtol=0, atol=0, equal_nan=True)  # (bit for bit, NaN where torch has NaN)
+    torch.testing.assert_close(got, norm, **same)
+    torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), **same)
+    torch.testing.assert_close(opt.state_dict()["state"], ref_opt.state_dict()["state"], **same)
+
+
 @pytest.mark.parametrize("cfg", REPRESENTATIVE, ids=config_id)
 def test_inf_in_one_layer_skips_every_update_and_halves_scale(cfg):
     opt_name, kw = cfg
