@@ -237,6 +237,36 @@ def test_an_open_training_step_is_refused_at_attach():
     _equal(model, ref)
 
 
+@pytest.mark.parametrize("end", ["deleted", "removed"])
+def test_a_plain_models_zero_grad_is_not_kept_by_a_layeropt_optimizer(end):
+    """A plain torch model beside an attached one: its ``model.zero_grad(set_to_none=False)``
+    was recorded by every layeropt engine as gradients to keep, and when that optimizer
+    was deleted (or its attachment removed) it gave zeros back to the plain model's
+    ``.grad`` - whose next step() then moved on them (momentum, Adam's moments). Found
+    by the loop fuzzer: a run depended on when the garbage collector ran."""
+    plain, ref = _mlp(), _mlp()
+    lo_model = _mlp()
+    lo = layeropt.SGD(lo_model.parameters(), lr=0.1)
+    handle = layeropt.attach(lo_model, lo)
+    x, y = _batches(2, 3)
+    for m, o in ((plain, torch.optim.Adam(plain.parameters(), lr=0.01)),
+                 (ref, torch.optim.Adam(ref.parameters(), lr=0.01))):
+        m(x).pow(2).mean().backward()
+        o.step()
+        m.zero_grad(set_to_none=False)  # (the plain model's own loop)
+        o.zero_grad()  # (torch's optimizer: None again)
+        if m is plain:
+            if end == "deleted":
+                del lo, handle
+                gc.collect()
+            else:
+                handle.remove()
+        assert all(p.grad is None for p in m.parameters())
+        m(y).pow(2).mean().backward()
+        o.step()
+    _equal(plain, ref)
+
+
 # after remove() inside a training step: what the loop does next -> the outcome
 # (the loop fuzzer's programs, tests/loopfuzz.py: these were silently different)
 AFTER_REMOVE = {

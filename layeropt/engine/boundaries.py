@@ -326,7 +326,13 @@ class StepRules:
         """``module.zero_grad(set_to_none)`` over ``params``, before torch's: held
         gradients in a store go as torch's in ``.grad`` would, and the parameters torch
         then keeps a zero ``.grad`` for (or no longer does) are followed as for the
-        optimizer's ``zero_grad``."""
+        optimizer's ``zero_grad``. Only this optimizer's: another model's parameters (a
+        plain optimizer's, an abandoned one's) were kept as its own, and given zeros when
+        it was deleted - a plain torch model's next step() then moved on them."""
+        optimizer = self._optimizer()
+        params = [p for p in params if optimizer is not None and optimizer.owns(p)]
+        if not params:
+            return
         ids = {id(p) for p in params}
         had = [] if set_to_none else [p for p in self._held_now(params) if id(p) in ids]
         self.stepper.held.drop(set_to_none, params)
