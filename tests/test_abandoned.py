@@ -17,6 +17,7 @@ object, resuming from the first one's checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import math
@@ -265,6 +266,32 @@ def test_a_plain_models_zero_grad_is_not_kept_by_a_layeropt_optimizer(end):
         m(y).pow(2).mean().backward()
         o.step()
     _equal(plain, ref)
+
+
+def test_zeros_kept_while_detached_follow_torchs_grad():
+    """``zero_grad(set_to_none=False)`` of a detached optimizer leaves torch's own zeros in
+    ``.grad``; a module's ``zero_grad()`` (unwatched while detached) then drops them. The
+    engine still counted them as kept, and after a new ``attach`` stepped a layer the
+    backward did not reach on them (the loop fuzzer's all-seed 21018)."""
+    torch.manual_seed(0)
+    ref = _Branch()
+    model = copy.deepcopy(ref)
+    kw = dict(lr=0.1, weight_decay=0.1)
+    ro, lo = torch.optim.AdamW(ref.parameters(), **kw), layeropt.AdamW(model.parameters(), **kw)
+    layeropt.attach(model, lo).remove()
+    x, y, z = _batches(3, 2)
+    x, y, z = x[:, :4], y[:, :4], z[:, :4]
+    for m, o in ((ref, ro), (model, lo)):
+        m(x, True).backward()
+        o.zero_grad(set_to_none=False)
+        m(y, True).backward()
+        o.step()
+        m.zero_grad()  # (None again: torch keeps nothing)
+        with layeropt.attach(model, lo) if m is model else contextlib.nullcontext():
+            m(z, False).backward()  # "b" not reached: no gradient, not stepped
+            o.step()
+    _equal(model, ref)
+    assert_same(lo.state_dict(), ro.state_dict(), "optimizer state")
 
 
 # after remove() inside a training step: what the loop does next -> the outcome

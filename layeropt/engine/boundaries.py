@@ -302,6 +302,9 @@ class StepRules:
             self.boundary("zero_grad()")
         if not attached:  # no hook steps these any more: torch's step() must find the kept zeros
             self.give_back_kept()
+            if self.kept_grads:  # (in .grad now: torch's own, which a module's zero_grad,
+                self.kept_grads = {i: p for i, p in self.kept_grads.items()  # unwatched
+                                   if p.grad is None}  # while detached, may drop)
 
     def give_back_kept(self, owned: set[int] | None = None) -> None:
         """Torch's ``.grad`` carries the kept zero gradients from here (``owned``'s: an
