@@ -45,13 +45,17 @@ def _total_norm(norms: list[Tensor], norm_type: float) -> Tensor:
 
 def _parameters(optimizers: list[InBackwardOptimizer]) -> list[Tensor]:
     """What ``clip_grad_norm_`` would be given by default: the attached models'
-    ``parameters()``, in order, then the optimizers' other parameters."""
+    ``parameters()``, in order, then the optimizers' other parameters - not those of
+    other attached layeropt optimizers (they step unclipped: ``clip_grad_norm_`` over
+    these optimizers' models leaves another optimizer's layers alone)."""
     out: dict[int, Tensor] = {}
+    others = {id(p) for p in _owned(_owners(None, optimizers))}
     for opt in optimizers:
         for attachment in list(opt._lo_engine.attachments):
             model = attachment.model
             for p in model.parameters() if model is not None else ():
-                out.setdefault(id(p), p)
+                if id(p) not in others:
+                    out.setdefault(id(p), p)
     for opt in optimizers:
         for g in opt.param_groups:
             for p in g["params"]:
@@ -131,7 +135,8 @@ def backward(
         retain_graph: for the final pass, as in ``Tensor.backward``.
         parameters: what you would pass to ``clip_grad_norm_``; the total norm
             is summed in this order, as torch's, to the last bit. Default: the
-            attached models' ``parameters()``, then the optimizers' other
+            attached models' ``parameters()`` (less those of other attached
+            layeropt optimizers: they step unclipped), then the optimizers' other
             parameters. Trainable ones no attached optimizer owns (a layer
             trained by a second, plain optimizer) are measured and clipped
             in ``.grad`` too, as ``clip_grad_norm_`` would, and get each
@@ -520,11 +525,15 @@ def _resolve(optimizer: Any) -> list[InBackwardOptimizer]:
     return optimizer_list(optimizer)  # type: ignore[return-value]
 
 
-def _owners(parameters: list[Tensor], optimizers: list[Any]) -> list[Any]:
-    """Attached optimizers not in ``optimizers`` that own some of ``parameters``."""
-    ids = {id(p) for p in parameters}
+def _owners(parameters: list[Tensor] | None, optimizers: list[Any]) -> list[Any]:
+    """Attached optimizers not in ``optimizers`` that own some of ``parameters`` (any)."""
+    ids = None if parameters is None else {id(p) for p in parameters}
     return [o for o in live_optimizers() if o.attached and not any(o is q for q in optimizers)
-            and any(id(p) in ids for g in o.param_groups for p in g["params"])]
+            and (ids is None or any(id(p) in ids for p in _owned([o])))]
+
+
+def _owned(optimizers: list[Any]) -> list[Tensor]:
+    return [p for o in optimizers for g in o.param_groups for p in g["params"]]
 
 
 def _refuse_unscaled_twice(scaler: Any, optimizers: list[Any]) -> None:

@@ -363,6 +363,15 @@ class StepRules:
         return [p for p in _between.unused_kept(self.kept_grads, self._this_step(),
                                                 optimizer.param_groups) if p not in held]
 
+    def show_kept(self) -> None:
+        """A backward held its gradients for ``step()``, and what the loop runs before it
+        reads them (``clip_grad_norm_`` after ``scaler.unscale_``): the zeros torch keeps
+        for the layers it did not reach (``zero_grad(set_to_none=False)``) are in ``.grad``
+        too, or a norm over them would sum other terms than torch's (a last bit)."""
+        optimizer = self._optimizer()
+        for p in self.unused_kept(optimizer) if optimizer is not None and self.kept_grads else ():
+            p.grad = torch.zeros_like(p)
+
     def _this_step(self) -> list[Tensor]:
         """What the latest backward stepped, unless a ``zero_grad()`` came after it."""
         rec = self.last

@@ -460,7 +460,9 @@ class Rules(StepRules):
                         self._take(p)
             elif rec.hold:
                 self.train_step.held_backwards += 1
+                self.show_kept()
             elif self.no_step_depth or rec.graph:
+                self.show_kept()
                 if rec.sweep:  # unfrozen since attach: no hook held them (rule 7)
                     for p in self._swept():
                         held.setdefault(p, None)
