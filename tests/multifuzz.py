@@ -1,0 +1,690 @@
+"""Random programs with several optimizers, or with activation checkpointing, run with
+torch.optim and with layeropt attached, compared bit for bit.
+
+The companion of tests/loopfuzz.py (same outcomes, same command line) for what its one
+optimizer over one model does not reach. Each program is drawn from
+``random.Random(seed)`` and a mix:
+
+* ``multi``: a trunk and two heads trained by two layeropt optimizers, by a layeropt one
+  beside a plain torch.optim one, or by two layeropt ones and a plain one; attached to the
+  model one by one, to each optimizer's own submodules, as a list, or all at once
+  (``attach(model)``). Backwards reach one optimizer or several (a loss on the trunk
+  alone, on the heads over detached features), with ``no_step()`` of some optimizers and
+  a layer frozen for one backward; ``layeropt.backward(max_norm=)`` for one optimizer,
+  some or all, over the default parameters or a ``parameters=`` subset; each optimizer's
+  ``step()`` and ``zero_grad()`` in random orders, or the model's ``zero_grad()``;
+  hyperparameters, ``load_state_dict``, an optimizer handed over to a new one;
+* ``gan``: the same, most iterations a GAN's (the head a discriminator stepped on the
+  trunk's detached features, then the trunk's loss through it, with the head frozen,
+  inside its ``no_step()``, or neither);
+* ``handover``: the same, an optimizer often replaced by a new one of another class
+  (its handle removed, or the optimizer deleted) - also between a backward and its step;
+* ``checkpoint``: one optimizer over a residual MLP whose blocks run under torch's
+  checkpoint (reentrant or not), ``layeropt.checkpoint`` or
+  ``layeropt.checkpoint_modules``, mixed per block, a block applied three times in one
+  forward, a weight read twice (embedding and output), accumulation, clipping, frozen
+  blocks.
+
+Outcomes are loopfuzz's: ``exact``, ``refused``, ``undetectable``, ``torch-error``, or
+one of ``FAILURES`` (``diff``, ``crash``, ``torch-error-only``). ``undetectable`` names
+the docs/rules.md entry the program reached (``WHY``); the program runs on from there,
+so that a refusal still counts as one. By hand (from the tests/ folder)::
+
+    python multifuzz.py --mix multi --start 0 --n 3000
+    python multifuzz.py --mix gan --replay 36
+    python multifuzz.py --mix gan --minimize 36
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import copy
+import functools
+import json
+import random
+import traceback
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as tuc
+
+import layeropt
+from loopfuzz import FAILURES, TORCH_LIMIT, _diff, draw_optimizer
+
+MIXES = ["multi", "gan", "handover", "checkpoint"]
+Op = tuple[str, dict[str, Any]]
+
+# The documented undetectable cases these programs reach (docs/rules.md), by the entry
+# that describes each.
+WHY = {
+    "never-zeroed": "What cannot be detected: a loop that never zeroes its gradients "
+                    "(or step() twice on one backward's gradients)",
+    "reads-updated": "What cannot be detected: code that reads the parameters between "
+                     "backward and step() (here a forward through a model whose attached "
+                     "backward updated it, before that optimizer's step())",
+    "step-less": "Gradient accumulation: a loop that never calls step() takes each "
+                 "backward as a step (here its optimizer handed over before its first "
+                 "step(), the backward's update kept)",
+    "unkept": "What cannot be detected: a module's zero_grad(set_to_none=False) after "
+              "remove() finds no gradient of the last step to keep as zeros (torch's next "
+              "step() updates on zeros)",
+    "deleted": "A model another optimizer trained: an open training step is refused at "
+               "attach, or the earlier optimizer deleted to train on from the parameters "
+               "as they are",
+}
+
+
+# -- the models -------------------------------------------------------------------------
+class Heads(nn.Module):
+    """A trunk and two heads. A loss is ``full``, ``headonly`` (the heads on the trunk's
+    detached features: a discriminator's step) or ``trunkonly`` (the trunk alone), with
+    or without the ``aux`` head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 3)
+        self.aux = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, kind: str, aux: bool) -> torch.Tensor:
+        h = self.trunk(x)
+        if kind == "trunkonly":
+            return h[:, :3] * 1.5
+        if kind == "headonly":
+            h = h.detach()
+        out = self.head(h)
+        return out + self.aux(h) if aux else out
+
+    def loss(self, a: dict[str, Any]) -> torch.Tensor:
+        g = torch.Generator().manual_seed(a["seed"])
+        x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
+        return ((self(x, a["kind"], a["aux"]) - y) ** 2).mean()
+
+    @staticmethod
+    def reads(a: dict[str, Any]) -> set[str]:
+        """The submodules whose parameters this loss's forward reads."""
+        if a["kind"] == "trunkonly":
+            return {"trunk"}
+        return {"trunk", "head"} | ({"aux"} if a["aux"] else set())
+
+    def wire(self, layer: bool) -> None:
+        """Nothing to wire (no checkpointing): see ``Blocks.wire``."""
+        return None
+
+
+class Blocks(nn.Module):
+    """An embedding, three residual blocks (block 0 applied three times in one forward
+    when ``share``), a LayerNorm and an output that reads the embedding's weight again
+    when ``tied``. ``ck`` says how each block application runs: plain, torch's
+    checkpoint (``tnr``, reentrant ``tr``), ``layeropt.checkpoint`` (``lo``, ``lor``),
+    one per application (a list), or ``modules``: the blocks under
+    ``layeropt.checkpoint_modules`` (torch: the same blocks under torch's checkpoint)."""
+
+    def __init__(self, ck: str | list[str], tied: bool, share: bool) -> None:
+        super().__init__()
+        self.emb = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(3)])
+        self.norm = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 4)
+        self.ck, self.tied, self.share = ck, tied, share
+
+    def _block(self, i: int, j: int, h: torch.Tensor) -> torch.Tensor:
+        def f(t: torch.Tensor) -> torch.Tensor:
+            return t + torch.tanh(self.blocks[j](t))
+
+        ck = self.ck[i % len(self.ck)] if isinstance(self.ck, list) else self.ck
+        if ck in ("tnr", "tr"):
+            return tuc.checkpoint(f, h, use_reentrant=ck == "tr")
+        if ck in ("lo", "lor"):
+            return layeropt.checkpoint(f, h, use_reentrant=ck == "lor")
+        return f(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for i, j in enumerate([0, 1, 0, 2, 0] if self.share else [0, 1, 2]):
+            h = self._block(i, j, h)
+        h = self.norm(h)
+        return h @ self.emb.weight if self.tied else self.out(h)
+
+    def loss(self, a: dict[str, Any]) -> torch.Tensor:
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(a["seed"]))
+        return ((self(x) - x) ** 2).mean()
+
+    @staticmethod
+    def reads(a: dict[str, Any]) -> set[str]:
+        return {""}
+
+    def wire(self, layer: bool) -> Any:
+        """``ck="modules"``: layeropt's side under ``checkpoint_modules`` (its handle),
+        torch's with each block's ``forward`` under torch's non-reentrant checkpoint."""
+        if self.ck != "modules":
+            return None
+        self.ck = "none"
+        if layer:
+            return layeropt.checkpoint_modules(self, names="blocks.*")
+        for b in self.blocks:
+            b.forward = functools.partial(tuc.checkpoint, b.forward, use_reentrant=False)
+        return None
+
+
+def make_net(prog: dict[str, Any]) -> Heads | Blocks:
+    return Blocks(**prog["blocks"]) if prog["mix"] == "checkpoint" else Heads()
+
+
+# -- drawing a program ------------------------------------------------------------------
+BODIES = {"multi": ["plain", "plain", "accum", "clip", "clipsub", "gan"],
+          "gan": ["gan", "gan", "gan", "plain", "accum", "clip"],
+          "handover": ["plain", "plain", "accum", "clip", "clipsub", "gan"]}
+HANDOVER = {"multi": 0.15, "gan": 0.05, "handover": 0.5}
+# a layer frozen for one backward: one the loss does not need alone (the programs train)
+FREEZABLE = {"full": ["head", "trunk"], "headonly": ["trunk"], "trunkonly": ["head"]}
+
+
+def _fb(r: random.Random, ns: list[str], kind: str | None = None,
+        freeze: str | None = None) -> Op:
+    kind = kind or r.choice(["full"] * 4 + ["headonly", "trunkonly"])
+    if freeze is None and r.random() < 0.3:
+        freeze = r.choice(FREEZABLE[kind])
+    return ("fb", {"seed": r.randrange(10**6), "kind": kind, "aux": r.random() < 0.4,
+                   "ns": ns, "freeze": freeze})
+
+
+def _steps(r: random.Random, names: list[str]) -> list[Op]:
+    """Each optimizer's step(), in a random order, then most often each one's zero_grad()
+    (in a random order) or the model's."""
+    ops: list[Op] = [("step", {"o": n}) for n in names]
+    r.shuffle(ops)
+    if r.random() < 0.3:
+        return ops + [("mzg", {"stn": r.random() < 0.7})]
+    if r.random() < 0.9:
+        zs: list[Op] = [("zg", {"o": n, "stn": r.random() < 0.7}) for n in names]
+        r.shuffle(zs)
+        ops += zs
+    return ops
+
+
+def _gan(r: random.Random) -> list[Op]:
+    """D (o2's head) steps on detached features; G's loss (o1's trunk) goes through D,
+    which is frozen, inside ``no_step()``, or neither (refused at D's zero_grad())."""
+    fix = r.choice(["freeze", "nostep", "none"])
+    g_loss = _fb(r, ["o2"] if fix == "nostep" else [], "full",
+                 "head" if fix == "freeze" else None)
+    return [("zg", {"o": "o2", "stn": True}), _fb(r, [], "headonly"), ("step", {"o": "o2"}),
+            g_loss, ("step", {"o": "o1"}), ("zg", {"o": "o1", "stn": True}),
+            ("zg", {"o": "o2", "stn": True})]
+
+
+def _heads_iteration(r: random.Random, mix: str, names: list[str],
+                     lo: list[str]) -> list[Op]:
+    """Settings (between iterations, or between a backward and its step once mutated),
+    then a body: a backward, accumulation, a clipped backward or a GAN's two."""
+    pre: list[Op] = []
+    if r.random() < 0.25:
+        pre.append(("hp", {"o": r.choice(names), "val": r.choice([0.0, 0.02, 0.2])}))
+    if r.random() < 0.2:  # (only aux: a loss always reaches a trainable layer)
+        pre.append(("freeze", {"m": "aux", "flag": r.random() < 0.5}))
+    if r.random() < HANDOVER[mix]:
+        pre.append(("handover", {"o": r.choice(lo), "new": draw_optimizer(r),
+                                 "how": r.choice(["remove", "remove", "del"])}))
+    if r.random() < 0.15:
+        pre.append(("sd", {"o": r.choice(names)}))
+    r.shuffle(pre)
+    body = r.choice(BODIES[mix])
+    if body == "gan":
+        return pre + _gan(r)
+    ops = pre
+    if body == "accum":
+        ops += [_fb(r, [n for n in lo if r.random() < 0.85]) for _ in range(r.randint(1, 2))]
+        ops.append(_fb(r, []))
+    elif body in ("clip", "clipsub"):
+        if r.random() < 0.3:
+            ops.append(_fb(r, list(lo), "full"))
+        ops.append(("clip", {"seed": r.randrange(10**6), "kind": r.choice(["full", "full", "headonly"]),
+                             "aux": r.random() < 0.4, "max_norm": r.choice([0.01, 0.1, 1e9]),
+                             "sub": ["trunk", "head"] if body == "clipsub" else None,
+                             "opt": r.choice([None, None, "o1", "o2", "both"])}))
+    else:
+        ops.append(_fb(r, []))
+    return ops + _steps(r, names)
+
+
+def _draw_heads(r: random.Random, mix: str) -> dict[str, Any]:
+    setup = r.choice(["two", "two", "mixed", "three"])
+    names = ["o1", "o2", "o3"] if setup == "three" else ["o1", "o2"]
+    layer = {"o1": True, "o2": setup != "mixed", "o3": False}
+    owned = {"o1": ["trunk"], "o2": ["head"] if setup == "three" else ["head", "aux"],
+             "o3": ["aux"]}
+    lo = [n for n in names if layer[n]]
+    ops: list[Op] = []
+    for _ in range(r.randint(2, 4)):
+        ops += _heads_iteration(r, mix, names, lo)
+    return {"opts": {n: draw_optimizer(r) for n in names}, "layer": layer,
+            "owned": {n: owned[n] for n in names},
+            "style": r.choice(["model", "sub", "list", "none"]),
+            "akw": r.choice([{}, {}, {"bucket_cap_mb": 0}]), "ops": ops}
+
+
+def _draw_blocks(r: random.Random) -> dict[str, Any]:
+    ck: str | list[str] = r.choice(["tnr", "tr", "lo", "lor", "mix", "modules"])
+    if ck == "mix":
+        ck = [r.choice(["tnr", "tr", "lo", "lor", "none"]) for _ in range(5)]
+    ops: list[Op] = []
+    for _ in range(r.randint(2, 3)):
+        body = r.choice(["plain", "accum", "clip", "accumclip"])
+        if body in ("accum", "accumclip"):
+            ops += [("fb", {"seed": r.randrange(10**6), "ns": ["o1"], "freeze": None})
+                    for _ in range(r.randint(1, 2))]
+        if body in ("clip", "accumclip"):
+            ops.append(("clip", {"seed": r.randrange(10**6), "max_norm": r.choice([0.05, 1e9]),
+                                 "sub": None, "opt": None}))
+        else:
+            ops.append(("fb", {"seed": r.randrange(10**6), "ns": [], "freeze": None}))
+        if r.random() < 0.15:
+            ops.append(("freeze", {"m": f"blocks.{r.randrange(3)}", "flag": r.random() < 0.5}))
+        ops += [("step", {"o": "o1"}), ("zg", {"o": "o1", "stn": r.random() < 0.8})]
+    return {"opts": {"o1": draw_optimizer(r)}, "layer": {"o1": True}, "owned": {"o1": [""]},
+            "style": "model", "akw": r.choice([{}, {"bucket_cap_mb": 0}]),
+            "blocks": {"ck": ck, "tied": r.random() < 0.4, "share": r.random() < 0.6},
+            "ops": ops}
+
+
+def _mutate(r: random.Random, ops: list[Op]) -> list[Op]:
+    """0-3 of: two neighbours swapped, one dropped, one repeated."""
+    for _ in range(r.choice([0, 0, 1, 1, 2, 3])):
+        if len(ops) < 2:
+            break
+        m, i = r.random(), r.randrange(len(ops) - 1)
+        if m < 0.45:
+            ops[i], ops[i + 1] = ops[i + 1], ops[i]
+        elif m < 0.75:
+            del ops[i]
+        else:
+            ops.insert(i, copy.deepcopy(ops[i]))
+    return ops
+
+
+def draw_program(seed: int, mix: str) -> dict[str, Any]:
+    """A loop of 2-4 iterations (``checkpoint``: 2-3), then 0-3 mutations."""
+    if mix not in MIXES:
+        raise ValueError(f"mix={mix!r}: one of {MIXES}")
+    r = random.Random(seed)
+    prog = _draw_blocks(r) if mix == "checkpoint" else _draw_heads(r, mix)
+    return {"seed": seed, "mix": mix, **prog, "ops": _mutate(r, prog["ops"])[:22]}
+
+
+# -- running it -------------------------------------------------------------------------
+class Side:
+    """One side of the comparison: the model, its optimizers by name (``o1``...) and,
+    on layeropt's side, their attachments."""
+
+    def __init__(self, prog: dict[str, Any], layer: bool, init: dict[str, torch.Tensor]) -> None:
+        self.prog, self.layer = prog, layer
+        self.model = make_net(prog)
+        self.model.load_state_dict(init)
+        self.ckpt = self.model.wire(layer)
+        self.opts = {n: self._make(n, *prog["opts"][n]) for n in prog["opts"]}
+        self.handles: dict[str, list[Any]] = {}
+        if layer:
+            self._attach_all()
+
+    def is_lo(self, n: str) -> bool:
+        """Whether optimizer ``n`` is a layeropt one on this side."""
+        return self.layer and self.prog["layer"][n]
+
+    def modules(self, n: str) -> list[nn.Module]:
+        return [self.model.get_submodule(m) for m in self.prog["owned"][n]]
+
+    def params(self, n: str) -> list[torch.Tensor]:
+        return list({id(p): p for m in self.modules(n) for p in m.parameters()}.values())
+
+    def _make(self, n: str, kind: str, kw: dict[str, Any]) -> torch.optim.Optimizer:
+        cls = getattr(torch.optim, kind)
+        if self.is_lo(n):
+            cls = getattr(layeropt, kind, None) or layeropt.in_backward(cls)
+        ps = self.params(n)
+        return cls([{"params": ps[:1]}, {"params": ps[1:]}], **kw)
+
+    def _attach_all(self) -> None:
+        names = [n for n in self.opts if self.is_lo(n)]
+        style = self.prog["style"]
+        if style == "none" or (style == "list" and len(names) > 1):
+            h = layeropt.attach(self.model, None if style == "none" else
+                                [self.opts[n] for n in names], **self.prog["akw"])
+            self.handles = {n: [h] for n in names}
+        else:
+            for n in names:
+                self._attach(n)
+
+    def _attach(self, n: str) -> None:
+        mods = self.modules(n) if self.prog["style"] == "sub" else [self.model]
+        self.handles[n] = [layeropt.attach(m, self.opts[n], **self.prog["akw"]) for m in mods]
+
+    def _attached_params(self) -> list[torch.Tensor]:
+        """What ``layeropt.backward`` measures by default: the attached models'
+        parameters, then the layeropt optimizers' others."""
+        lo = [n for n in self.opts if self.prog["layer"][n]]
+        mods = [m for n in lo for m in self.modules(n)] if self.prog["style"] == "sub" \
+            else [self.model]
+        ps = [p for m in mods for p in m.parameters()] + [p for n in lo for p in self.params(n)]
+        return list({id(p): p for p in ps}.values())
+
+    def _torch_clipped(self, sel: str | None) -> list[torch.Tensor]:
+        """torch's ``clip_grad_norm_`` set for ``layeropt.backward(loss, opt)``: the default
+        set, less the parameters of layeropt optimizers other than ``sel`` if one."""
+        ps = self._attached_params()
+        if sel is None or sel == "both" or not self.prog["layer"][sel]:
+            return ps
+        others = {id(p) for n in self.opts if n != sel and self.prog["layer"][n]
+                  for p in self.params(n)}
+        return [p for p in ps if id(p) not in others]
+
+    def _selected(self, sel: str | None) -> Any:
+        if sel == "both":
+            return [self.opts[n] for n in self.opts if self.is_lo(n)]
+        return self.opts[sel] if sel is not None and self.is_lo(sel) else None
+
+    @contextlib.contextmanager
+    def _frozen(self, name: str | None) -> Iterator[None]:
+        mod = self.model.get_submodule(name) if name else None
+        if mod is not None:
+            mod.requires_grad_(False)
+        try:
+            yield
+        finally:
+            if mod is not None:
+                mod.requires_grad_(True)
+
+    def _clip(self, a: dict[str, Any]) -> None:
+        loss = self.model.loss(a)
+        subset = None if a["sub"] is None else [
+            p for m in a["sub"] for p in self.model.get_submodule(m).parameters()]
+        if self.layer:
+            kw = {} if subset is None else {"parameters": subset}
+            layeropt.backward(loss, self._selected(a["opt"]), max_norm=a["max_norm"], **kw)
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(
+                self._torch_clipped(a["opt"]) if subset is None else subset, a["max_norm"])
+
+    def _handover(self, n: str, new: list[Any], how: str) -> None:
+        """``n`` replaced by a new optimizer of class ``new``: its attachment removed (the
+        old one still referenced while the new one attaches), or left to the deleted
+        optimizer; the others sharing its handle attached again."""
+        joint: list[str] = []
+        if self.layer:
+            hs = self.handles.pop(n, [])
+            joint = [k for k, v in self.handles.items() if any(h in v for h in hs)]
+            if how == "remove":
+                for h in hs:
+                    h.remove()
+            for k in joint:
+                del self.handles[k]
+            del hs
+        kept = [self.opts.pop(n)] if how == "remove" else []
+        self.opts.pop(n, None)  # (deleted: nothing else refers to it)
+        self.opts[n] = self._make(n, *new)
+        for k in [*joint, n] if self.layer else []:
+            self._attach(k)
+        kept.clear()
+
+    def do(self, name: str, a: dict[str, Any]) -> None:
+        if name == "fb":
+            with self._frozen(a["freeze"]), contextlib.ExitStack() as stack:
+                loss = self.model.loss(a)
+                for n in a["ns"]:
+                    if self.is_lo(n):
+                        stack.enter_context(self.opts[n].no_step())
+                loss.backward()
+        elif name == "clip":
+            self._clip(a)
+        elif name == "step":
+            self.opts[a["o"]].step()
+        elif name == "zg":
+            self.opts[a["o"]].zero_grad(set_to_none=a["stn"])
+        elif name == "mzg":
+            self.model.zero_grad(set_to_none=a["stn"])
+        elif name == "hp":
+            self.opts[a["o"]].param_groups[-1]["lr"] = a["val"]
+        elif name == "freeze":
+            self.model.get_submodule(a["m"]).requires_grad_(a["flag"])
+        elif name == "sd":
+            o = self.opts[a["o"]]
+            o.load_state_dict(copy.deepcopy(o.state_dict()))
+        elif name == "handover":
+            self._handover(a["o"], a["new"], a["how"])
+        else:
+            raise ValueError(f"unknown op {name!r}")
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"param": {n: p.detach().clone() for n, p in self.model.named_parameters()},
+                "state_dict": {n: copy.deepcopy(o.state_dict()) for n, o in self.opts.items()}}
+
+    def close(self) -> None:
+        for h in {id(h): h for hs in self.handles.values() for h in hs}.values():
+            h.remove()
+        if self.ckpt is not None:
+            self.ckpt.remove()
+
+
+class Watch:
+    """Follows what the program has done to tell when it reaches one of ``WHY``, and
+    which optimizers hold gradients a ``step()`` should end the loop with. Read on
+    torch's side, with layeropt's ``.grad`` to see what an attached backward applied."""
+
+    def __init__(self, t: Side, lo: Side) -> None:
+        self.t = t
+        self.pairs = list(zip(t.model.parameters(), lo.model.parameters()))
+        self.applied: set[int] = set()  # layeropt-owned, applied by step(), not zeroed
+        self.open: set[str] = set()  # updated by an attached backward, no step()/zero_grad()
+        self.updated: set[str] = set()  # updated by an attached backward, ever
+        self.removed = False  # an attachment was removed (a handover)
+        self.stepped: set[str] = set()  # called step() (this optimizer, not one before it)
+        self.pending: dict[str, None] = {}  # a backward gave it gradients since its step()
+        self.grads: list[torch.Tensor | None] = []
+
+    def _lo_ids(self, n: str) -> set[int]:
+        return {id(p) for p in self.t.params(n)} if self.t.prog["layer"][n] else set()
+
+    def before(self, name: str, a: dict[str, Any]) -> str | None:
+        """The ``WHY`` key this operation reaches, if one: a ``step()`` applying gradients
+        a ``step()`` applied (and not zeroed since) again, or a clip measuring them; a
+        forward through an open optimizer's layers; an optimizer handed over before its
+        first ``step()`` after a backward updated its layers, or deleted open."""
+        t = self.t
+        if name == "step":
+            if any(id(p) in self.applied and p.grad is not None for p in t.params(a["o"])):
+                return "never-zeroed"
+        elif name in ("fb", "clip"):
+            self.grads = [None if p.grad is None else p.grad.clone() for p, _ in self.pairs]
+            if name == "clip" and any(id(p) in self.applied and p.grad is not None
+                                      and bool(p.grad.any()) for p, _ in self.pairs):
+                return "never-zeroed"  # (torch's clip measures them; a backward onto
+                # them matters only at a step() applying them again, or a clip)
+            read = t.model.reads(a)
+            if any(read & set(t.prog["owned"][n]) for n in self.open):
+                return "reads-updated"
+        elif name == "mzg" and not a["stn"] and self.removed and any(
+                p.grad is not None and q.grad is None for p, q in self.pairs):
+            return "unkept"
+        elif name == "handover":
+            self.removed = True
+            n = a["o"]
+            if n in self.open and a["how"] == "del":
+                return "deleted"
+            if n in self.updated and n not in self.stepped:
+                return "step-less"
+        return None
+
+    def after(self, name: str, a: dict[str, Any]) -> None:
+        if name in ("fb", "clip"):
+            self._backward()
+        elif name in ("step", "zg", "handover"):
+            n = a["o"]
+            self.open.discard(n)
+            self.pending.pop(n, None)
+            if name == "step":
+                self.stepped.add(n)
+                self.applied |= {id(p) for p in self.t.params(n) if p.grad is not None} \
+                    & self._lo_ids(n)
+            elif name == "zg":
+                self.applied -= {id(p) for p in self.t.params(n)}
+            else:
+                self.stepped.discard(n)
+                self.updated.discard(n)
+        elif name == "mzg":
+            self.applied.clear()
+            self.open.clear()
+            self.pending.clear()
+
+    def _backward(self) -> None:
+        """Optimizers the backward gave gradients to are pending; layeropt ones whose
+        gradients it applied (freed on layeropt's side) are open."""
+        reached = {id(p): q for (p, q), g in zip(self.pairs, self.grads)
+                   if p.grad is not None and (g is None or not torch.equal(g, p.grad))}
+        for n in self.t.opts:
+            mine = {id(p) for p in self.t.params(n)} & reached.keys()
+            if mine:
+                self.pending[n] = None
+            if any(reached[i].grad is None for i in mine & self._lo_ids(n)):
+                self.open.add(n)
+                self.updated.add(n)
+
+
+def _play(t: Side, lo: Side, name: str, a: dict[str, Any]) -> dict[str, Any] | None:
+    """One operation on both sides; the outcome if either raised."""
+    errors: list[Exception | None] = []
+    for side in (t, lo):
+        try:
+            side.do(name, a)
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 - classified below
+            errors.append(e)
+    terr, lerr = errors
+    if terr is not None:
+        status = "torch-error" if lerr is not None or TORCH_LIMIT in str(terr) else "torch-error-only"
+        return {"status": status, "error": repr(terr)[:200]}
+    if lerr is None:
+        return None
+    if TORCH_LIMIT in str(lerr):
+        return {"status": "torch-error", "error": repr(lerr)[:200]}
+    ok = isinstance(lerr, layeropt.LayeroptError)
+    return {"status": "refused" if ok else "crash", "error": f"{type(lerr).__name__}: {lerr}"[:300],
+            **({} if ok else {"traceback": traceback.format_exception(lerr)[-4:]})}
+
+
+def _ops(prog: dict[str, Any], watch: Watch) -> Iterator[Op]:
+    """The program, then ``step()`` of each optimizer a backward left gradients to (a
+    loop ends with its step) or that never called it (a loop that never calls ``step()``
+    gets one: before it, each backward is a step - docs/rules.md)."""
+    yield from prog["ops"]
+    for n in dict.fromkeys([*watch.pending, *(n for n in prog["opts"] if n not in watch.stepped)]):
+        yield ("step", {"o": n})
+
+
+def run_program(prog: dict[str, Any]) -> dict[str, Any]:
+    """Both sides op by op; the outcome (module docstring)."""
+    torch.manual_seed(prog["seed"])
+    init = make_net(prog).state_dict()
+    t, lo = Side(prog, False, init), Side(prog, True, init)
+    watch = Watch(t, lo)
+    out: dict[str, Any] = {"seed": prog["seed"], "mix": prog["mix"], "status": "exact"}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i, (name, a) in enumerate(_ops(prog, watch)):
+                why = watch.before(name, a)
+                ended = _play(t, lo, name, a)
+                if ended is not None:
+                    return {**out, **ended, "at": i, "op": name}
+                watch.after(name, a)
+                if why is not None and out["status"] == "exact":
+                    out.update(status="undetectable", why=why, at=i)
+            found = _diff(t.snapshot(), lo.snapshot())
+            if found and out["status"] == "exact":
+                return {**out, "status": "diff", "differences": found[:6]}
+            return out
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lo.close()
+
+
+def run_block(mix: str, start: int, n: int) -> list[dict[str, Any]]:
+    return [run_program(draw_program(s, mix)) for s in range(start, start + n)]
+
+
+# -- by hand: more programs, one program, a smaller program -------------------------------
+SIMPLER = [("aux", False), ("freeze", None), ("ns", []), ("sub", None), ("opt", None),
+           ("stn", True), ("kind", "full")]
+
+
+def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
+    """The shortest program still ending in ``status``: drop chunks of ops, then simplify
+    each op's arguments and the attach settings (delta debugging)."""
+    def still(p: dict[str, Any]) -> bool:
+        return run_program(p)["status"] == status
+
+    n = 2
+    while prog["ops"]:
+        ops, chunk = prog["ops"], max(1, len(prog["ops"]) // n)
+        for i in range(0, len(ops), chunk):
+            cand = {**prog, "ops": ops[:i] + ops[i + chunk:]}
+            if still(cand):
+                prog, n = cand, max(n - 1, 2)
+                break
+        else:
+            if chunk == 1:
+                break
+            n = min(len(ops), n * 2)
+    for i in range(len(prog["ops"])):
+        for k, v in SIMPLER:
+            cand = copy.deepcopy(prog)
+            if k in cand["ops"][i][1] and cand["ops"][i][1][k] != v:
+                cand["ops"][i][1][k] = v
+                if still(cand):
+                    prog = cand
+    for k, v in [("akw", {}), ("style", "model")]:
+        if prog[k] != v and still({**prog, k: v}):
+            prog = {**prog, k: v}
+    return prog
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mix", default="multi", choices=MIXES)
+    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--n", type=int, default=200)
+    ap.add_argument("--replay", type=int, help="print one program and its outcome")
+    ap.add_argument("--minimize", type=int, help="shrink one program keeping its outcome")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    one = args.replay if args.replay is not None else args.minimize
+    if one is not None:
+        prog = draw_program(one, args.mix)
+        if args.minimize is not None:
+            prog = minimize(prog, run_program(prog)["status"])
+        print(json.dumps({k: v for k, v in prog.items() if k != "ops"}))
+        for op in prog["ops"]:
+            print("  ", op)
+        print(json.dumps(run_program(prog), indent=1))
+        return
+    counts: collections.Counter[str] = collections.Counter()
+    whys: collections.Counter[str] = collections.Counter()
+    for res in run_block(args.mix, args.start, args.n):
+        counts[res["status"]] += 1
+        if res["status"] == "undetectable":
+            whys[res["why"]] += 1
+        if res["status"] in FAILURES:
+            print(json.dumps(res))
+    print(dict(counts))
+    print(dict(whys))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Random AMP loops (tests/ampfuzz.py): GradScaler, clipping and LoopAccumulator, each
+equal to torch.optim bit for bit, or refused by a layeropt error, or exact but for
+docs/clipping-and-amp.md's skipped-step state entries.
+
+A failure prints the program's seed; ``python tests/ampfuzz.py --mix MIX --minimize SEED``
+shrinks it to the few iterations that still fail. ``LAYEROPT_SOAK=k`` runs k times as
+many programs.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from ampfuzz import FAILURES, run_block
+from harness import SOAK
+
+# (mix, programs): what each mix draws is in ampfuzz.BODIES; about 20 s on one core
+BLOCKS = [
+    ("all", 400),  # every body below, one after another in a program
+    ("amp", 240),  # layeropt.backward(scaler=) against torch's recipe, after no_step() or not
+    ("loop", 240),  # LoopAccumulator(max_norm=, scaler=) against docs/loops.md's torch loop
+    ("hold", 120),  # torch's own recipe, scaler.scale(loss).backward(), held by layeropt
+    ("clip", 150),  # layeropt.backward(max_norm=, norm_type=, error_if_nonfinite=), no scaler
+]
+
+
+@pytest.mark.parametrize("mix,n", BLOCKS, ids=[b[0] for b in BLOCKS])
+def test_random_amp_loops_equal_torch_or_are_refused(mix, n):
+    torch.set_num_threads(1)
+    outcomes = run_block(mix, 0, n * SOAK)
+    failed = [o for o in outcomes if o["status"] in FAILURES]
+    assert not failed, (f"{len(failed)} of {len(outcomes)} programs failed; the first: {failed[0]}"
+                        f" (python tests/ampfuzz.py --mix {mix} --minimize {failed[0]['seed']})")
+    counts = collections.Counter(o["status"] for o in outcomes)
+    # the programs train: most end exact, not refused (a mix that only refused would pass)
+    assert counts["exact"] >= len(outcomes) // 2, counts

@@ -1,0 +1,39 @@
+"""Random programs with several optimizers or activation checkpointing
+(tests/multifuzz.py): each equals torch.optim bit for bit, or is refused by a layeropt
+error, or reaches a documented undetectable case (docs/rules.md, named in
+``multifuzz.WHY``).
+
+A failure prints the program's seed; ``python tests/multifuzz.py --mix MIX --minimize SEED``
+shrinks it to the few operations that still fail. ``LAYEROPT_SOAK=k`` runs k times as
+many programs.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from harness import SOAK
+from multifuzz import FAILURES, run_block
+
+# (mix, programs): what each mix draws is in multifuzz.draw_program
+BLOCKS = [
+    ("multi", 500),  # two layeropt optimizers, one beside a plain one, four attach styles
+    ("gan", 350),  # a discriminator's step, then the generator's loss through it
+    ("handover", 350),  # an optimizer replaced by a new one (removed, or deleted)
+    ("checkpoint", 150),  # torch's and layeropt's checkpoints, a block reused, a weight read twice
+]
+
+
+@pytest.mark.parametrize("mix,n", BLOCKS, ids=[b[0] for b in BLOCKS])
+def test_random_programs_equal_torch_or_are_refused(mix, n):
+    torch.set_num_threads(1)
+    outcomes = run_block(mix, 0, n * SOAK)
+    failed = [o for o in outcomes if o["status"] in FAILURES]
+    assert not failed, (f"{len(failed)} of {len(outcomes)} programs failed; the first: {failed[0]}"
+                        f" (python tests/multifuzz.py --mix {mix} --minimize {failed[0]['seed']})")
+    counts = collections.Counter(o["status"] for o in outcomes)
+    # the programs train: many end exact, not refused (a mix that only refused would pass)
+    assert counts["exact"] >= len(outcomes) // 4, counts
