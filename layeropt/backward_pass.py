@@ -189,10 +189,10 @@ def backward(
         raise LayeroptError(
             f"layeropt.backward(max_norm=..., scaler=...): {len(unhooked.foreign)} trainable "
             f"parameter(s) (the first of shape {tuple(unhooked.foreign[0].shape)}) are not "
-            "owned by an attached layeropt optimizer, so another optimizer unscales them "
-            "and the global norm cannot be taken here. Give them to the layeropt "
-            "optimizer (or freeze them), or pass parameters= without them. Nothing was "
-            "updated."
+            "owned by the layeropt optimizers this call unscales, so another optimizer "
+            "unscales them and the global norm cannot be taken here. Pass their layeropt "
+            "optimizer too (layeropt.backward(loss, [opt1, opt2], ...)), give them to one "
+            "(or freeze them), or pass parameters= without them. Nothing was updated."
         )
 
     # scaler.step(opt) on a fused optimizer not unscaled before (no clipping) divides by
@@ -292,7 +292,8 @@ def backward(
         if coef is not None:  # kept zeros (set_to_none=False) step() updates: clipped as
             for o in optimizers:  # torch's clip scales them (0 * a NaN coefficient: NaN)
                 for p in () if o._lo_engine in skipped else o._lo_engine.unused_kept(o):
-                    p.grad = torch.zeros_like(p).mul_(coef.to(p.device, p.dtype))
+                    if clipped is None or id(p) in clipped:  # (only those it is given)
+                        p.grad = torch.zeros_like(p).mul_(coef.to(p.device, p.dtype))
         for e, before in verifying.items():  # LAYEROPT_VERIFY: the real side, torch's recipe
             verifiers[e].transform_real([p for p in verifiers[e].shadows if p not in before],
                                       transform)

@@ -107,8 +107,8 @@ class LoopAccumulator:
             calls ``scaler.step(opt)`` and ``scaler.update()``.
         parameters: what you would pass to ``clip_grad_norm_`` (the total norm
             is summed in this order). Default: the attached models'
-            ``parameters()`` (as :func:`layeropt.backward`), then the given
-            optimizers' parameters.
+            ``parameters()`` (as :func:`layeropt.backward`: less other attached
+            layeropt optimizers'), then the given optimizers' parameters.
 
     Example:
         >>> model = torch.nn.Linear(4, 1)

@@ -666,7 +666,7 @@ def test_clipping_with_an_attached_and_a_plain_optimizer(clip, use_scaler):
         before = [p.detach().clone() for p in m.parameters()]
         for i in range(n - 1):
             both.backward(_early_extra_loss(m, x, t, i, n))
-        with pytest.raises(layeropt.LayeroptError, match="not owned by an attached"):
+        with pytest.raises(layeropt.LayeroptError, match="not owned by the layeropt optimizers"):
             both.backward(_early_extra_loss(m, x, t, n - 1, n))
         assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
     assert_models_equal(ref, m)

@@ -512,6 +512,33 @@ def test_a_batch_discarded_before_the_first_step_is_said_after_remove(zero):
     opt.step()  # said once
 
 
+def test_gradients_dropped_by_hand_are_not_kept_at_a_later_zero_grad():
+    """A held micro-batch reaching ``b``, ``step()``, ``p.grad = None`` by hand; later
+    steps reach ``a`` only, with ``zero_grad(set_to_none=False)``: torch holds no
+    ``.grad`` for ``b`` and leaves it alone. The parameters a step() left were carried
+    through every later step() (a review found ``b`` moved on a kept zero, and the list
+    growing without end)."""
+    torch.manual_seed(0)
+    ref = torch.nn.ModuleDict(dict(a=torch.nn.Linear(3, 3), b=torch.nn.Linear(3, 3)))
+    model = copy.deepcopy(ref)
+    ref_opt, opt = torch.optim.Adam(ref.parameters(), lr=0.1), layeropt.Adam(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    x = torch.randn(2, 3)
+    for m, o in ((ref, ref_opt), (model, opt)):
+        for i in range(4):
+            with o.no_step() if m is model else contextlib.nullcontext():
+                h = m["a"](x)
+                (m["b"](h) if i == 0 else h).sum().backward()
+            o.step()
+            if i == 0:
+                for p in m.parameters():
+                    p.grad = None  # dropped by hand
+            else:
+                o.zero_grad(set_to_none=False)
+    assert_models_equal(model, ref)
+    assert_same(opt.state_dict(), ref_opt.state_dict())
+
+
 # -- hyperparameters changed between backward and step() -----------------------
 
 # how the loop changes a hyperparameter after backward: (key, change)

@@ -84,20 +84,22 @@ class StepRecord:
         hyper / hyper_txn: the param groups as its first update read them, and
             the transaction that update belonged to (``layeropt/engine/between.py``).
         skipped: parameters torch still holds a ``.grad`` for, which no record of a
-            backward lists: those of a step ``GradScaler`` skipped (inf/NaN), and those
-            the previous ``step()`` updated; ``zero_grad(set_to_none=False)`` keeps
-            them as zeros.
+            backward lists: those of a step ``GradScaler`` skipped (inf/NaN;
+            ``scaler_skipped``: carried through the ``step()`` a fused optimizer's
+            ``scaler.step`` calls), and those the previous ``step()`` updated;
+            ``zero_grad(set_to_none=False)`` keeps them as zeros.
         faulted: a backward of it raised after updating parameters: how many and the
             first one's name (:meth:`StepRules.check_boundary` refuses the step's end).
     """
 
     __slots__ = ("stepped_backwards", "held_backwards", "held", "hyper", "hyper_txn",
-                 "skipped", "faulted")
+                 "skipped", "scaler_skipped", "faulted")
 
     def __init__(self) -> None:
         self.stepped_backwards = self.held_backwards = 0
         self.held: dict[Tensor, Any] = {}
         self.skipped: list[Tensor] = []
+        self.scaler_skipped: list[Tensor] = []  # (what skip() added to skipped)
         self.faulted: tuple[int, str] | None = None
         self.hyper: list[dict[str, Any]] | None = None
         self.hyper_txn = -1
@@ -197,6 +199,7 @@ class StepRules:
         """This optimizer's step was skipped (an inf/NaN under ``GradScaler``): drop its
         gradients - ``had_grad``, those it had - as torch's ``zero_grad`` later would."""
         self.train_step.skipped += had_grad
+        self.train_step.scaler_skipped = had_grad
         self.discard_held()
         optimizer = self._optimizer()
         for g in optimizer.param_groups if optimizer is not None else ():
@@ -241,8 +244,8 @@ class StepRules:
         self._step(self.placed(params))
         self._step_stored()
         rec.steps = steps
-        skipped = self.train_step.skipped  # (a step GradScaler skipped: a fused optimizer's
-        self.boundary("step()")  # scaler.step calls this step() - their .grad stays too)
+        skipped = self.train_step.scaler_skipped  # (a fused optimizer's scaler.step calls
+        self.boundary("step()")  # this step(): what the skip left keeps its .grad too)
         self.train_step.skipped += skipped + params  # (torch keeps their .grad until a zero_grad)
         if params:  # gradients no hook took: layers unfrozen (or hooks lost) since
             for attachment in list(self.attachments):

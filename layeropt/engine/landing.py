@@ -372,7 +372,9 @@ class Engine(Rules):
         self._places = None
         if not self.attachments:
             self.calls.add(DETACHED)
-            if "step()" in self.calls and self.stepped_since_boundary:  # (not a step-less loop)
+            if ("step()" in self.calls and self.stepped_since_boundary  # (not a step-less
+                    and REMOVE_OPEN_WARNING not in self.calls):  # loop; said once)
+                self.calls.add(REMOVE_OPEN_WARNING)
                 warn(REMOVE_OPEN_WARNING)
 
     @property
