@@ -44,11 +44,8 @@ leaves garbage in the momentum buffers, with or without a scaler.
 
 from __future__ import annotations
 
-import argparse
-import collections
 import contextlib
 import copy
-import json
 import math
 import random
 import traceback
@@ -62,7 +59,7 @@ import layeropt
 from layeropt.loop import LoopAccumulator
 
 import loopfuzz
-from loopfuzz import FAILURES, TORCH_LIMIT, _diff
+from loopfuzz import TORCH_LIMIT, _diff, cli
 
 BODIES = {
     "all": ["amp", "amp", "ampacc", "amphold", "clip", "loop", "loop"],
@@ -469,32 +466,5 @@ def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
     return prog
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mix", default="all", choices=MIXES)
-    ap.add_argument("--start", type=int, default=0)
-    ap.add_argument("--n", type=int, default=200)
-    ap.add_argument("--replay", type=int, help="print one program and its outcome")
-    ap.add_argument("--minimize", type=int, help="shrink one program keeping its outcome")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    one = args.replay if args.replay is not None else args.minimize
-    if one is not None:
-        prog = draw_program(one, args.mix)
-        if args.minimize is not None:
-            prog = minimize(prog, run_program(prog)["status"])
-        print(json.dumps({k: v for k, v in prog.items() if k != "iters"}))
-        for a in prog["iters"]:
-            print("  ", a)
-        print(json.dumps(run_program(prog), indent=1))
-        return
-    counts: collections.Counter[str] = collections.Counter()
-    for res in run_block(args.mix, args.start, args.n):
-        counts[res["status"]] += 1
-        if res["status"] in FAILURES:
-            print(json.dumps(res))
-    print(dict(counts))
-
-
 if __name__ == "__main__":
-    main()
+    cli(__doc__, MIXES, draw_program, run_program, minimize, "iters")

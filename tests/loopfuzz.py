@@ -35,6 +35,7 @@ import json
 import random
 import traceback
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -400,6 +401,29 @@ def _differences(t: Side, lo: Side) -> list[str]:
                  "param") + _diff(t.snapshot()["state"], lo.snapshot()["state"], "state_dict")
 
 
+def play_both(t: Any, lo: Any, name: str, a: dict[str, Any]) -> dict[str, Any] | None:
+    """One operation on both sides (torch's, then layeropt's: anything with ``do``); the
+    outcome if either raised: torch's error, a refusal, or a crash."""
+    errors: list[Exception | None] = []
+    for side in (t, lo):
+        try:
+            side.do(name, a)
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 - classified below
+            errors.append(e)
+    terr, lerr = errors
+    if terr is not None:
+        status = "torch-error" if lerr is not None or TORCH_LIMIT in str(terr) else "torch-error-only"
+        return {"status": status, "error": repr(terr)[:200]}
+    if lerr is None:
+        return None
+    if TORCH_LIMIT in str(lerr):
+        return {"status": "torch-error", "error": repr(lerr)[:200]}
+    ok = isinstance(lerr, layeropt.LayeroptError)
+    return {"status": "refused" if ok else "crash", "error": f"{type(lerr).__name__}: {lerr}"[:300],
+            **({} if ok else {"traceback": traceback.format_exception(lerr)[-4:]})}
+
+
 def run_program(prog: dict[str, Any]) -> dict[str, Any]:
     """Both sides op by op, then a closing ``step()`` if a backward is pending; the
     outcome: ``exact``, ``refused``, ``undetectable``, ``torch-error`` (torch raised, or layeropt
@@ -421,26 +445,10 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
                 if (never_zeroed.reached(name) or _unwatched_discard(lo, name, a)
                         or _unkept_after_remove(t, lo, name, a)):
                     return {**out, "status": "undetectable", "at": i}
-                errors = []
-                for side in (t, lo):
-                    try:
-                        side.do(name, a)
-                        errors.append(None)
-                    except Exception as e:  # noqa: BLE001 - classified below
-                        errors.append(e)
-                terr, lerr = errors
-                if terr is not None:
-                    status = ("torch-error" if lerr is not None or TORCH_LIMIT in str(terr)
-                              else "torch-error-only")
-                    return {**out, "status": status, "at": i, "error": repr(terr)[:200]}
+                ended = play_both(t, lo, name, a)
+                if ended is not None:
+                    return {**out, **ended, "at": i, "op": name}
                 never_zeroed.after(name, a)
-                if lerr is not None and TORCH_LIMIT in str(lerr):
-                    return {**out, "status": "torch-error", "at": i, "error": repr(lerr)[:200]}
-                if lerr is not None:
-                    ok = isinstance(lerr, layeropt.LayeroptError)
-                    return {**out, "status": "refused" if ok else "crash", "at": i, "op": name,
-                            "error": f"{type(lerr).__name__}: {lerr}"[:300],
-                            **({} if ok else {"traceback": traceback.format_exception(lerr)[-4:]})}
                 pending = name in ("fb", "clip") or (pending and name != "step")
                 stepped = stepped or name == "step"
             found = _differences(t, lo)
@@ -457,24 +465,32 @@ def run_block(mix: str, start: int, n: int) -> list[dict[str, Any]]:
 
 
 # -- by hand: more programs, one program, a smaller program -----------------------------
-def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
-    """The shortest program still ending in ``status``: drop chunks of ops, then simplify
-    each op's arguments and the setup (delta debugging)."""
-    def still(p: dict[str, Any]) -> bool:
-        return run_program(p)["status"] == status
-
+def drop_chunks(prog: dict[str, Any], key: str, still: Callable[[dict[str, Any]], bool]
+                ) -> dict[str, Any]:
+    """Delta debugging over ``prog[key]`` (a list of steps): drop chunks of it, halving
+    them down to single steps, while ``still(program)`` holds."""
     n = 2
-    while prog["ops"]:
-        ops, chunk = prog["ops"], max(1, len(prog["ops"]) // n)
-        for i in range(0, len(ops), chunk):
-            cand = {**prog, "ops": ops[:i] + ops[i + chunk:]}
+    while prog[key]:
+        steps, chunk = prog[key], max(1, len(prog[key]) // n)
+        for i in range(0, len(steps), chunk):
+            cand = {**prog, key: steps[:i] + steps[i + chunk:]}
             if still(cand):
                 prog, n = cand, max(n - 1, 2)
                 break
         else:
             if chunk == 1:
                 break
-            n = min(len(ops), n * 2)
+            n = min(len(steps), n * 2)
+    return prog
+
+
+def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
+    """The shortest program still ending in ``status``: drop chunks of ops, then simplify
+    each op's arguments and the setup (delta debugging)."""
+    def still(p: dict[str, Any]) -> bool:
+        return run_program(p)["status"] == status
+
+    prog = drop_chunks(prog, "ops", still)
     for i in range(len(prog["ops"])):
         for k, v in [("branch", False), ("extra", False), ("mode", "plain"), ("subset", False),
                      ("stn", True)]:
@@ -492,9 +508,15 @@ def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
     return prog
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mix", default="all", choices=MIXES)
+def cli(doc: str, mixes: list[str], draw: Callable[[int, str], dict[str, Any]],
+        run: Callable[[dict[str, Any]], dict[str, Any]],
+        shrink: Callable[[dict[str, Any], str], dict[str, Any]], steps: str = "ops",
+        tally: str | None = None) -> None:
+    """The fuzzers' command line: a block of programs (the failing ones printed, then the
+    outcome counts and, with ``tally``, the counts of that field), or one program
+    replayed or shrunk (``steps``: its list of steps)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--mix", default=mixes[0], choices=mixes)
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--replay", type=int, help="print one program and its outcome")
@@ -503,21 +525,27 @@ def main() -> None:
     torch.set_num_threads(1)
     one = args.replay if args.replay is not None else args.minimize
     if one is not None:
-        prog = draw_program(one, args.mix)
+        prog = draw(one, args.mix)
         if args.minimize is not None:
-            prog = minimize(prog, run_program(prog)["status"])
-        print(json.dumps({k: v for k, v in prog.items() if k != "ops"}))
-        for op in prog["ops"]:
-            print("  ", op)
-        print(json.dumps(run_program(prog), indent=1))
+            prog = shrink(prog, run(prog)["status"])
+        print(json.dumps({k: v for k, v in prog.items() if k != steps}))
+        for step in prog[steps]:
+            print("  ", step)
+        print(json.dumps(run(prog), indent=1))
         return
     counts: collections.Counter[str] = collections.Counter()
-    for res in run_block(args.mix, args.start, args.n):
+    tallied: collections.Counter[str] = collections.Counter()
+    for seed in range(args.start, args.start + args.n):
+        res = run(draw(seed, args.mix))
         counts[res["status"]] += 1
+        if tally is not None and tally in res:
+            tallied[res[tally]] += 1
         if res["status"] in FAILURES:
             print(json.dumps(res))
     print(dict(counts))
+    if tally is not None:
+        print(dict(tallied))
 
 
 if __name__ == "__main__":
-    main()
+    cli(__doc__, MIXES, draw_program, run_program, minimize)

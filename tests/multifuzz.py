@@ -37,14 +37,10 @@ so that a refusal still counts as one. By hand (from the tests/ folder)::
 
 from __future__ import annotations
 
-import argparse
-import collections
 import contextlib
 import copy
 import functools
-import json
 import random
-import traceback
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -54,7 +50,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
 import layeropt
-from loopfuzz import FAILURES, TORCH_LIMIT, _diff, draw_optimizer
+from loopfuzz import _diff, cli, draw_optimizer, drop_chunks, play_both
 
 MIXES = ["multi", "gan", "handover", "checkpoint"]
 Op = tuple[str, dict[str, Any]]
@@ -556,28 +552,6 @@ class Watch:
                 self.updated.add(n)
 
 
-def _play(t: Side, lo: Side, name: str, a: dict[str, Any]) -> dict[str, Any] | None:
-    """One operation on both sides; the outcome if either raised."""
-    errors: list[Exception | None] = []
-    for side in (t, lo):
-        try:
-            side.do(name, a)
-            errors.append(None)
-        except Exception as e:  # noqa: BLE001 - classified below
-            errors.append(e)
-    terr, lerr = errors
-    if terr is not None:
-        status = "torch-error" if lerr is not None or TORCH_LIMIT in str(terr) else "torch-error-only"
-        return {"status": status, "error": repr(terr)[:200]}
-    if lerr is None:
-        return None
-    if TORCH_LIMIT in str(lerr):
-        return {"status": "torch-error", "error": repr(lerr)[:200]}
-    ok = isinstance(lerr, layeropt.LayeroptError)
-    return {"status": "refused" if ok else "crash", "error": f"{type(lerr).__name__}: {lerr}"[:300],
-            **({} if ok else {"traceback": traceback.format_exception(lerr)[-4:]})}
-
-
 def _ops(prog: dict[str, Any], watch: Watch) -> Iterator[Op]:
     """The program, then ``step()`` of each optimizer a backward left gradients to (a
     loop ends with its step) or that never called it (a loop that never calls ``step()``
@@ -599,7 +573,7 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
             warnings.simplefilter("ignore")
             for i, (name, a) in enumerate(_ops(prog, watch)):
                 why = watch.before(name, a)
-                ended = _play(t, lo, name, a)
+                ended = play_both(t, lo, name, a)
                 if ended is not None:
                     return {**out, **ended, "at": i, "op": name}
                 watch.after(name, a)
@@ -630,18 +604,7 @@ def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
     def still(p: dict[str, Any]) -> bool:
         return run_program(p)["status"] == status
 
-    n = 2
-    while prog["ops"]:
-        ops, chunk = prog["ops"], max(1, len(prog["ops"]) // n)
-        for i in range(0, len(ops), chunk):
-            cand = {**prog, "ops": ops[:i] + ops[i + chunk:]}
-            if still(cand):
-                prog, n = cand, max(n - 1, 2)
-                break
-        else:
-            if chunk == 1:
-                break
-            n = min(len(ops), n * 2)
+    prog = drop_chunks(prog, "ops", still)
     for i in range(len(prog["ops"])):
         for k, v in SIMPLER:
             cand = copy.deepcopy(prog)
@@ -655,36 +618,5 @@ def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
     return prog
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mix", default="multi", choices=MIXES)
-    ap.add_argument("--start", type=int, default=0)
-    ap.add_argument("--n", type=int, default=200)
-    ap.add_argument("--replay", type=int, help="print one program and its outcome")
-    ap.add_argument("--minimize", type=int, help="shrink one program keeping its outcome")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    one = args.replay if args.replay is not None else args.minimize
-    if one is not None:
-        prog = draw_program(one, args.mix)
-        if args.minimize is not None:
-            prog = minimize(prog, run_program(prog)["status"])
-        print(json.dumps({k: v for k, v in prog.items() if k != "ops"}))
-        for op in prog["ops"]:
-            print("  ", op)
-        print(json.dumps(run_program(prog), indent=1))
-        return
-    counts: collections.Counter[str] = collections.Counter()
-    whys: collections.Counter[str] = collections.Counter()
-    for res in run_block(args.mix, args.start, args.n):
-        counts[res["status"]] += 1
-        if res["status"] == "undetectable":
-            whys[res["why"]] += 1
-        if res["status"] in FAILURES:
-            print(json.dumps(res))
-    print(dict(counts))
-    print(dict(whys))
-
-
 if __name__ == "__main__":
-    main()
+    cli(__doc__, MIXES, draw_program, run_program, minimize, tally="why")

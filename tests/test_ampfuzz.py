@@ -14,7 +14,8 @@ import collections
 import pytest
 import torch
 
-from ampfuzz import FAILURES, run_block
+from ampfuzz import run_block
+from loopfuzz import FAILURES
 from harness import SOAK
 
 # (mix, programs): what each mix draws is in ampfuzz.BODIES; about 20 s on one core

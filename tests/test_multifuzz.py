@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from harness import SOAK
-from multifuzz import FAILURES, run_block
+from loopfuzz import FAILURES
+from multifuzz import run_block
 
 # (mix, programs): what each mix draws is in multifuzz.draw_program
 BLOCKS = [
