@@ -43,7 +43,7 @@ def _total_norm(norms: list[Tensor], norm_type: float) -> Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
 
 
-def _parameters(optimizers: list[InBackwardOptimizer]) -> list[Tensor]:
+def default_parameters(optimizers: list[InBackwardOptimizer]) -> list[Tensor]:
     """What ``clip_grad_norm_`` would be given by default: the attached models'
     ``parameters()``, in order, then the optimizers' other parameters - not those of
     other attached layeropt optimizers (they step unclipped: ``clip_grad_norm_`` over
@@ -179,7 +179,8 @@ def backward(
     for e in engines + others:
         for attachment in list(e.attachments):
             attachment.sync()
-    parameters = _as_attached(optimizers, parameters if given else _parameters(optimizers))
+    parameters = _as_attached(optimizers,
+                              parameters if given else default_parameters(optimizers))
     clipped = frozenset(map(id, parameters)) if given else None
     # Trainable parameters no attached hook steps: torch's recipe measures, unscales and
     # clips them too. Each pass accumulates into their .grad, so pass 1's is measured

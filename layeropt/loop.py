@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint
 
-from .backward_pass import _parameters, backward
+from .backward_pass import backward, default_parameters
 from .errors import LayeroptError
 from .optim import InBackwardOptimizer, live_optimizers, optimizer_list
 
@@ -257,7 +257,7 @@ class LoopAccumulator:
         if attached:
             params = self.parameters
             if params is None and plain:  # the plain optimizers' parameters clipped too
-                params = list({id(p): p for p in _parameters(attached)
+                params = list({id(p): p for p in default_parameters(attached)
                                + _optimizer_params(plain)}.values())
             self.grad_norm = backward(loss, attached, max_norm=self.max_norm,
                                       norm_type=self.norm_type, scaler=scaler,

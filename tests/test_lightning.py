@@ -25,13 +25,15 @@ from layeropt.integrations.lightning import LayeroptCallback, LightningSetupErro
 
 
 class Net(L.LightningModule):
-    def __init__(self, opt_cls: Any, attach_by_hand: bool = False, **kw: Any) -> None:
+    def __init__(self, opt_cls: Any, attach_by_hand: bool = False, groups: bool = False,
+                 **kw: Any) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(
             torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)
         )
         self.opt_cls, self.kw, self.attach_by_hand = opt_cls, kw, attach_by_hand
+        self.groups = groups  # (no weight decay on biases and norms, as HF and timm do)
         self.norms: list[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -39,7 +41,12 @@ class Net(L.LightningModule):
         return torch.nn.functional.mse_loss(self.net(x).float(), y)
 
     def configure_optimizers(self) -> Any:
-        opt = self.opt_cls(self.parameters(), lr=1e-2, **self.kw)
+        params: Any = self.parameters()
+        if self.groups:
+            named = list(self.named_parameters())
+            params = [{"params": [p for _, p in named if p.ndim > 1]},
+                      {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0}]
+        opt = self.opt_cls(params, lr=1e-2, **self.kw)
         if self.attach_by_hand:
             self.handle = layeropt.attach(self, opt)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
@@ -110,6 +117,35 @@ def test_lightning_with_callback_matches_torch_optim(setup):
     assert opt.last_grad_norm is not None and float(opt.last_grad_norm) > 0
     if setup in ("plain", "clip-norm"):  # the norm Lightning's own utility computes
         assert float(opt.last_grad_norm) == pytest.approx(ref.norms[-1], rel=1e-6)
+
+
+@pytest.mark.parametrize("setup", ["clip-norm", "accumulate-3-clip"])
+def test_clip_norm_over_param_groups_matches_torch_optim(setup):
+    """Decay and no-decay param groups: Lightning's clip_gradients sums the norm over
+    ``Precision.main_params`` - the param groups' order, not the module's - and the
+    callback now measures in that order (the last bits of the clip coefficient differed;
+    found by a fuzzer over trainer configurations)."""
+    ref = Net(torch.optim.AdamW, groups=True, weight_decay=0.1)
+    _fit(ref, steps=4, **_kw(SETUPS[setup]))
+    module = Net(layeropt.AdamW, groups=True, weight_decay=0.1)
+    trainer = _fit(module, [LayeroptCallback()], steps=4, **_kw(SETUPS[setup]))
+    for p, q in zip(module.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach())
+    assert_same(ref.trainer.optimizers[0].state_dict(), trainer.optimizers[0].state_dict())
+
+
+def test_a_fused_optimizer_clipped_under_mixed_precision_is_refused_as_lightning_does():
+    """Lightning's MixedPrecision refuses to clip a fused optimizer (it unscales inside
+    its kernel); the callback trained it instead, a result Lightning never gives. Now
+    refused at fit start, before anything is updated."""
+    setup = dict(precision="bf16-mixed", gradient_clip_val=0.05)
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        _fit(Net(torch.optim.AdamW, fused=True), **setup)
+    module = Net(layeropt.AdamW, fused=True)
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(LightningSetupError, match="does not allow for gradient clipping"):
+        _fit(module, [LayeroptCallback()], **setup)
+    assert all(torch.equal(a, p) for a, p in zip(before, module.parameters()))
 
 
 def test_callback_with_library_defaults_matches_torch_optim():

@@ -55,6 +55,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..attaching import Attachment, attach
 from ..backward_pass import backward as layeropt_backward
+from ..backward_pass import default_parameters
 from ..errors import LayeroptError
 from ..optim import InBackwardOptimizer, no_step_all, unwrap_optimizer
 from . import attach_kwargs, offload_state_once, two_pass_compile
@@ -326,9 +327,18 @@ class LayeroptAccelerator(Accelerator):
         measured = self._lo_norm[2]  # (frozen ones have no gradient to clip: not counted)
         mine = {id(p) for o in opts for g in o.param_groups for p in g["params"]
                 if p.requires_grad}
-        asked = {id(p) for p in parameters} & mine
-        expected = mine if measured is None else {id(p) for p in measured} & mine
-        if asked != expected:
+        used = default_parameters(opts) if measured is None else measured
+        asked = list(dict.fromkeys(i for i in map(id, parameters) if i in mine))
+        expected = list(dict.fromkeys(i for i in map(id, used) if i in mine))
+        if set(asked) == set(expected) and asked != expected:
+            raise AccelerateSetupError(
+                "clip_grad_norm_ over the parameters LayeroptAccelerator measured during "
+                "backward, in another order: the total norm sums them in order, so its "
+                "last bit, and the clipped update, would differ from accelerate's. Clip "
+                "them in the order measured (with max_grad_norm=: model.parameters(), the "
+                "attached models' order), or leave max_grad_norm unset: the first step "
+                "learns the list.")
+        if set(asked) != set(expected):
             raise AccelerateSetupError(
                 f"clip_grad_norm_ over {len(asked)} of the layeropt optimizers' parameters, "
                 f"but LayeroptAccelerator measured the norm of {len(expected)} during "
@@ -359,9 +369,9 @@ class LayeroptAccelerator(Accelerator):
             return super().clip_grad_value_(parameters, clip_value)  # real gradients
         self._lo_unasked.discard("clip_grad_value_")
         mine = self._layeropt_parameter_ids()
-        others = [p for p in parameters if id(p) not in mine]
-        if others:  # (a plain optimizer's, in .grad until its step: torch's, for real)
-            super().clip_grad_value_(others, clip_value)
+        others = [p for p in parameters if id(p) not in mine and p.grad is not None]
+        if others:  # (a plain optimizer's, in .grad until its step: torch's, for real;
+            super().clip_grad_value_(others, clip_value)  # torch's fails on none at all)
         return None
 
     def _applied(self) -> str:

@@ -61,7 +61,7 @@ from . import attach_kwargs, offload_state_once, two_pass_compile
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
-    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 except ImportError as exc:  # pragma: no cover - exercised without lightning
     raise ImportError(
         "layeropt.integrations.lightning needs Lightning: pip install 'layeropt[lightning]' "
@@ -148,6 +148,14 @@ class LayeroptCallback(Callback):
         clip_val = float(trainer.gradient_clip_val or 0.0)
         algorithm = _algorithm(trainer.gradient_clip_algorithm)
         self._clip = (clip_val, algorithm) if clip_val > 0 else None
+        fused = [o for o in self._optimizers if getattr(o, "_step_supports_amp_scaling", False)]
+        if self._clip is not None and fused and isinstance(trainer.precision_plugin,
+                                                           MixedPrecision):
+            raise LightningSetupError(  # (Lightning's own clip_gradients refuses it, later)
+                f"The current optimizer, {type(fused[0]).__qualname__}, does not allow for "
+                "gradient clipping because it performs unscaling of gradients internally "
+                "(Lightning's MixedPrecision refuses it too): build it with fused=False, or "
+                "drop gradient_clip_val.")
         self._unasked = False  # a step clipped in backward whose clip_gradients did not come
         self._stepped = False
         by_value = clip_val if self._clip is not None and algorithm == "value" else None
@@ -237,7 +245,10 @@ class LayeroptCallback(Callback):
             elif self.log_grad_norm:
                 max_norm = math.inf  # measure only
             scaler = getattr(trainer.precision_plugin, "scaler", None)
-            layeropt_backward(tensor, opts, max_norm=max_norm, scaler=scaler, **kwargs)
+            # (clip_gradients' norm: over Precision.main_params, the param groups' order)
+            params = [p for o in opts for g in o.param_groups for p in g["params"]]
+            layeropt_backward(tensor, opts, max_norm=max_norm, scaler=scaler,
+                              parameters=params if max_norm is not None else None, **kwargs)
             self._stepped = True
             self._unasked = self._clip is not None  # (clip_gradients says it was asked)
 
