@@ -59,7 +59,7 @@ import layeropt
 from layeropt.loop import LoopAccumulator
 
 import loopfuzz
-from loopfuzz import TORCH_LIMIT, _diff, cli
+from loopfuzz import TORCH_LIMIT, _diff, cli, detach
 
 BODIES = {
     "all": ["amp", "amp", "ampacc", "amphold", "clip", "loop", "loop"],
@@ -419,10 +419,7 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
                 documented = documented or left_out
             return {**out, "status": "documented"} if documented else out
     finally:
-        if lo.handle is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                lo.handle.remove()
+        detach(lo.handle)
 
 
 def run_block(mix: str, start: int, n: int) -> list[dict[str, Any]]:

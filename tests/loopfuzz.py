@@ -424,6 +424,15 @@ def play_both(t: Any, lo: Any, name: str, a: dict[str, Any]) -> dict[str, Any] |
             **({} if ok else {"traceback": traceback.format_exception(lerr)[-4:]})}
 
 
+def detach(handle: Any) -> None:
+    """The program's attachment removed at its end, its warnings (a remove() inside a
+    training step) not shown: the outcome is already decided."""
+    if handle is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            handle.remove()
+
+
 def run_program(prog: dict[str, Any]) -> dict[str, Any]:
     """Both sides op by op, then a closing ``step()`` if a backward is pending; the
     outcome: ``exact``, ``refused``, ``undetectable``, ``torch-error`` (torch raised, or layeropt
@@ -454,10 +463,7 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
             found = _differences(t, lo)
             return {**out, "status": "diff", "differences": found[:6]} if found else out
     finally:
-        if lo.handle is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                lo.handle.remove()
+        detach(lo.handle)
 
 
 def run_block(mix: str, start: int, n: int) -> list[dict[str, Any]]:
