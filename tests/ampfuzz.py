@@ -27,9 +27,6 @@ against ``clip_grad_norm_``'s, and ``opt.last_grad_norm is`` that norm. Statuses
 * ``exact``; ``refused`` (a ``LayeroptError``); ``torch-error`` (torch raised, or
   reached a limit of its own: ``loopfuzz.TORCH_LIMIT``, or its fused SGD with momentum
   read uninitialised momentum buffers made on a step the scaler skipped);
-* ``documented``: exact but for docs/clipping-and-amp.md's ``state_dict()`` entries
-  torch's fused Adam/AdamW create on a skipped step, which layeropt makes at the
-  parameter's first real step;
 * ``loopfuzz.FAILURES``: ``diff``, ``crash``, ``torch-error-only``.
 
 Fused SGD with momentum gets fp32 parameters only: on bf16 ones torch's own kernel
@@ -146,8 +143,8 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
 # -- running it -----------------------------------------------------------------------
 class Side:
     """One side of the comparison, torch's or layeropt's: model, optimizer, scaler; the
-    torch side also notes what the statuses ``documented`` and ``torch-error``
-    (uninitialised state) depend on."""
+    torch side also notes what the status ``torch-error`` (uninitialised state) depends
+    on."""
 
     # torch's equivalent of attach(clip_value=, bucket_max_norm=), loopfuzz's
     _owned = loopfuzz.Side._owned
@@ -173,7 +170,6 @@ class Side:
         self.scaler = torch.amp.GradScaler("cpu", init_scale=prog["init_scale"],
                                            growth_interval=prog["growth_interval"])
         self.fused = prog["opt"] if prog["okw"].get("fused") else None
-        self.made_on_skip: set[int] = set()  # state torch's fused Adam/AdamW made on a skip
         self.uninitialised = False  # torch's fused SGD made momentum buffers on a skip
 
     def loss(self, a: Iteration, inject: str | None, salt: int = 0,
@@ -219,16 +215,13 @@ class Side:
         return norm
 
     def _scaler_step(self) -> None:
-        """``scaler.step; scaler.update``, noting state a skipped fused step made."""
+        """``scaler.step; scaler.update``, noting momentum a skipped fused SGD step made."""
         before, scale = set(self.opt.state), self.scaler.get_scale()
         self.scaler.step(self.opt)
         self.scaler.update()
         made = {i for i, p in enumerate(self.params) if p in self.opt.state and p not in before}
-        if made and self.scaler.get_scale() < scale:  # (backed off: the step was skipped)
-            if self.fused == "SGD":
-                self.uninitialised = True
-            elif self.fused in ("Adam", "AdamW"):
-                self.made_on_skip |= made
+        if made and self.scaler.get_scale() < scale and self.fused == "SGD":  # (skipped)
+            self.uninitialised = True
 
     # the bodies -----------------------------------------------------------------------
     def _amp(self, a: Iteration) -> torch.Tensor | None:
@@ -341,15 +334,10 @@ def _nan_marked(x: Any) -> Any:
     return x
 
 
-def _differences(t: Side, lo: Side) -> tuple[list[str], bool]:
-    """What differs, and whether docs/clipping-and-amp.md's skipped-step state was left
-    out: entries torch's fused Adam/AdamW made on a step the scaler skipped, for
-    parameters layeropt has no state for yet (it makes it at their first real step)."""
-    ts, ls = t.snapshot(), lo.snapshot()
-    state, lstate = ts["state_dict"]["state"], ls["state_dict"]["state"]
-    unstepped = {k for k in t.made_on_skip if k in state and k not in lstate}
-    ts["state_dict"]["state"] = {k: v for k, v in state.items() if k not in unstepped}
-    return _diff(_nan_marked(ts), _nan_marked(ls)), bool(unstepped)
+def _differences(t: Side, lo: Side) -> list[str]:
+    """What differs: parameters, state (a skipped fused Adam(W) step's zero state too),
+    the scaler's state, NaN equal to NaN."""
+    return _diff(_nan_marked(t.snapshot()), _nan_marked(lo.snapshot()))
 
 
 def _norm_differences(a: Iteration, tn: Any, ln: Any, lo: Side) -> list[str]:
@@ -398,7 +386,6 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
     init = Net(prog["tied"]).state_dict()
     t, lo = Side(prog, False, init), Side(prog, True, init)
     out: dict[str, Any] = {"seed": prog["seed"], "mix": prog["mix"], "status": "exact"}
-    documented = False
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -411,13 +398,12 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
                     return {**out, "status": "torch-error", "at": i,
                             "error": "torch's fused SGD made uninitialised momentum buffers "
                                      "on a step the scaler skipped"}
-                found, left_out = _differences(t, lo)
+                found = _differences(t, lo)
                 found += _norm_differences(a, tn, ln, lo)
                 if found:
                     return {**out, "status": "diff", "at": i, "body": a["body"],
                             "differences": found[:6]}
-                documented = documented or left_out
-            return {**out, "status": "documented"} if documented else out
+            return out
     finally:
         detach(lo.handle)
 

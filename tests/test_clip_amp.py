@@ -330,6 +330,35 @@ def test_held_scaled_backward_shows_the_kept_zeros_to_the_loops_clip(seed):
     assert_models_equal(model, ref)
 
 
+@pytest.mark.parametrize("kind", ["Adam", "AdamW"])
+def test_a_skipped_first_step_of_a_fused_adam_creates_torchs_state(kind):
+    """``scaler.step`` on a fused Adam(W) runs its step even when the scaler skips it
+    (``found_inf`` set): the state of each parameter that had a gradient is made then,
+    zeros with ``step`` 0. layeropt made none until the first real step - a
+    ``state_dict()`` saved between had fewer entries (found by the AMP fuzzer)."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = copy.deepcopy(ref)
+    kw = dict(lr=0.1, fused=True, amsgrad=True)
+    ref_opt, opt = getattr(torch.optim, kind)(ref.parameters(), **kw), \
+        getattr(layeropt, kind)(model.parameters(), **kw)
+    scalers = [torch.amp.GradScaler("cpu") for _ in range(2)]
+    x = torch.randn(3, 4)
+    with layeropt.attach(model, opt):
+        for inject in (float("inf"), 1.0):  # a skipped step, then a real one
+            for m, o, s in ((ref, ref_opt, scalers[0]), (model, opt, scalers[1])):
+                loss = m(x).sum() * inject
+                if m is ref:
+                    s.scale(loss).backward()
+                else:
+                    layeropt.backward(s.scale(loss), scaler=s)
+                s.step(o)
+                s.update()
+                o.zero_grad()
+            assert_same(opt.state_dict(), ref_opt.state_dict())
+    assert_models_equal(model, ref)
+
+
 @pytest.mark.parametrize("cfg", REPRESENTATIVE, ids=config_id)
 def test_inf_in_one_layer_skips_every_update_and_halves_scale(cfg):
     opt_name, kw = cfg

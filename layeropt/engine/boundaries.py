@@ -205,6 +205,7 @@ class StepRules:
         for g in optimizer.param_groups if optimizer is not None else ():
             for p in g["params"]:
                 p.grad = None
+        _fused_skip_state(optimizer, had_grad)
 
     def discard_held(self) -> None:
         """Drop the held gradients (their optimizer's step was skipped)."""
@@ -448,6 +449,29 @@ class StepRules:
         step.stepped_backwards = 0  # said once: the loop may go on
         raise BackwardStateError(DISCARD_ERROR.format(
             where=where, n=len(stepped), name=self.name_of(stepped[0])))
+
+
+def _fused_skip_state(optimizer: Any, params: list[Tensor]) -> None:
+    """``scaler.step`` on a fused Adam(W) whose step GradScaler skips still runs its step,
+    with ``found_inf`` set: the kernel changes nothing, but the step creates the state of
+    each parameter that had a gradient (zeros, ``step`` 0). The same step, on zero
+    gradients: ``state_dict()`` as torch's. (Fused SGD's momentum there is torch's
+    uninitialised memory: nothing to equal.)"""
+    if (optimizer is None or not optimizer.defaults.get("fused")
+            or not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))):
+        return
+    new = [p for p in params if not optimizer.state.get(p)]
+    if not new or hasattr(optimizer, "found_inf"):
+        return
+    for p in new:
+        p.grad = torch.zeros_like(p)
+    optimizer.found_inf = torch.ones((), device=new[0].device)
+    try:
+        optimizer._step_params(new)
+    finally:
+        del optimizer.found_inf
+        for p in new:
+            p.grad = None
 
 
 # -- parameters taken over from another optimizer (attaching.py) ----------------------
