@@ -229,6 +229,16 @@ def test_grad_scaler_with_float16_parameters_raises_as_torch():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def _scaled_step(lo: bool, loss: torch.Tensor, opt: Any, scaler: Any) -> None:
+    """One GradScaler step: torch's recipe, or layeropt.backward(scaler=) (lo)."""
+    if lo:
+        layeropt.backward(scaler.scale(loss), scaler=scaler)
+    else:
+        scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
 @pytest.mark.parametrize("kw", [dict(lr=0.1, weight_decay=0.01, fused=True),
                                 dict(lr=0.1, weight_decay=0.01, foreach=False)],
                          ids=["fused", "forloop"])
@@ -249,12 +259,7 @@ def test_a_skipped_step_then_zero_grad_keeping_zeros(kind, kw):
         for both in (True, False):  # an inf first step over both layers, then "a" alone
             for m, o, s in ((ref, ref_opt, ref_scaler), (model, opt, scaler)):
                 loss = m["a"](x).sum() + (m["b"](x).sum() * float("inf") if both else 0)
-                if m is ref:
-                    s.scale(loss).backward()
-                else:
-                    layeropt.backward(s.scale(loss), scaler=s)
-                s.step(o)
-                s.update()
+                _scaled_step(m is model, loss, o, s)
                 o.zero_grad(set_to_none=not both)
     assert_models_equal(model, ref)
     assert_same(opt.state_dict()["state"], ref_opt.state_dict()["state"])
@@ -347,13 +352,7 @@ def test_a_skipped_first_step_of_a_fused_adam_creates_torchs_state(kind):
     with layeropt.attach(model, opt):
         for inject in (float("inf"), 1.0):  # a skipped step, then a real one
             for m, o, s in ((ref, ref_opt, scalers[0]), (model, opt, scalers[1])):
-                loss = m(x).sum() * inject
-                if m is ref:
-                    s.scale(loss).backward()
-                else:
-                    layeropt.backward(s.scale(loss), scaler=s)
-                s.step(o)
-                s.update()
+                _scaled_step(m is model, m(x).sum() * inject, o, s)
                 o.zero_grad()
             assert_same(opt.state_dict(), ref_opt.state_dict())
     assert_models_equal(model, ref)

@@ -51,6 +51,16 @@ def _no_step(m, opt, x, lo, ctx):
     opt.zero_grad()
 
 
+def _held_after_stepping(m, opt, x, lo, ctx):
+    """The window the wrong way round: a stepping backward, then a held one."""
+    a, b = x.chunk(2)
+    (m(a).pow(2).mean() / 2).backward()
+    with opt.no_step() if lo else contextlib.nullcontext():
+        (m(b).pow(2).mean() / 2).backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def _clip_with(clip: Callable[..., Any]) -> Callable[..., None]:
     def loop(m, opt, x, lo, ctx):
         m(x).pow(2).mean().backward()
@@ -288,6 +298,9 @@ RULES: dict[str, tuple[Callable[..., None], str, type | None, str]] = {
     "no_step accumulation": (_no_step, EXACT, None, ""),
     "torch-style accumulation": (_torch_accumulation, "loud", layeropt.BackwardStateError,
                                  "no_step()"),
+    # (the loop's first step(): refused there; after it, at the held backward)
+    "no_step() after a stepping backward": (_held_after_stepping, "loud",
+                                            layeropt.BackwardStateError, "1 of which already"),
     "clip_grad_norm_ after backward": (_clip_with(torch.nn.utils.clip_grad_norm_), "loud",
                                        layeropt.LayeroptError, "layeropt.backward(loss, max_norm"),
     "imported clip_grad_norm_": (_clip_with(imported_clip_grad_norm_), "loud",

@@ -48,6 +48,7 @@ __all__ = ["StepRecord", "StepRules", "Group", "take_over", "refuse_open_updates
 _EARLY_DISCARD = "discarded before the first step()"
 _STEP_TRIED = "step() called"  # (its first may be refused: a loop that calls step())
 DETACHED = "detached"  # its last attachment left: its step()/zero_grad() are still the loop's
+REMOVE_WARNED = "remove() warned"  # (REMOVE_OPEN_WARNING, said once per optimizer)
 
 
 class Group(NamedTuple):
@@ -77,7 +78,8 @@ class StepRecord:
 
     Attributes:
         stepped_backwards / held_backwards: its backwards that updated parameters,
-            or held every gradient for ``step()`` (the accumulation rule).
+            or held every gradient for ``step()`` (the accumulation rule);
+            ``held_after_step``: a backward held for ``step()`` after a stepping one.
         held: gradients kept for a later step (``no_step()`` and the other holds),
             with their bucket (``None``: not hooked yet); in ``.grad``, or in the
             stepper's store (``layeropt/engine/stepper.py``).
@@ -92,11 +94,12 @@ class StepRecord:
             first one's name (:meth:`StepRules.check_boundary` refuses the step's end).
     """
 
-    __slots__ = ("stepped_backwards", "held_backwards", "held", "hyper", "hyper_txn",
-                 "skipped", "scaler_skipped", "faulted")
+    __slots__ = ("stepped_backwards", "held_backwards", "held_after_step", "held", "hyper",
+                 "hyper_txn", "skipped", "scaler_skipped", "faulted")
 
     def __init__(self) -> None:
         self.stepped_backwards = self.held_backwards = 0
+        self.held_after_step = False  # a held backward came after a stepping one
         self.held: dict[Tensor, Any] = {}
         self.skipped: list[Tensor] = []
         self.scaler_skipped: list[Tensor] = []  # (what skip() added to skipped)
@@ -407,10 +410,10 @@ class StepRules:
             if optimizer is not None:
                 _between.check_unchanged(before, optimizer.param_groups, where)
         stepped, held = step.stepped_backwards, step.held_backwards
-        if stepped and not held and where == "step()" and self.holds_gradients:
+        if stepped and not held and where == "step()" and step.held_after_step:
             held = 1  # a no_step() / kept-graph backward after the stepping one, before the
-            # loop's first step() (a stepping backward steps those before it; after the
-            # first, refused at that backward); a zero_grad() there may end a step-less loop's
+            # loop's first step() (after it, refused at that backward); a zero_grad() there
+            # may end a step-less loop's window (LoopAccumulator's block form)
         if stepped >= 2 or (stepped and held):
             step.stepped_backwards = step.held_backwards = 0
             raise BackwardStateError(ACCUMULATION_ERROR.format(

@@ -46,7 +46,7 @@ from torch import Tensor
 from . import nesting
 from .between import snapshot
 from .nesting import _dynamo_switches, _graph_task_id
-from .boundaries import DETACHED, Group
+from .boundaries import DETACHED, REMOVE_WARNED, Group
 from .rules import IDLE, Rules
 from .stepper import PLAIN, Stepper, Wrapper
 from ..errors import ORPHAN_WARNING, REMOVE_OPEN_WARNING, SPARSE_ERROR, AttachError, warn
@@ -373,8 +373,8 @@ class Engine(Rules):
         if not self.attachments:
             self.calls.add(DETACHED)
             if ("step()" in self.calls and self.stepped_since_boundary  # (not a step-less
-                    and REMOVE_OPEN_WARNING not in self.calls):  # loop; said once)
-                self.calls.add(REMOVE_OPEN_WARNING)
+                    and REMOVE_WARNED not in self.calls):  # loop; said once)
+                self.calls.add(REMOVE_WARNED)
                 warn(REMOVE_OPEN_WARNING)
 
     @property

@@ -410,6 +410,8 @@ class Rules(StepRules):
         plain = self.measure is None and not self.no_step_depth
         holds = self.measure is None and self.transform is None and (
             self.no_step_depth or rec.graph or self.closure_depth or rec.scaled)
+        if self.train_step.stepped_backwards and holds:  # (before the first step(): said
+            self.train_step.held_after_step = True  # at the step() ending both)
         if self.train_step.stepped_backwards and self.bounded and (holds or plain):
             # (held for step(): torch sums it with the one already applied, into one step)
             raise BackwardStateError(ACCUMULATION_ERROR.format(
