@@ -56,6 +56,14 @@ REMOVE_OPEN_WARNING = (
     "longer watched. Call remove() after step() or zero_grad()."
 )
 
+SAVE_OPEN_WARNING = (
+    "optimizer.state_dict() between an attached backward and step(): that backward's "
+    "update is already in the parameters and this state, where torch.optim applies it at "
+    "step(), so a checkpoint saved here is a step ahead of torch's (and a run resumed from "
+    "it applies that backward twice if it runs it again). Save after step(). (Said once "
+    "per optimizer.)"
+)
+
 CLOSURE_HOLD_WARNING = (
     "this backward runs inside optimizer.step(closure), whose caller may clip or "
     "inspect the gradients before the update: layeropt holds them until the "

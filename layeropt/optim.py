@@ -263,7 +263,9 @@ class InBackwardOptimizer(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's ``state_dict``, its ``state`` in parameter order as torch's usually is
-        (in-backward updates create the state in the order gradients land)."""
+        (in-backward updates create the state in the order gradients land). Warns where
+        it holds an update torch's would not yet have (docs/rules.md)."""
+        self._lo_engine.saving()
         out = super().state_dict()
         state = out.get("state")
         if isinstance(state, dict) and all(type(k) is int for k in state):  # (torch's keys)

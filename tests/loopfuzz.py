@@ -31,6 +31,7 @@ import argparse
 import collections
 import contextlib
 import copy
+import gc
 import json
 import random
 import traceback
@@ -42,11 +43,13 @@ import torch
 import torch.nn as nn
 
 import layeropt
+from layeropt.engine.boundaries import _EARLY_DISCARD
 
 LAYERS = ["l1", "l2", "head", "branch", "extra"]
 OPTIMIZERS = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "Adamax", "RAdam", "Adadelta"]
-MIXES = ["all", "clip", "clipattach", "chaos"]
-FAILURES = ("diff", "crash", "torch-error-only")
+MIXES = ["all", "clip", "clipattach", "chaos", "resume"]
+# (race: an offloaded copy not ordered after what it depends on, tests/offloadfuzz.py)
+FAILURES = ("diff", "crash", "torch-error-only", "race")
 Op = tuple[str, dict[str, Any]]
 # torch's fused SGD raises this on a step whose parameters mix momentum buffers and none
 # (a layer's first gradient after others' steps): torch's step() too, where it reaches one
@@ -140,7 +143,7 @@ def _setting(r: random.Random, key: str) -> Op:
 
 def _iteration(r: random.Random, mix: str, reattach: bool) -> list[Op]:
     """One iteration of a training loop: settings, the backward(s), step(), zero_grad()."""
-    everything = mix == "all"
+    everything = mix in ("all", "resume")
     pre: list[Op] = []
     if everything and r.random() < 0.4:
         pre.append(_setting(r, "hp"))
@@ -157,7 +160,7 @@ def _iteration(r: random.Random, mix: str, reattach: bool) -> list[Op]:
     r.shuffle(pre)
     ops = pre
     body = r.choice(["plain", "plain", "accum", "clip", "accumclip", "none"]
-                    if mix in ("all", "clip") else ["plain", "plain", "accum", "none"])
+                    if mix in ("all", "clip", "resume") else ["plain", "plain", "accum", "none"])
     if body == "plain":
         ops.append(_backward(r))
     elif body == "accum":
@@ -175,6 +178,8 @@ def _iteration(r: random.Random, mix: str, reattach: bool) -> list[Op]:
         ops.append(_setting(r, "zg"))
     if everything and r.random() < 0.3:
         ops.append(("sd", {}))
+    if mix == "resume" and r.random() < 0.5:
+        ops.append(("resume", {"load_first": r.random() < 0.5, "gc": r.random() < 0.25}))
     return ops
 
 
@@ -199,7 +204,7 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     kind, okw = draw_optimizer(r)
     akw = draw_attach(r, mix)
     gen = "all" if mix == "chaos" else mix
-    reattach = gen == "all" and not akw
+    reattach = gen in ("all", "resume") and not akw
     ops: list[Op] = []
     for _ in range(r.randint(2, 4)):
         ops += _iteration(r, gen, reattach)
@@ -224,20 +229,53 @@ class Side:
     """One side of the comparison: the program's model and optimizer, torch's or layeropt's."""
 
     def __init__(self, prog: dict[str, Any], layer: bool, init: dict[str, torch.Tensor]) -> None:
-        self.model = m = Net(prog["tied"])
-        m.load_state_dict(init)
-        self.layer = layer
-        kind = prog["opt"]
-        cls = getattr(torch.optim, kind)
-        if layer:
-            cls = getattr(layeropt, kind, None) or layeropt.in_backward(cls)
-        params = [p for n, p in m.named_parameters() if not n.startswith("extra.")]
-        self.opt = cls([{"params": params[:2]}, {"params": params[2:]}], **prog["okw"])
-        self.akw = prog["akw"]
-        self.handle = layeropt.attach(m, self.opt, **self.akw) if layer else None
+        self.prog, self.layer, self.akw = prog, layer, prog["akw"]
         self.sched_kind = prog["sched"]
         self.sched: Any = None
         self.added = False
+        self.model, self.opt = self._new(init)
+        self.handle = self.attach()
+
+    def _new(self, init: dict[str, torch.Tensor]) -> tuple[Net, torch.optim.Optimizer]:
+        """The program's model (from ``init``) and a new optimizer for it."""
+        m = Net(self.prog["tied"])
+        m.load_state_dict(init)
+        kind = self.prog["opt"]
+        cls = getattr(torch.optim, kind)
+        if self.layer:
+            cls = getattr(layeropt, kind, None) or layeropt.in_backward(cls)
+        params = [p for n, p in m.named_parameters() if not n.startswith("extra.")]
+        opt = cls([{"params": params[:2]}, {"params": params[2:]}], **self.prog["okw"])
+        if self.added:
+            opt.add_param_group({"params": list(m.extra.parameters())})
+        return m, opt
+
+    def attach(self) -> Any:
+        return layeropt.attach(self.model, self.opt, **self.akw) if self.layer else None
+
+    def close(self) -> None:
+        """The end of the program: the attachment removed (see :func:`detach`)."""
+        detach(self.handle)
+
+    def resume(self, a: dict[str, Any]) -> None:
+        """A checkpoint of the model, optimizer and scheduler saved, then loaded into new
+        ones, as a resumed run does; the old ones dropped without ``remove()`` (``gc``:
+        collected at once; otherwise whenever Python does)."""
+        ck = copy.deepcopy({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                            "sched": self.sched and self.sched.state_dict()})
+        self.model, self.opt = self._new(ck["model"])
+        self.handle = None
+        if a["gc"] and self.layer:  # (torch's side needs none: 0.1 s a collection)
+            gc.collect()
+        if not a["load_first"]:
+            self.handle = self.attach()
+        self.opt.load_state_dict(ck["opt"])
+        if a["load_first"]:
+            self.handle = self.attach()
+        if ck["sched"] is not None:
+            self.sched = None
+            self.do("sched-new", {})
+            self.sched.load_state_dict(ck["sched"])
 
     @property
     def attached(self) -> bool:
@@ -303,14 +341,15 @@ class Side:
         elif name == "hp":
             if a["g"] < len(opt.param_groups):
                 opt.param_groups[a["g"]][a["key"]] = a["val"]
-        elif name == "sched":
+        elif name in ("sched", "sched-new"):
             if self.sched is None:
                 S = torch.optim.lr_scheduler
                 self.sched = {"exp": lambda: S.ExponentialLR(opt, 0.5),
                               "step": lambda: S.StepLR(opt, 1, 0.5),
                               "lambda": lambda: S.LambdaLR(opt, lambda e: 1 / (e + 1)),
                               }[self.sched_kind]()
-            self.sched.step()
+            if name == "sched":
+                self.sched.step()
         elif name == "apg":
             if not self.added:
                 self.added = True
@@ -322,8 +361,9 @@ class Side:
                 self.handle.remove()
                 self.handle = None
         elif name == "attach":
-            if self.layer:
-                self.handle = layeropt.attach(m, opt, **self.akw)
+            self.handle = self.attach() if self.layer else None
+        elif name == "resume":
+            self.resume(a)
         else:
             raise ValueError(f"unknown op {name!r}")
 
@@ -355,6 +395,8 @@ class NeverZeroed:
         elif name == "zg":
             ps = s.model.parameters() if a["who"] == "model" else s._owned()
             self.applied -= {id(p) for p in ps}
+        elif name == "resume":  # (a new model: its gradients all None)
+            self.applied.clear()
 
 
 def _unwatched_discard(lo: Side, name: str, a: dict[str, Any]) -> bool:
@@ -364,6 +406,15 @@ def _unwatched_discard(lo: Side, name: str, a: dict[str, Any]) -> bool:
     model's ``zero_grad()`` drops what torch still held of that backward."""
     return (name == "zg" and a["who"] == "model" and not lo.attached
             and lo.opt._lo_engine.stepped_since_boundary)
+
+
+def _saved_ahead(lo: Side, name: str) -> bool:
+    """docs/rules.md's "a checkpoint saved ahead of torch's" (``state_dict()`` warns): saved
+    after an attached backward updated parameters, before ``step()`` or ``zero_grad()``;
+    or before the loop's first ``step()``, after a ``zero_grad()`` dropped what a backward
+    applied. It holds that update, torch's does not, and the new optimizer cannot know."""
+    engine = lo.opt._lo_engine
+    return name == "resume" and (engine.stepped_since_boundary or _EARLY_DISCARD in engine.calls)
 
 
 def _unkept_after_remove(t: Side, lo: Side, name: str, a: dict[str, Any]) -> bool:
@@ -433,13 +484,13 @@ def detach(handle: Any) -> None:
             handle.remove()
 
 
-def run_program(prog: dict[str, Any]) -> dict[str, Any]:
-    """Both sides op by op, then a closing ``step()`` if a backward is pending; the
-    outcome: ``exact``, ``refused``, ``undetectable``, ``torch-error`` (torch raised, or layeropt
-    reached ``TORCH_LIMIT`` before a refusal), or one of ``FAILURES``."""
+def run_program(prog: dict[str, Any], side: type[Side] = Side) -> dict[str, Any]:
+    """Both sides (``side``'s) op by op, then a closing ``step()`` if a backward is
+    pending; the outcome: ``exact``, ``refused``, ``undetectable``, ``torch-error`` (torch
+    raised, or layeropt reached ``TORCH_LIMIT`` before a refusal), or one of ``FAILURES``."""
     torch.manual_seed(prog["seed"])
     init = Net(prog["tied"]).state_dict()
-    t, lo = Side(prog, False, init), Side(prog, True, init)
+    t, lo = side(prog, False, init), side(prog, True, init)
     never_zeroed = NeverZeroed(t)
     out: dict[str, Any] = {"seed": prog["seed"], "mix": prog["mix"], "status": "exact"}
     pending = stepped = False
@@ -452,7 +503,7 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
                         break
                     name = "step"
                 if (never_zeroed.reached(name) or _unwatched_discard(lo, name, a)
-                        or _unkept_after_remove(t, lo, name, a)):
+                        or _unkept_after_remove(t, lo, name, a) or _saved_ahead(lo, name)):
                     return {**out, "status": "undetectable", "at": i}
                 ended = play_both(t, lo, name, a)
                 if ended is not None:
@@ -463,7 +514,7 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
             found = _differences(t, lo)
             return {**out, "status": "diff", "differences": found[:6]} if found else out
     finally:
-        detach(lo.handle)
+        lo.close()
 
 
 def run_block(mix: str, start: int, n: int) -> list[dict[str, Any]]:

@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from layeropt.offload import held, pool, state, streams
+from layeropt.offload.state import StateOffload, _install
 
 HOST = "host"
 aten = torch.ops.aten
@@ -300,3 +301,37 @@ def simulate(monkeypatch: Any, query: Callable[[], bool] = lambda: False) -> Ite
                         lambda self, key, like: sim.pool_entry(take(self, key, like)))
     with _Watch(sim):
         yield sim
+
+
+# -- offload's modes -----------------------------------------------------------------
+# name -> StateOffload arguments (built directly: offload_state refuses the streams on CPU)
+MODES = {
+    "sync": dict(overlap=False),
+    "overlap, held on device": dict(overlap=True, held_grads=False),
+    "overlap, one bucket": dict(overlap=True, held_grads=False, max_buckets=1),
+    "prefetch": dict(prefetch=True),
+    "overlap + prefetch": dict(overlap=True, prefetch=True),
+    "overlap + prefetch, 3 buckets": dict(overlap=True, prefetch=True, max_buckets=3),
+    "overlap + prefetch, half held on device": dict(overlap=True, prefetch=True,
+                                                     held_device_bytes=-2),
+    "overlap alone, held in host memory (refused)": dict(overlap=True),
+    # copies in and out on streams of their own (not offered by offload_state yet)
+    "overlap + prefetch, 2 copy streams": dict(overlap=True, prefetch=True, copy_streams=2),
+    "overlap + prefetch, 2 copy streams, all in flight": dict(
+        overlap=True, prefetch=True, copy_streams=2, max_buckets=64),
+    # a later micro-batch's sum added on the device (HostHeld.add_on_device)
+    "sync, sums added on the device": dict(add_on_device=True),
+    "overlap + prefetch, 2 copy streams, sums added on the device": dict(
+        overlap=True, prefetch=True, copy_streams=2, add_on_device=True),
+}
+
+
+def offload_in_mode(opt: Any, kw: dict[str, Any]) -> StateOffload:
+    """``opt``'s state offloaded in the mode ``kw`` (a value of :data:`MODES`;
+    ``held_device_bytes=-2``: half of the parameters' bytes), with a host pool."""
+    kw = dict(kw)
+    if kw.get("held_device_bytes") == -2:  # half of the model's gradient bytes
+        kw["held_device_bytes"] = sum(p.nbytes for g in opt.param_groups
+                                      for p in g["params"]) // 2
+    kw.setdefault("overlap", False)
+    return _install(opt, StateOffload(opt, kw.pop("max_buckets", 2), pooled=True, **kw))

@@ -692,3 +692,63 @@ def test_accelerate_second_accelerator_on_the_same_model():
         _equal(model, ref)
     finally:
         reset()
+
+
+# -- a checkpoint saved, a run resumed from it ---------------------------------------
+def _resume(model: nn.Module, opt: torch.optim.Optimizer, lo: bool, z: torch.Tensor
+            ) -> nn.Module:
+    """Save model and optimizer, load them into new ones (the old dropped unremoved, as a
+    run that ends), train one step; the new model."""
+    ck = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    new = _mlp()
+    new.load_state_dict(ck["model"])
+    new_opt = (layeropt.SGD if lo else torch.optim.SGD)(new.parameters(), lr=0.1, momentum=0.9)
+    if lo:
+        layeropt.attach(new, new_opt)
+    new_opt.load_state_dict(ck["opt"])
+    _train(new, new_opt, [z])
+    return new
+
+
+def _open_after_steps(m, o, x, y):  # a step, then a backward; saved before its step()
+    _train(m, o, [x])
+    m(y).pow(2).mean().backward()
+
+
+def _held(m, o, x, y):  # an accumulation window, saved inside it (its gradients lost)
+    _train(m, o, [x])
+    with o.no_step() if isinstance(o, layeropt.SGD) else contextlib.nullcontext():
+        m(y).pow(2).mean().backward()
+
+
+# how the loop reaches the save -> what opt.state_dict() warns (None: the resumed run
+# equals torch's; a warning: it does not, and layeropt cannot refuse it later)
+SAVED = {
+    "after step() and zero_grad()": (lambda m, o, x, y: _train(m, o, [x, y]), None),
+    "in an accumulation window": (_held, None),
+    "between backward and step()": (_open_after_steps, "optimizer.state_dict() between"),
+}
+
+
+@pytest.mark.parametrize("case", list(SAVED))
+def test_a_checkpoint_ahead_of_torchs_warns(case):
+    """A run resumed from a checkpoint equals torch's resumed run, or ``state_dict()``
+    warned when it was saved: where it holds an update torch's has not (its refusal, if
+    any, would come at a ``step()`` the resumed run's new optimizer never makes)."""
+    loop, warned = SAVED[case]
+    ref, model = _mlp(), _mlp()
+    ro = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    lo = layeropt.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    layeropt.attach(model, lo)
+    x, y, z = _batches(3, 3)
+    loop(ref, ro, x, y)
+    loop(model, lo, x, y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ref_new, new = _resume(ref, ro, False, z), _resume(model, lo, True, z)
+    said = [str(w.message) for w in caught if "state_dict()" in str(w.message)]
+    same = all(torch.equal(p, q) for p, q in zip(new.parameters(), ref_new.parameters()))
+    if warned is None:
+        assert said == [] and same
+    else:
+        assert len(said) == 1 and said[0].startswith(warned) and not same

@@ -22,6 +22,7 @@ BLOCKS = [
     ("clip", 600),  # layeropt.backward(max_norm=) against clip_grad_norm_, with accumulation
     ("clipattach", 400),  # attach(clip_value=, bucket_max_norm=), the strict schedule
     ("chaos", 1000),  # the loops shuffled, cut and padded with random operations
+    ("resume", 300),  # checkpoints saved and resumed into a new model and optimizer
 ]
 
 

@@ -23,41 +23,10 @@ from hypothesis import strategies as st
 import layeropt
 from harness import SOAK, assert_models_equal, assert_same
 from layeropt.models import make_model
-from layeropt.offload.state import StateOffload, _install
-from streamsim import Sim, SimEvent, SimStream, simulate
+from layeropt.offload.state import StateOffload
+from streamsim import MODES, Sim, SimEvent, SimStream, offload_in_mode, simulate
 
 CAPS = pytest.mark.parametrize("cap", [0.0, 1.0], ids=["cap0", "default-cap"])
-
-# name -> StateOffload arguments (built directly: offload_state refuses the streams on CPU)
-MODES = {
-    "sync": dict(overlap=False),
-    "overlap, held on device": dict(overlap=True, held_grads=False),
-    "overlap, one bucket": dict(overlap=True, held_grads=False, max_buckets=1),
-    "prefetch": dict(prefetch=True),
-    "overlap + prefetch": dict(overlap=True, prefetch=True),
-    "overlap + prefetch, 3 buckets": dict(overlap=True, prefetch=True, max_buckets=3),
-    "overlap + prefetch, half held on device": dict(overlap=True, prefetch=True,
-                                                     held_device_bytes=-2),
-    "overlap alone, held in host memory (refused)": dict(overlap=True),
-    # copies in and out on streams of their own (not offered by offload_state yet)
-    "overlap + prefetch, 2 copy streams": dict(overlap=True, prefetch=True, copy_streams=2),
-    "overlap + prefetch, 2 copy streams, all in flight": dict(
-        overlap=True, prefetch=True, copy_streams=2, max_buckets=64),
-    # a later micro-batch's sum added on the device (HostHeld.add_on_device)
-    "sync, sums added on the device": dict(add_on_device=True),
-    "overlap + prefetch, 2 copy streams, sums added on the device": dict(
-        overlap=True, prefetch=True, copy_streams=2, add_on_device=True),
-}
-
-
-def _handle(opt: Any, kw: dict[str, Any]) -> StateOffload:
-    kw = dict(kw)
-    if kw.get("held_device_bytes") == -2:  # half of the model's gradient bytes
-        kw["held_device_bytes"] = sum(p.nbytes for g in opt.param_groups
-                                      for p in g["params"]) // 2
-    kw.setdefault("overlap", False)
-    return _install(opt, StateOffload(opt, kw.pop("max_buckets", 2), pooled=True, **kw))
-
 
 def _train(monkeypatch: Any, kw: dict[str, Any], cap: float, micro: int, clip: float | None,
            query: Any = lambda: False, steps: int = 3):
@@ -70,7 +39,7 @@ def _train(monkeypatch: Any, kw: dict[str, Any], cap: float, micro: int, clip: f
     layeropt.attach(ours, opt, bucket_cap_mb=cap)
     gen = torch.Generator().manual_seed(0)
     with simulate(monkeypatch, query) as sim:
-        handle = _handle(opt, kw)
+        handle = offload_in_mode(opt, kw)
         for _ in range(steps):
             batches = [batch_fn(gen) for _ in range(micro)]
             for data in batches:
@@ -153,7 +122,7 @@ def test_reading_host_state_without_synchronize_races(monkeypatch):
         model, batch_fn, loss_fn = make_model("gpt")
         opt = layeropt.AdamW(model.parameters(), lr=0.01, fused=True)
         layeropt.attach(model, opt, bucket_cap_mb=0.0)
-        _handle(opt, MODES["overlap, held on device"])
+        offload_in_mode(opt, MODES["overlap, held on device"])
         loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
         for s in opt.state.values():  # read directly, no synchronize(): a race
             s["exp_avg"].sum()
@@ -232,7 +201,7 @@ def test_copies_fetched_ahead_and_dropped_are_waited_for(monkeypatch, mode):
     layeropt.attach(model, opt, bucket_cap_mb=0.0)
     xs = torch.randn(5, 4, 8)
     with simulate(monkeypatch) as sim:
-        handle = _handle(opt, MODES[mode])
+        handle = offload_in_mode(opt, MODES[mode])
         for i, short in enumerate([False, True, False, True, False]):
             for m, o in ((ref, ref_opt), (model, opt)):
                 m(xs[i], short).backward()
@@ -273,7 +242,7 @@ def test_generated_modes_are_ordered_and_exact(overlap, prefetch, copy_streams, 
                 add_on_device=held == "add", **({"held_device_bytes": -2} if held == "half" else {}))
     xs = torch.randn(len(shorts), micro, 4, 8)
     with pytest.MonkeyPatch.context() as monkeypatch, simulate(monkeypatch) as sim:
-        _handle(ours, mode)
+        offload_in_mode(ours, mode)
         for step, short in enumerate(shorts):
             for m, o in ((ref, ref_opt), (model, ours)):
                 for k in range(micro):
@@ -303,7 +272,7 @@ def test_deleting_the_optimizer_waits_for_copies_into_its_pool(monkeypatch):
         model, batch_fn, loss_fn = make_model("gpt")
         opt = layeropt.AdamW(model.parameters(), lr=0.01, fused=True)
         handle = layeropt.attach(model, opt, bucket_cap_mb=0.0)
-        _handle(opt, MODES["overlap, held on device"])
+        offload_in_mode(opt, MODES["overlap, held on device"])
         loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
         assert sim.clocks["host"].get("side1", 0) < sim.clocks["side1"]["side1"]  # in flight
         handle.remove()

@@ -38,8 +38,10 @@ from ..errors import (
     DISCARD_ERROR,
     EARLY_DISCARD_ERROR,
     FAULT_ERROR,
+    SAVE_OPEN_WARNING,
     SCALED_CLIP_ERROR,
     BackwardStateError,
+    warn,
 )
 
 __all__ = ["StepRecord", "StepRules", "Group", "take_over", "refuse_open_updates"]
@@ -49,6 +51,7 @@ _EARLY_DISCARD = "discarded before the first step()"
 _STEP_TRIED = "step() called"  # (its first may be refused: a loop that calls step())
 DETACHED = "detached"  # its last attachment left: its step()/zero_grad() are still the loop's
 REMOVE_WARNED = "remove() warned"  # (REMOVE_OPEN_WARNING, said once per optimizer)
+SAVE_WARNED = "state_dict() warned"  # (a checkpoint ahead of torch's, said once)
 
 
 class Group(NamedTuple):
@@ -266,6 +269,16 @@ class StepRules:
         self.calls.discard(_EARLY_DISCARD)
         self.calls.add(_STEP_TRIED)
         return early
+
+    def saving(self) -> None:
+        """``optimizer.state_dict()`` (a checkpoint, say) inside a training step of a loop
+        that calls ``step()``: it holds the update an attached backward applied, torch's
+        would not yet; warn, once per optimizer. (Before the loop's first ``step()`` each
+        backward may be a step: not said.)"""
+        if (SAVE_WARNED not in self.calls and "step()" in self.calls
+                and self.stepped_since_boundary):
+            self.calls.add(SAVE_WARNED)
+            warn(SAVE_OPEN_WARNING)
 
     def detached_step(self, torch_step: Callable[[], Any]) -> Any:
         """``step()`` once the last attachment left (``torch_step``: torch's own). A

@@ -211,7 +211,7 @@ class HostHeld:
         for p in [p for p in self.host if gone is None or p in gone]:
             acc = self.host.pop(p)
             if not set_to_none:
-                p.grad = torch.zeros_like(acc, device=p.device)
+                p.grad = empty_like(acc, p.device).zero_()  # (the device's own zeros)
         if gone is None:
             self._pending.clear()
             self.kept.clear()

@@ -454,7 +454,7 @@ class StateOffload:
             s = state.get(p)
             for k, v in list(s.items()) if s else ():
                 if self._host(p, k, v):
-                    s[k] = v.to(p.device)
+                    s[k] = empty_like(v, p.device).copy_(v)  # (a copy on the CPU too)
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -1,0 +1,40 @@
+"""Random offloaded loops (tests/offloadfuzz.py): loopfuzz's programs with the optimizer
+state in host memory, every offload mode, copies on simulated CUDA streams - each equal to
+torch.optim bit for bit with no unordered copy, or refused by a layeropt error, or in a
+documented undetectable case.
+
+A failure prints the program's seed; ``python tests/offloadfuzz.py --mix MIX --minimize
+SEED`` shrinks it. ``LAYEROPT_SOAK=k`` runs k times as many programs.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from harness import SOAK
+from loopfuzz import FAILURES
+from offloadfuzz import run_block
+
+# (mix, programs): loopfuzz's mixes, offloaded in a mode drawn per program
+BLOCKS = [
+    ("all", 150),  # every operation, settings between iterations, re-attach
+    ("clip", 100),  # layeropt.backward(max_norm=) with accumulation: held sums brought back
+    ("chaos", 150),  # the loops shuffled, cut and padded with random operations
+    ("toggle", 100),  # offload stopped and started, checkpoints resumed into new optimizers
+]
+
+
+@pytest.mark.parametrize("mix,n", BLOCKS, ids=[b[0] for b in BLOCKS])
+def test_random_offloaded_loops_equal_torch_or_are_refused(mix, n):
+    torch.set_num_threads(1)
+    outcomes = run_block(mix, 0, n * SOAK)
+    failed = [o for o in outcomes if o["status"] in FAILURES]
+    assert not failed, (f"{len(failed)} of {len(outcomes)} programs failed; the first: {failed[0]}"
+                        f" (python tests/offloadfuzz.py --mix {mix} --minimize {failed[0]['seed']})")
+    counts = collections.Counter(o["status"] for o in outcomes)
+    # the programs train: many end exact, not refused (a mix that only refused would pass;
+    # a step() after remove() is refused with offload, so fewer than loopfuzz's third)
+    assert counts["exact"] >= len(outcomes) // 4, counts
