@@ -21,7 +21,6 @@ import contextlib
 import copy
 import gc
 import math
-import os
 import warnings
 import weakref
 from typing import Any

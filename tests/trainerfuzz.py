@@ -15,14 +15,15 @@ settings (a mix names the tool):
 * ``lightning``: ``LayeroptCallback`` - ``accumulate_grad_batches``,
   ``gradient_clip_val`` by norm or value, schedulers per step or epoch with a
   ``frequency``, ``log_grad_norm``, a ``training_step`` returning ``None``, manual
-  optimization;
+  optimization, a run stopped, saved and resumed by ``fit(ckpt_path=)`` (``resume``);
 * ``accelerate``: ``LayeroptAccelerator`` - ``accumulate()`` or accumulation by hand,
   ``clip_grad_norm_`` / ``clip_grad_value_`` (learned, or given as ``max_grad_norm=`` /
   ``clip_value=``) over ``model.parameters()`` or the param groups' order, on the syncing
   micro-batch or every one, a prepared data loader or not;
 * ``hf``: ``LayeroptTrainer`` or a plain ``Trainer`` with ``LayeroptCallback`` -
   ``optimizers=`` or an ``optim=`` the Trainer builds, ``max_grad_norm``, warmup and
-  schedule types, evaluation during training.
+  schedule types, evaluation during training, a new Trainer (model, optimizer) resumed
+  by ``train(resume_from_checkpoint=)`` from the first one's checkpoint (``resume``).
 
 Compared: parameters, the optimizer's ``state_dict()``, the global step, and what the
 tool reports - the norms ``clip_grad_norm_`` returned (accelerate), the logged
@@ -72,7 +73,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "lightning": {"groups": False, "frozen": None, "batches": 5, "precision": "32-true",
                   "acc": 1, "clip": None, "sched": None, "freq": 1, "stop": ("steps", 3),
                   "log_grad_norm": False, "manual": False, "none_step": False,
-                  "bucket": None},
+                  "bucket": None, "resume": None},
     "accelerate": {"groups": False, "frozen": None, "batches": 5, "mp": "no", "ga": 1,
                    "by_hand": False, "clip": None, "max_norm": 0.5, "clip_value": 0.1,
                    "given": False, "clip_order": "model", "clip_every": False,
@@ -80,7 +81,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                    "bucket": None},
     "hf": {"groups": False, "frozen": None, "rows": 9, "bf16": False, "ga": 1,
            "kind": "trainer", "built": None, "max_grad_norm": 0.0, "weight_decay": 0.0,
-           "sched": "linear", "warmup": 0, "eval": False, "stop": ("steps", 3)},
+           "sched": "linear", "warmup": 0, "eval": False, "stop": ("steps", 3),
+           "resume": None},
 }
 
 
@@ -98,7 +100,8 @@ def _draw_lightning(r: random.Random) -> dict[str, Any]:
             "freq": r.choice([1, 2, 3]),
             "stop": r.choice([("steps", r.randint(2, 6)), ("epochs", r.randint(1, 2))]),
             "log_grad_norm": r.random() < 0.3, "manual": r.random() < 0.08,
-            "none_step": r.random() < 0.1, "bucket": r.choice([None, 0])}
+            "none_step": r.random() < 0.1, "bucket": r.choice([None, 0]),
+            "resume": r.choice([1, 2, 3]) if r.random() < 0.2 else None}
 
 
 def _draw_accelerate(r: random.Random) -> dict[str, Any]:
@@ -124,7 +127,8 @@ def _draw_hf(r: random.Random) -> dict[str, Any]:
             "weight_decay": r.choice([0.0, 0.1]),
             "sched": r.choice(["linear", "cosine", "constant_with_warmup", "constant"]),
             "warmup": r.choice([0, 1, 2]), "bf16": r.random() < 0.3, "eval": r.random() < 0.3,
-            "stop": r.choice([("steps", r.randint(2, 5)), ("epochs", r.choice([1, 2]))])}
+            "stop": r.choice([("steps", r.randint(2, 5)), ("epochs", r.choice([1, 2]))]),
+            "resume": r.choice([1, 2, 3]) if r.random() < 0.2 else None}
 
 
 DRAWS: dict[str, Callable[[random.Random], dict[str, Any]]] = {
@@ -255,13 +259,25 @@ def run_lightning(prog: dict[str, Any], layer: bool) -> Result:
         kw["accumulate_grad_batches"] = s["acc"]
         if s["clip"]:
             kw["gradient_clip_algorithm"], kw["gradient_clip_val"] = s["clip"]
-    callbacks = [LayeroptCallback(bucket_cap_mb=s["bucket"], log_grad_norm=s["log_grad_norm"])]
-    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, precision=s["precision"],
-                        callbacks=callbacks if layer else [], **kw)
-    module = _lightning_module()(prog, layer)
-    trainer.fit(module, loader(s["batches"]))
+
+    def fit(ckpt: str | None = None, **stop: Any) -> Any:
+        callbacks = [LayeroptCallback(bucket_cap_mb=s["bucket"],
+                                      log_grad_norm=s["log_grad_norm"])] if layer else []
+        trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, precision=s["precision"],
+                            callbacks=callbacks, **{**kw, **stop})
+        module = _lightning_module()(prog, layer)
+        trainer.fit(module, loader(s["batches"]), ckpt_path=ckpt)
+        return trainer, module
+
+    if s["resume"] is None:
+        trainer, module = fit()
+    else:  # (resume: stopped after that many steps, saved, fit again from the checkpoint)
+        with tempfile.TemporaryDirectory() as tmp:
+            first, _ = fit(max_steps=s["resume"], max_epochs=None)
+            first.save_checkpoint(f"{tmp}/stop.ckpt")
+            trainer, module = fit(f"{tmp}/stop.ckpt")
     return result(module, trainer.optimizers[0], step=trainer.global_step)
 
 
@@ -370,35 +386,13 @@ def _rows(n: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
 
 def run_hf(prog: dict[str, Any], layer: bool) -> Result:
     """``Trainer.train`` with torch.optim, or ``LayeroptTrainer`` / a ``Trainer`` with
-    ``LayeroptCallback`` (``layer``); the optimizer handed over or built from ``optim=``."""
-    from transformers import PrinterCallback, Trainer, TrainingArguments
-
-    from layeropt.integrations.hf import LayeroptCallback, LayeroptTrainer
-
+    ``LayeroptCallback`` (``layer``); the optimizer handed over or built from ``optim=``;
+    with ``resume``, a new Trainer resumed from the first one's checkpoint at that step."""
     s = settings(prog)
-    model = HFNet(s["frozen"])
     with tempfile.TemporaryDirectory() as tmp:
-        args = TrainingArguments(
-            output_dir=tmp, per_device_train_batch_size=2, gradient_accumulation_steps=s["ga"],
-            learning_rate=1e-2, max_grad_norm=s["max_grad_norm"], lr_scheduler_type=s["sched"],
-            warmup_steps=s["warmup"], weight_decay=s["weight_decay"], bf16=s["bf16"],
-            logging_steps=1, seed=0, report_to=[], use_cpu=True, disable_tqdm=True,
-            save_strategy="no", **({"max_steps": s["stop"][1]} if s["stop"][0] == "steps"
-                                   else {"num_train_epochs": s["stop"][1]}),
-            **({"eval_strategy": "steps", "eval_steps": 2} if s["eval"] else {}),
-            **({"optim": s["built"]} if s["built"] else {}))
-        common: dict[str, Any] = {
-            "model": model, "args": args, "train_dataset": _rows(s["rows"]),
-            "eval_dataset": _rows(4, 2) if s["eval"] else None,
-            "optimizers": (None if s["built"] else optimizer(prog, model, layer), None)}
-        if not layer:
-            trainer = Trainer(**common)
-        elif s["kind"] == "trainer":
-            trainer = LayeroptTrainer(**common)
-        else:
-            trainer = Trainer(**common, callbacks=[LayeroptCallback()])
-        trainer.remove_callback(PrinterCallback)  # (it prints every log with disable_tqdm)
-        trainer.train()
+        trainer, model = _hf_train(prog, layer, s, tmp)
+        if s["resume"] is not None:  # (a new Trainer, model and optimizer from a checkpoint)
+            trainer, model = _hf_train(prog, layer, s, tmp, f"{tmp}/checkpoint-{s['resume']}")
     logged = trainer.state.log_history
     # the norms clipping measured (docs/integrations.md: with max_grad_norm=0 LayeroptTrainer
     # logs none; the callback refuses clipping, its Trainer logs 0 measured after backward)
@@ -406,6 +400,41 @@ def run_hf(prog: dict[str, Any], layer: bool) -> Result:
     norms = [h["grad_norm"] for h in logged if "grad_norm" in h] if clipped else []
     return result(model, trainer.optimizer, step=trainer.state.global_step, norms=norms,
                   evals=[h["eval_loss"] for h in logged if "eval_loss" in h])
+
+
+def _hf_train(prog: dict[str, Any], layer: bool, s: dict[str, Any], tmp: str,
+              resume: str | None = None) -> tuple[Any, nn.Module]:
+    """One ``train()`` (``resume``: from that checkpoint); the Trainer and its model.
+    With ``resume`` set in the settings, checkpoints are saved every that many steps."""
+    from transformers import PrinterCallback, Trainer, TrainingArguments
+
+    from layeropt.integrations.hf import LayeroptCallback, LayeroptTrainer
+
+    model = HFNet(s["frozen"])
+    saving = ({"save_strategy": "steps", "save_steps": s["resume"]} if s["resume"]
+              else {"save_strategy": "no"})
+    args = TrainingArguments(
+        output_dir=tmp, per_device_train_batch_size=2, gradient_accumulation_steps=s["ga"],
+        learning_rate=1e-2, max_grad_norm=s["max_grad_norm"], lr_scheduler_type=s["sched"],
+        warmup_steps=s["warmup"], weight_decay=s["weight_decay"], bf16=s["bf16"],
+        logging_steps=1, seed=0, report_to=[], use_cpu=True, disable_tqdm=True,
+        **saving, **({"max_steps": s["stop"][1]} if s["stop"][0] == "steps"
+                      else {"num_train_epochs": s["stop"][1]}),
+        **({"eval_strategy": "steps", "eval_steps": 2} if s["eval"] else {}),
+        **({"optim": s["built"]} if s["built"] else {}))
+    common: dict[str, Any] = {
+        "model": model, "args": args, "train_dataset": _rows(s["rows"]),
+        "eval_dataset": _rows(4, 2) if s["eval"] else None,
+        "optimizers": (None if s["built"] else optimizer(prog, model, layer), None)}
+    if not layer:
+        trainer = Trainer(**common)
+    elif s["kind"] == "trainer":
+        trainer = LayeroptTrainer(**common)
+    else:
+        trainer = Trainer(**common, callbacks=[LayeroptCallback()])
+    trainer.remove_callback(PrinterCallback)  # (it prints every log with disable_tqdm)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, model
 
 
 RUNS: dict[str, Callable[[dict[str, Any], bool], Result]] = {
