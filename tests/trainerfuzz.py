@@ -22,7 +22,8 @@ settings (a mix names the tool):
   micro-batch or every one, a prepared data loader or not;
 * ``hf``: ``LayeroptTrainer`` or a plain ``Trainer`` with ``LayeroptCallback`` -
   ``optimizers=`` or an ``optim=`` the Trainer builds, ``max_grad_norm``, warmup and
-  schedule types, evaluation during training, a new Trainer (model, optimizer) resumed
+  schedule types, evaluation during training, a model whose loss takes the window's
+  ``num_items_in_batch`` (``loss_kwargs``, as transformers' language models), a new Trainer (model, optimizer) resumed
   by ``train(resume_from_checkpoint=)`` from the first one's checkpoint (``resume``).
 
 Compared: parameters, the optimizer's ``state_dict()``, the global step, and what the
@@ -82,7 +83,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "hf": {"groups": False, "frozen": None, "rows": 9, "bf16": False, "ga": 1,
            "kind": "trainer", "built": None, "max_grad_norm": 0.0, "weight_decay": 0.0,
            "sched": "linear", "warmup": 0, "eval": False, "stop": ("steps", 3),
-           "resume": None},
+           "resume": None, "loss_kwargs": False},
 }
 
 
@@ -128,7 +129,8 @@ def _draw_hf(r: random.Random) -> dict[str, Any]:
             "sched": r.choice(["linear", "cosine", "constant_with_warmup", "constant"]),
             "warmup": r.choice([0, 1, 2]), "bf16": r.random() < 0.3, "eval": r.random() < 0.3,
             "stop": r.choice([("steps", r.randint(2, 5)), ("epochs", r.choice([1, 2]))]),
-            "resume": r.choice([1, 2, 3]) if r.random() < 0.2 else None}
+            "resume": r.choice([1, 2, 3]) if r.random() < 0.2 else None,
+            "loss_kwargs": r.random() < 0.3}
 
 
 DRAWS: dict[str, Callable[[random.Random], dict[str, Any]]] = {
@@ -379,6 +381,18 @@ class HFNet(nn.Module):
         return {"loss": nn.functional.mse_loss(out.float(), labels), "logits": out}
 
 
+class HFTokenNet(HFNet):
+    """The MLP as a Hugging Face language model takes the loss: a forward with ``**kwargs``,
+    so the Trainer passes ``num_items_in_batch`` (the labels of the accumulation window)
+    and does not divide the loss by the accumulation steps; the loss is a sum over it."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, **kwargs: Any
+                ) -> dict[str, torch.Tensor]:
+        out, n = self.net(x), kwargs.get("num_items_in_batch")
+        err = (out.float() - labels) ** 2
+        return {"loss": err.mean() if n is None else err.sum() / n, "logits": out}
+
+
 def _rows(n: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
     x, y = data(n, seed)
     return [{"x": a, "labels": b} for a, b in zip(x, y)]
@@ -410,7 +424,7 @@ def _hf_train(prog: dict[str, Any], layer: bool, s: dict[str, Any], tmp: str,
 
     from layeropt.integrations.hf import LayeroptCallback, LayeroptTrainer
 
-    model = HFNet(s["frozen"])
+    model = (HFTokenNet if s["loss_kwargs"] else HFNet)(s["frozen"])
     saving = ({"save_strategy": "steps", "save_steps": s["resume"]} if s["resume"]
               else {"save_strategy": "no"})
     args = TrainingArguments(
