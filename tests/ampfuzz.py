@@ -19,7 +19,9 @@ not: 1000, 0.7, 12345.678) and growth interval, attach options (none, ``clip_val
   ``with`` form, micro-batches of loops in an outer ``no_step()``, a layer only the
   first iteration reaches, against docs/loops.md's hand-written torch loop;
 
-with injected inf/NaN (the loss, or one input element: NaN in some layers only),
+(the ``offload`` mix: ``all``'s bodies with the optimizer state offloaded in a mode drawn
+per program, every copy on simulated CUDA streams, tests/offloadfuzz.py's; ``race`` a
+failure too) with injected inf/NaN (the loss, or one input element: NaN in some layers only),
 bf16/fp16 autocast, ``zero_grad`` keeping zeros or not. Compared: parameters,
 ``opt.state_dict()``, ``scaler.state_dict()`` (NaN equal to NaN), the returned norm
 against ``clip_grad_norm_``'s, and ``opt.last_grad_norm is`` that norm. Statuses:
@@ -50,13 +52,16 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 import layeropt
 from layeropt.loop import LoopAccumulator
 
 import loopfuzz
+import offloadfuzz
 from loopfuzz import TORCH_LIMIT, _diff, cli, detach
+from streamsim import offload_in_mode, simulate
 
 BODIES = {
     "all": ["amp", "amp", "ampacc", "amphold", "clip", "loop", "loop"],
@@ -64,6 +69,9 @@ BODIES = {
     "hold": ["amphold"],
     "clip": ["clip"],
     "loop": ["loop"],
+    # all's bodies with the optimizer state offloaded (a mode drawn per program,
+    # tests/offloadfuzz.py's), every copy on simulated CUDA streams
+    "offload": ["amp", "amp", "ampacc", "amphold", "clip", "loop", "loop"],
 }
 MIXES = list(BODIES)
 SCALES = [65536.0, 1024.0, 1000.0, 3.0, 0.7, 0.125, 12345.678, 2.0**20]
@@ -135,9 +143,10 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     dtype = r.choice(["fp32"] * 4 + ["bf16", "mixed"])
     if kind == "SGD" and okw.get("fused") and okw.get("momentum"):
         dtype = "fp32"  # torch's own: on bf16 its fused SGD leaves garbage in momentum buffers
+    mode = offloadfuzz.draw_mode(random.Random(seed + 10**7)) if mix == "offload" else None
     return {"seed": seed, "mix": mix, "tied": r.random() < 0.5, "opt": kind, "okw": okw,
             "akw": akw, "dtype": dtype, "init_scale": r.choice(SCALES),
-            "growth_interval": r.choice([1, 1, 2]), "iters": iters}
+            "growth_interval": r.choice([1, 1, 2]), "iters": iters, "mode": mode}
 
 
 # -- running it -----------------------------------------------------------------------
@@ -167,6 +176,8 @@ class Side:
         self.params = [p for g in self.opt.param_groups for p in g["params"]]  # state_dict keys
         self.akw = prog["akw"]
         self.handle = layeropt.attach(m, self.opt, **self.akw) if layer else None
+        mode = prog.get("mode")
+        self.offload = offload_in_mode(self.opt, mode) if layer and mode else None
         self.scaler = torch.amp.GradScaler("cpu", init_scale=prog["init_scale"],
                                            growth_interval=prog["growth_interval"])
         self.fused = prog["opt"] if prog["okw"].get("fused") else None
@@ -381,7 +392,17 @@ def _error_status(terr: Exception | None, lerr: Exception | None) -> dict[str, A
 
 def run_program(prog: dict[str, Any]) -> dict[str, Any]:
     """Both sides iteration by iteration, compared after each; the outcome is one of the
-    statuses of the module's docstring."""
+    statuses of the module's docstring (offloaded: ``race`` too, offloadfuzz's)."""
+    if not prog.get("mode"):
+        return _run(prog)
+    with pytest.MonkeyPatch.context() as monkeypatch, simulate(monkeypatch) as sim:
+        out = _run(prog)
+    if sim.races and out["status"] not in loopfuzz.FAILURES:
+        out = {**out, "status": "race", "races": sim.races[:3]}
+    return out
+
+
+def _run(prog: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(prog["seed"])
     init = Net(prog["tied"]).state_dict()
     t, lo = Side(prog, False, init), Side(prog, True, init)
@@ -405,6 +426,8 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
                             "differences": found[:6]}
             return out
     finally:
+        if lo.offload is not None:
+            lo.offload.remove()
         detach(lo.handle)
 
 

@@ -287,6 +287,10 @@ class Side:
         out = self.model(x, a["branch"], a["extra"])
         return ((out - y) ** 2).mean(), out
 
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` has a gradient this side keeps (in ``.grad``)."""
+        return p.grad is not None
+
     def _owned(self) -> list[torch.Tensor]:
         ids = {id(p) for g in self.opt.param_groups for p in g["params"]}
         return [p for p in self.model.parameters() if id(p) in ids]
@@ -422,7 +426,7 @@ def _unkept_after_remove(t: Side, lo: Side, name: str, a: dict[str, Any]) -> boo
     ``remove()``": torch zeroes gradients it still holds (its next step updates those
     parameters on zeros), which layeropt had freed before the attachment left."""
     return (name == "zg" and a["who"] == "model" and not a["stn"] and not lo.attached
-            and any(p.grad is not None and q.grad is None
+            and any(p.grad is not None and not lo.holds(q)
                     for p, q in zip(t.model.parameters(), lo.model.parameters())))
 
 

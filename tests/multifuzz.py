@@ -23,7 +23,11 @@ optimizer over one model does not reach. Each program is drawn from
   checkpoint (reentrant or not), ``layeropt.checkpoint`` or
   ``layeropt.checkpoint_modules``, mixed per block, a block applied three times in one
   forward, a weight read twice (embedding and output), accumulation, clipping, frozen
-  blocks.
+  blocks;
+* ``offload`` and ``ckoffload``: ``multi``'s and ``checkpoint``'s programs with every
+  layeropt optimizer's state offloaded (a mode drawn per program, tests/offloadfuzz.py's;
+  an optimizer handed over is offloaded again), every copy on simulated CUDA streams
+  (``race``: a copy not ordered after what it depends on).
 
 Outcomes are loopfuzz's: ``exact``, ``refused``, ``undetectable``, ``torch-error``, or
 one of ``FAILURES`` (``diff``, ``crash``, ``torch-error-only``). ``undetectable`` names
@@ -45,14 +49,18 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
 import layeropt
-from loopfuzz import _diff, cli, draw_optimizer, drop_chunks, play_both
+import offloadfuzz
+from loopfuzz import FAILURES, _diff, cli, draw_optimizer, drop_chunks, play_both
+from streamsim import offload_in_mode, simulate
 
-MIXES = ["multi", "gan", "handover", "checkpoint"]
+MIXES = ["multi", "gan", "handover", "checkpoint", "offload", "ckoffload"]
+OFFLOADED = {"offload": "multi", "ckoffload": "checkpoint"}  # mix -> the mix it offloads
 Op = tuple[str, dict[str, Any]]
 
 # The documented undetectable cases these programs reach (docs/rules.md), by the entry
@@ -170,7 +178,7 @@ class Blocks(nn.Module):
 
 
 def make_net(prog: dict[str, Any]) -> Heads | Blocks:
-    return Blocks(**prog["blocks"]) if prog["mix"] == "checkpoint" else Heads()
+    return Blocks(**prog["blocks"]) if "blocks" in prog else Heads()
 
 
 # -- drawing a program ------------------------------------------------------------------
@@ -310,8 +318,11 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     if mix not in MIXES:
         raise ValueError(f"mix={mix!r}: one of {MIXES}")
     r = random.Random(seed)
-    prog = _draw_blocks(r) if mix == "checkpoint" else _draw_heads(r, mix)
-    return {"seed": seed, "mix": mix, **prog, "ops": _mutate(r, prog["ops"])[:22]}
+    base = OFFLOADED.get(mix, mix)
+    prog = _draw_blocks(r) if base == "checkpoint" else _draw_heads(r, base)
+    mode = offloadfuzz.draw_mode(random.Random(seed + 10**7)) if mix in OFFLOADED else None
+    return {"seed": seed, "mix": mix, **prog, "ops": _mutate(r, prog["ops"])[:22],
+            "mode": mode}
 
 
 # -- running it -------------------------------------------------------------------------
@@ -326,8 +337,15 @@ class Side:
         self.ckpt = self.model.wire(layer)
         self.opts = {n: self._make(n, *prog["opts"][n]) for n in prog["opts"]}
         self.handles: dict[str, list[Any]] = {}
+        self.offloads: dict[str, Any] = {}  # name -> its offload handle (mode drawn)
         if layer:
             self._attach_all()
+            for n in self.opts:
+                self._offload(n)
+
+    def _offload(self, n: str) -> None:
+        if self.prog.get("mode") and self.is_lo(n):
+            self.offloads[n] = offload_in_mode(self.opts[n], self.prog["mode"])
 
     def is_lo(self, n: str) -> bool:
         """Whether optimizer ``n`` is a layeropt one on this side."""
@@ -417,8 +435,11 @@ class Side:
             hs = self.handles.pop(n, [])
             joint = [k for k, v in self.handles.items() if any(h in v for h in hs)]
             if how == "remove":
+                if n in self.offloads:  # (its state back first, as the docs' handover)
+                    self.offloads.pop(n).remove()
                 for h in hs:
                     h.remove()
+            self.offloads.pop(n, None)  # (deleted: the optimizer's pool goes with it)
             for k in joint:
                 del self.handles[k]
             del hs
@@ -427,6 +448,8 @@ class Side:
         self.opts[n] = self._make(n, *new)
         for k in [*joint, n] if self.layer else []:
             self._attach(k)
+        if self.layer:
+            self._offload(n)
         kept.clear()
 
     def do(self, name: str, a: dict[str, Any]) -> None:
@@ -462,6 +485,8 @@ class Side:
                 "state_dict": {n: copy.deepcopy(o.state_dict()) for n, o in self.opts.items()}}
 
     def close(self) -> None:
+        for handle in self.offloads.values():
+            handle.remove()
         for h in {id(h): h for hs in self.handles.values() for h in hs}.values():
             h.remove()
         if self.ckpt is not None:
@@ -474,7 +499,7 @@ class Watch:
     torch's side, with layeropt's ``.grad`` to see what an attached backward applied."""
 
     def __init__(self, t: Side, lo: Side) -> None:
-        self.t = t
+        self.t, self.lo = t, lo
         self.pairs = list(zip(t.model.parameters(), lo.model.parameters()))
         self.applied: set[int] = set()  # layeropt-owned, applied by step(), not zeroed
         self.open: set[str] = set()  # updated by an attached backward, no step()/zero_grad()
@@ -506,7 +531,7 @@ class Watch:
             if any(read & set(t.prog["owned"][n]) for n in self.open):
                 return "reads-updated"
         elif name == "mzg" and not a["stn"] and self.removed and any(
-                p.grad is not None and q.grad is None for p, q in self.pairs):
+                p.grad is not None and self._applied(q) for p, q in self.pairs):
             return "unkept"
         elif name == "handover":
             self.removed = True
@@ -538,6 +563,12 @@ class Watch:
             self.open.clear()
             self.pending.clear()
 
+    def _applied(self, q: torch.Tensor) -> bool:
+        """Whether layeropt's ``q`` (a backward reached it) was stepped and freed: no
+        ``.grad``, and not held in host memory by an offloaded optimizer either."""
+        return q.grad is None and not any(offloadfuzz.held_in_host(h, q)
+                                          for h in self.lo.offloads.values())
+
     def _backward(self) -> None:
         """Optimizers the backward gave gradients to are pending; layeropt ones whose
         gradients it applied (freed on layeropt's side) are open."""
@@ -547,7 +578,7 @@ class Watch:
             mine = {id(p) for p in self.t.params(n)} & reached.keys()
             if mine:
                 self.pending[n] = None
-            if any(reached[i].grad is None for i in mine & self._lo_ids(n)):
+            if any(self._applied(reached[i]) for i in mine & self._lo_ids(n)):
                 self.open.add(n)
                 self.updated.add(n)
 
@@ -563,6 +594,16 @@ def _ops(prog: dict[str, Any], watch: Watch) -> Iterator[Op]:
 
 def run_program(prog: dict[str, Any]) -> dict[str, Any]:
     """Both sides op by op; the outcome (module docstring)."""
+    if not prog.get("mode"):
+        return _run(prog)
+    with pytest.MonkeyPatch.context() as monkeypatch, simulate(monkeypatch) as sim:
+        out = _run(prog)
+    if sim.races and out["status"] not in FAILURES:
+        out = {**out, "status": "race", "races": sim.races[:3]}
+    return out
+
+
+def _run(prog: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(prog["seed"])
     init = make_net(prog).state_dict()
     t, lo = Side(prog, False, init), Side(prog, True, init)

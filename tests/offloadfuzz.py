@@ -64,6 +64,10 @@ class OffloadSide(Side):
         super().__init__(prog, layer, init)
         self.offload: Any = offload_in_mode(self.opt, prog["mode"]) if layer else None
 
+    def holds(self, p: Any) -> bool:
+        """In ``.grad``, or held in host memory (``.grad`` is ``None`` meanwhile)."""
+        return super().holds(p) or held_in_host(self.offload, p)
+
     def do(self, name: str, a: dict[str, Any]) -> None:
         if name == "offload":
             if self.layer and a["on"] and self.offload is None:
@@ -80,6 +84,11 @@ class OffloadSide(Side):
         if self.offload is not None:
             self.offload.remove()
         detach(self.handle)
+
+
+def held_in_host(handle: Any, p: Any) -> bool:
+    """Whether ``p``'s held gradient waits in host memory under the offload ``handle``."""
+    return handle is not None and handle.held is not None and p in handle.held
 
 
 def run_program(prog: dict[str, Any]) -> dict[str, Any]:

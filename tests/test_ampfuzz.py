@@ -25,6 +25,7 @@ BLOCKS = [
     ("loop", 240),  # LoopAccumulator(max_norm=, scaler=) against docs/loops.md's torch loop
     ("hold", 120),  # torch's own recipe, scaler.scale(loss).backward(), held by layeropt
     ("clip", 150),  # layeropt.backward(max_norm=, norm_type=, error_if_nonfinite=), no scaler
+    ("offload", 150),  # all's, the state offloaded in any mode on simulated streams
 ]
 
 

@@ -167,6 +167,39 @@ def test_a_layer_some_micro_batches_do_not_reach(unused_in, cap):
     _assert_all_same(runs)
 
 
+@CAPS
+@pytest.mark.parametrize("fused", [False, True], ids=["", "fused"])
+def test_a_skipped_step_after_a_layer_only_held_gradients_reach(fused, cap):
+    """A GradScaler-skipped step (an inf in the last micro-batch) where ``b`` has only a
+    gradient held in host memory (the first micro-batch's): torch's fused Adam makes
+    ``b``'s state (zeros, step 0) on that skipped step as for every parameter with a
+    ``.grad``, so layeropt does too (the tests/ampfuzz.py offload mix found it missing)."""
+    runs, handle, _, _ = _three(None, "Adam", dict(lr=0.01, fused=fused), cap,
+                                model=TwoBranch())
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in runs]
+    gen = torch.Generator().manual_seed(4)
+    for step in range(2):
+        xs = [torch.randn(3, 6, generator=gen) for _ in range(2)]
+        boost = [1.0, 1e38 if step == 0 else 1.0]  # the first window's last: inf, skipped
+        (ref, ref_opt), *ours = runs
+        for k, x in enumerate(xs):
+            scalers[0].scale(ref(x, use_b=k == 0).square().mean() * boost[k]).backward()
+        scalers[0].step(ref_opt)
+        scalers[0].update()
+        ref_opt.zero_grad()
+        for (m, o), s in zip(ours, scalers[1:]):
+            with o.no_step():
+                s.scale(m(xs[0], use_b=True).square().mean()).backward()
+            loss = m(xs[1], use_b=False).square().mean() * boost[1]
+            layeropt.backward(s.scale(loss), scaler=s)
+            s.step(o)
+            s.update()
+            o.zero_grad()
+        if step == 0:
+            assert [len(o.state) for _, o in runs] == [len(runs[0][1].state)] * 3
+    _assert_all_same(runs)
+
+
 def _nothing():
     import contextlib
 

@@ -25,6 +25,8 @@ BLOCKS = [
     ("gan", 350),  # a discriminator's step, then the generator's loss through it
     ("handover", 350),  # an optimizer replaced by a new one (removed, or deleted)
     ("checkpoint", 150),  # torch's and layeropt's checkpoints, a block reused, a weight read twice
+    ("offload", 150),  # multi's, every layeropt optimizer's state offloaded (simulated streams)
+    ("ckoffload", 100),  # checkpoint's, offloaded: gradients in pieces moved as they land
 ]
 
 

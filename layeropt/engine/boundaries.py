@@ -203,7 +203,11 @@ class StepRules:
 
     def skip(self, had_grad: list[Tensor]) -> None:
         """This optimizer's step was skipped (an inf/NaN under ``GradScaler``): drop its
-        gradients - ``had_grad``, those it had - as torch's ``zero_grad`` later would."""
+        gradients - ``had_grad``, those it had, and those its stepper's store holds,
+        which torch's ``.grad`` holds too - as torch's ``zero_grad`` later would."""
+        store, ids = self.stepper.held, {id(p) for p in had_grad}
+        had_grad = had_grad + [p for p in self.train_step.held
+                               if id(p) not in ids and p in store]
         self.train_step.skipped += had_grad
         self.train_step.scaler_skipped = had_grad
         self.discard_held()
