@@ -652,3 +652,58 @@ def test_loops_layeropt_refuses_do_not_pass_verification(process_group, monkeypa
     name, message, step = out["error"]
     assert name in ("VerifyError", test_rules.RULES[rule][2].__name__), out["error"]
     assert step <= test_rules.LATE.get(rule, 0), out["error"]
+
+
+# -- found by tests/verifyfuzz.py: a loop and whether verify must raise -------------------
+def _fb(m, o, x, held=False, retain=False):
+    with o.no_step() if held and hasattr(o, "no_step") else _nothing():
+        m(x).pow(2).mean().backward(retain_graph=retain)
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+VERIFY_FOUND = {
+    # step() twice on one backward's gradients, the model attached again between: the
+    # verifier keeps what it saw (it was replaced, and forgot the gradient step() applied)
+    "attach again between two step()s": (
+        lambda m, o, xs, again: (_fb(m, o, xs[0]), o.step(), again(), o.step()), "again"),
+    # zeros zero_grad(set_to_none=False) keeps, stepped twice: torch updates on them at
+    # each step(), and so does in-backward updating (it was called a gradient applied twice)
+    "kept zeros stepped twice": (
+        lambda m, o, xs, again: (_fb(m, o, xs[0]), o.step(), o.zero_grad(set_to_none=False),
+                                 o.step(), o.step()), None),
+    "kept zeros stepped twice after a held backward": (
+        lambda m, o, xs, again: (_fb(m, o, xs[0], retain=True),
+                                 o.zero_grad(set_to_none=False), o.step(), o.step()), None),
+    # a backward held onto the kept zeros, then one more onto its gradient, not zeroed
+    "a gradient held onto kept zeros, not zeroed after its step()": (
+        lambda m, o, xs, again: (_fb(m, o, xs[0]), o.step(), o.zero_grad(set_to_none=False),
+                                 _fb(m, o, xs[1], retain=True), o.step(),
+                                 _fb(m, o, xs[2], held=True), o.step()), "not zeroed"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("case", list(VERIFY_FOUND))
+def test_verify_finds_these_and_only_these(case):
+    """Each loop with verify on every step: ``VerifyError`` naming the cause where the
+    loop differs from torch's, otherwise torch's parameters and state bit for bit."""
+    loop, cause = VERIFY_FOUND[case]
+    ref, model = _model(), _model()
+    ro = torch.optim.NAdam(ref.parameters(), lr=0.05)
+    lo = layeropt.in_backward(torch.optim.NAdam)(model.parameters(), lr=0.05)
+    layeropt.attach(model, lo, verify=100)
+    xs = [torch.randn(5, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    loop(ref, ro, xs, lambda: None)
+    if cause is not None:
+        with pytest.raises(layeropt.VerifyError, match=cause):
+            loop(model, lo, xs, lambda: layeropt.attach(model, lo, verify=100))
+        return
+    loop(model, lo, xs, lambda: layeropt.attach(model, lo, verify=100))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        test_rules.assert_same(p.detach(), q.detach())
+    test_rules.assert_same(lo.state_dict(), ro.state_dict())

@@ -115,11 +115,13 @@ def verify_steps(verify: int | None) -> int:
 def verify(engine: Any, steps: int) -> None:
     """Run ``engine``'s next ``steps`` training steps both ways; 0: stop verifying.
 
-    A backward shadowed and waiting for ``step()`` stays with its verifier, as the first
+    A verifier already running goes on with the new count and what it has seen (a
+    gradient a ``step()`` applied is still known when the model is attached again). A
+    backward shadowed and waiting for ``step()`` stays with its verifier, as the first
     of those steps (the last, for 0): its gradients are still in ``.grad``, which the
     engine counts as applied already (unwrapped, ``step()`` would refuse them)."""
     current = engine.find(Verifier)
-    if current is not None and current.shadows:
+    if current is not None and (current.shadows or steps > 0):
         current.left = max(steps, 1)
         return
     if current is not None:
@@ -145,6 +147,11 @@ class Print(NamedTuple):
     digest: bytes
     total: float
     norm: float
+
+
+def _local(t: Tensor) -> Tensor:
+    """``t``, or this process's shard of a DTensor."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def fingerprint(t: Tensor) -> Print:
@@ -346,10 +353,8 @@ class Verifier(Wrapper):
         ``step()`` but zeroed in place (``p.grad.zero_()``, wherever the loop does it) is
         not the last step's gradient any more - adding onto zeros is exact."""
         kept = self.unzeroed.get(id(p))
-        if kept is not None and p.grad is kept[0]:
-            g = kept[0].to_local() if is_dtensor(kept[0]) else kept[0]
-            if not g.any():
-                del self.unzeroed[id(p)]
+        if kept is not None and p.grad is kept[0] and not _local(kept[0]).any():
+            del self.unzeroed[id(p)]
 
     def freed(self) -> set[int]:
         """Parameters (by ``id``) whose gradient in-backward updating would have applied and
@@ -468,6 +473,12 @@ class Verifier(Wrapper):
                      if p.grad is not None and p not in self.shadows]
         # step() again on the gradient it applied (nothing added to it, nothing done to
         # it): in backward mode it finds no gradient and leaves these as they are
+        # (not the zeros zero_grad(set_to_none=False) keeps, nothing added since: step()
+        # updates on them each time in backward mode too, as torch's - engine.unused_kept)
+        kept_zeros, used = engine.kept_grads or {}, {id(p) for p in engine._this_step()}
+        for p in leftovers:
+            if kept_zeros.get(id(p)) is p and id(p) not in used and not _local(p.grad).any():
+                self.unzeroed.pop(id(p), None)
         again = {p: _digests(optimizer, p) for p in leftovers
                  if (kept := self.unzeroed.get(id(p))) is not None
                  and p.grad is kept[0] and kept[0]._version == kept[1]}

@@ -1,0 +1,85 @@
+"""Random training loops under ``LAYEROPT_VERIFY``: never silent, never a false alarm.
+
+tests/loopfuzz.py's programs run three ways: torch.optim; layeropt attached (loopfuzz's
+outcome); layeropt attached with ``verify=`` covering every step of the program. While
+it verifies, layeropt runs the loop with torch's semantics for real and checks at each
+``step()`` that the update in backward would have been the same (docs/rules.md, "How to
+check your loop"). So the verified run must end with torch's parameters and state bit
+for bit, or raise; and:
+
+* ``verify-silent`` (a failure): layeropt alone ends different from torch (run on
+  past any documented undetectable case), the verified run raised nothing, and the
+  case is not one of those verify is said not to find (``BLIND``: ``remove()`` inside a
+  training step, a checkpoint saved there);
+* ``verify-false-alarm`` (a failure): layeropt alone ends exact, and the verified run
+  raised ``VerifyError``;
+* ``verify-diff`` (a failure): the verified run differs from torch without an error.
+
+Otherwise the outcome is the verified run's (``exact``, ``refused``: ``VerifyError`` or
+another refusal, ``torch-error``), with ``plain``: loopfuzz's outcome.
+
+    python verifyfuzz.py --mix all --start 0 --n 500
+    python verifyfuzz.py --mix chaos --minimize 17
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import loopfuzz
+from loopfuzz import Side, cli
+
+MIXES = ["all", "clip", "clipattach", "chaos"]
+STEPS = 1000  # verify= for every program: more steps than any program makes
+# loopfuzz's undetectable cases verify does not find either (docs/rules.md, "What cannot
+# be detected": the last five)
+BLIND = ("remove-discard", "remove-unkept", "saved-ahead")
+
+
+class VerifySide(Side):
+    """loopfuzz's side; layeropt's attached with ``verify=STEPS``."""
+
+    def attach(self) -> Any:
+        if not self.layer:
+            return None
+        import layeropt
+
+        return layeropt.attach(self.model, self.opt, verify=STEPS, **self.akw)
+
+
+def draw_program(seed: int, mix: str) -> dict[str, Any]:
+    if mix not in MIXES:
+        raise ValueError(f"mix={mix!r}: one of {MIXES}")
+    return loopfuzz.draw_program(seed, mix)
+
+
+def run_program(prog: dict[str, Any]) -> dict[str, Any]:
+    """The outcome (module docstring); ``plain``: layeropt's alone, run on past the
+    undetectable cases; ``why``: the first undetectable case it reached, if one."""
+    why = loopfuzz.run_program(prog).get("why")
+    plain = loopfuzz.run_program(prog, classify=False)["status"]
+    verified = loopfuzz.run_program(prog, VerifySide, classify=False)
+    out = {**verified, "plain": plain, **({"why": why} if why else {})}
+    if verified["status"] == "diff":
+        return {**out, "status": "verify-diff"}
+    said = verified["status"] == "refused" and "VerifyError" in verified.get("error", "")
+    if plain == "diff" and verified["status"] == "exact":
+        return {**out, "status": "undetectable" if why in BLIND else "verify-silent"}
+    if plain == "exact" and said:
+        return {**out, "status": "verify-false-alarm"}
+    return out
+
+
+def run_block(mix: str, start: int, n: int) -> list[dict[str, Any]]:
+    return [run_program(draw_program(s, mix)) for s in range(start, start + n)]
+
+
+def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
+    def still(p: dict[str, Any]) -> bool:
+        return run_program(p)["status"] == status
+
+    return loopfuzz.drop_chunks(prog, "ops", still)
+
+
+if __name__ == "__main__":
+    cli(__doc__, MIXES, draw_program, run_program, minimize, tally="plain")
