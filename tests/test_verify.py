@@ -707,3 +707,26 @@ def test_verify_finds_these_and_only_these(case):
     for p, q in zip(model.parameters(), ref.parameters()):
         test_rules.assert_same(p.detach(), q.detach())
     test_rules.assert_same(lo.state_dict(), ro.state_dict())
+
+
+def test_another_models_zero_grad_leaves_the_verified_loop_alone():
+    """A plain model's ``zero_grad()`` (another model, trained by torch.optim beside it)
+    between the verified loop's backward and its ``step()``: not this loop's - it applied
+    this loop's pending step as a loop without ``step()``'s and failed its ``step()``
+    (tests/verifyfuzz.py, torch's side of a program)."""
+    ref, model, other = _model(), _model(), _model()
+    ro = torch.optim.Adamax(ref.parameters(), lr=0.01)
+    lo = layeropt.in_backward(torch.optim.Adamax)(model.parameters(), lr=0.01)
+    layeropt.attach(model, lo, verify=100)
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (nothing said either)
+        for m, o in ((ref, ro), (model, lo)):
+            m(x).pow(2).mean().backward()
+            other(x).sum().backward()
+            other.zero_grad()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        test_rules.assert_same(p.detach(), q.detach())
+    test_rules.assert_same(lo.state_dict(), ro.state_dict())

@@ -67,6 +67,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import layeropt
 
 MIXES = ["lightning", "accelerate", "hf"]
+VERIFY = 1000  # verify=: every step of a program (the integrations' own argument)
 Result = dict[str, Any]
 
 # Each tool's settings when a program does not draw them (what --minimize goes back to).
@@ -74,16 +75,16 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "lightning": {"groups": False, "frozen": None, "batches": 5, "precision": "32-true",
                   "acc": 1, "clip": None, "sched": None, "freq": 1, "stop": ("steps", 3),
                   "log_grad_norm": False, "manual": False, "none_step": False,
-                  "bucket": None, "resume": None},
+                  "bucket": None, "resume": None, "verify": False},
     "accelerate": {"groups": False, "frozen": None, "batches": 5, "mp": "no", "ga": 1,
                    "by_hand": False, "clip": None, "max_norm": 0.5, "clip_value": 0.1,
                    "given": False, "clip_order": "model", "clip_every": False,
                    "sched": None, "loader": True, "epochs": 1, "max_steps": None,
-                   "bucket": None},
+                   "bucket": None, "verify": False, "offload": False},
     "hf": {"groups": False, "frozen": None, "rows": 9, "bf16": False, "ga": 1,
            "kind": "trainer", "built": None, "max_grad_norm": 0.0, "weight_decay": 0.0,
            "sched": "linear", "warmup": 0, "eval": False, "stop": ("steps", 3),
-           "resume": None, "loss_kwargs": False},
+           "resume": None, "loss_kwargs": False, "verify": False, "offload": False},
 }
 
 
@@ -102,7 +103,8 @@ def _draw_lightning(r: random.Random) -> dict[str, Any]:
             "stop": r.choice([("steps", r.randint(2, 6)), ("epochs", r.randint(1, 2))]),
             "log_grad_norm": r.random() < 0.3, "manual": r.random() < 0.08,
             "none_step": r.random() < 0.1, "bucket": r.choice([None, 0]),
-            "resume": r.choice([1, 2, 3]) if r.random() < 0.2 else None}
+            "resume": r.choice([1, 2, 3]) if r.random() < 0.2 else None,
+            "verify": r.random() < 0.15}
 
 
 def _draw_accelerate(r: random.Random) -> dict[str, Any]:
@@ -113,7 +115,8 @@ def _draw_accelerate(r: random.Random) -> dict[str, Any]:
             "given": r.random() < 0.4, "clip_order": r.choice(["model", "model", "groups"]),
             "clip_every": r.random() < 0.1, "sched": r.choice([None, "warmup", "linear", "cosine"]),
             "loader": r.random() < 0.8, "epochs": r.choice([1, 1, 2]),
-            "max_steps": r.choice([None, None, 3]), "bucket": r.choice([None, 0])}
+            "max_steps": r.choice([None, None, 3]), "bucket": r.choice([None, 0]),
+            "verify": r.random() < 0.15, "offload": r.random() < 0.15}
 
 
 def _draw_hf(r: random.Random) -> dict[str, Any]:
@@ -130,7 +133,8 @@ def _draw_hf(r: random.Random) -> dict[str, Any]:
             "warmup": r.choice([0, 1, 2]), "bf16": r.random() < 0.3, "eval": r.random() < 0.3,
             "stop": r.choice([("steps", r.randint(2, 5)), ("epochs", r.choice([1, 2]))]),
             "resume": r.choice([1, 2, 3]) if r.random() < 0.2 else None,
-            "loss_kwargs": r.random() < 0.3}
+            "loss_kwargs": r.random() < 0.3, "verify": r.random() < 0.15,
+            "offload": r.random() < 0.15}
 
 
 DRAWS: dict[str, Callable[[random.Random], dict[str, Any]]] = {
@@ -263,8 +267,8 @@ def run_lightning(prog: dict[str, Any], layer: bool) -> Result:
             kw["gradient_clip_algorithm"], kw["gradient_clip_val"] = s["clip"]
 
     def fit(ckpt: str | None = None, **stop: Any) -> Any:
-        callbacks = [LayeroptCallback(bucket_cap_mb=s["bucket"],
-                                      log_grad_norm=s["log_grad_norm"])] if layer else []
+        callbacks = [LayeroptCallback(bucket_cap_mb=s["bucket"], log_grad_norm=s["log_grad_norm"],
+                                      verify=VERIFY if s["verify"] else None)] if layer else []
         trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False,
                             num_sanity_val_steps=0, precision=s["precision"],
@@ -310,7 +314,8 @@ def _accelerator(s: dict[str, Any], layer: bool) -> Any:
     clip = s["clip"] or ""
     given = {"max_grad_norm": s["max_norm"] if s["given"] and "norm" in clip else None,
              "clip_value": s["clip_value"] if s["given"] and "value" in clip else None}
-    return LayeroptAccelerator(bucket_cap_mb=s["bucket"],
+    return LayeroptAccelerator(bucket_cap_mb=s["bucket"], verify=VERIFY if s["verify"] else None,
+                               offload_state=s["offload"],
                                **{k: v for k, v in given.items() if v is not None}, **kw)
 
 
@@ -443,9 +448,11 @@ def _hf_train(prog: dict[str, Any], layer: bool, s: dict[str, Any], tmp: str,
     if not layer:
         trainer = Trainer(**common)
     elif s["kind"] == "trainer":
-        trainer = LayeroptTrainer(**common)
+        trainer = LayeroptTrainer(**common, verify=VERIFY if s["verify"] else None,
+                                  offload_state=s["offload"])
     else:
-        trainer = Trainer(**common, callbacks=[LayeroptCallback()])
+        trainer = Trainer(**common, callbacks=[
+            LayeroptCallback(verify=VERIFY if s["verify"] else None)])
     trainer.remove_callback(PrinterCallback)  # (it prints every log with disable_tqdm)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, model
@@ -471,6 +478,8 @@ def quiet() -> Iterator[None]:
 
 def _error_status(terr: Exception | None, lerr: Exception | None) -> dict[str, Any] | None:
     """The outcome from the runs' exceptions (None: both trained)."""
+    if isinstance(lerr, layeropt.VerifyError):  # (these set-ups are exact: a false alarm)
+        return {"status": "verify-false-alarm", "error": f"{lerr}"[:300]}
     if isinstance(lerr, layeropt.LayeroptError):
         return {"status": "refused", "error": f"{type(lerr).__name__}: {lerr}"[:300],
                 **({"torch": repr(terr)[:200]} if terr is not None else {})}

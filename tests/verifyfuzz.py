@@ -10,7 +10,7 @@ for bit, or raise; and:
 * ``verify-silent`` (a failure): layeropt alone ends different from torch (run on
   past any documented undetectable case), the verified run raised nothing, and the
   case is not one of those verify is said not to find (``BLIND``: ``remove()`` inside a
-  training step, a checkpoint saved there);
+  training step, a checkpoint saved there, a gradient applied again after ``remove()``);
 * ``verify-false-alarm`` (a failure): layeropt alone ends exact, and the verified run
   raised ``VerifyError``;
 * ``verify-diff`` (a failure): the verified run differs from torch without an error.
@@ -32,8 +32,9 @@ from loopfuzz import Side, cli
 MIXES = ["all", "clip", "clipattach", "chaos"]
 STEPS = 1000  # verify= for every program: more steps than any program makes
 # loopfuzz's undetectable cases verify does not find either (docs/rules.md, "What cannot
-# be detected": the last five)
-BLIND = ("remove-discard", "remove-unkept", "saved-ahead")
+# be detected": the last five; and verify watches while attached - "How to check your
+# loop" - so a step() again after remove() is torch's there)
+BLIND = ("remove-discard", "remove-unkept", "saved-ahead", "detached")
 
 
 class VerifySide(Side):
@@ -56,7 +57,10 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
 def run_program(prog: dict[str, Any]) -> dict[str, Any]:
     """The outcome (module docstring); ``plain``: layeropt's alone, run on past the
     undetectable cases; ``why``: the first undetectable case it reached, if one."""
-    why = loopfuzz.run_program(prog).get("why")
+    first = loopfuzz.run_program(prog)
+    why = first.get("why")
+    if why == "never-zeroed" and _detached(prog, first["at"]):
+        why = "detached"
     plain = loopfuzz.run_program(prog, classify=False)["status"]
     verified = loopfuzz.run_program(prog, VerifySide, classify=False)
     out = {**verified, "plain": plain, **({"why": why} if why else {})}
@@ -68,6 +72,14 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
     if plain == "exact" and said:
         return {**out, "status": "verify-false-alarm"}
     return out
+
+
+def _detached(prog: dict[str, Any], at: int) -> bool:
+    """Whether the attachment was removed (not attached again) before op ``at``."""
+    detached = False
+    for name, _ in prog["ops"][:at]:
+        detached = name == "remove" or (detached and name != "attach")
+    return detached
 
 
 def run_block(mix: str, start: int, n: int) -> list[dict[str, Any]]:

@@ -224,13 +224,16 @@ def _zero_grad_watcher(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def zero_grad(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         set_to_none = kwargs.get("set_to_none", args[0] if args else True)
+        params = list(self.parameters())
         for engine in list(ENGINES):
             engine.check_discard(self.parameters, f"{type(self).__name__}.zero_grad()")
             verifier = engine.find(Verifier)
-            if verifier is not None:  # (LAYEROPT_VERIFY: these were zeroed)
-                verifier.settle(f"{type(self).__name__}.zero_grad()")
-                verifier.zeroed(self.parameters)
-            engine.module_zero_grad(list(self.parameters()), bool(set_to_none))
+            optimizer = engine._optimizer()
+            if verifier is not None and optimizer is not None and any(  # (LAYEROPT_VERIFY:
+                    optimizer.owns(p) for p in params):  # these were zeroed; another
+                verifier.settle(f"{type(self).__name__}.zero_grad()")  # model's are not
+                verifier.zeroed(self.parameters)  # this loop's)
+            engine.module_zero_grad(params, bool(set_to_none))
         return original(self, *args, **kwargs)
 
     return zero_grad
