@@ -27,7 +27,11 @@ optimizer over one model does not reach. Each program is drawn from
 * ``offload`` and ``ckoffload``: ``multi``'s and ``checkpoint``'s programs with every
   layeropt optimizer's state offloaded (a mode drawn per program, tests/offloadfuzz.py's;
   an optimizer handed over is offloaded again), every copy on simulated CUDA streams
-  (``race``: a copy not ordered after what it depends on).
+  (``race``: a copy not ordered after what it depends on);
+* ``verify`` and ``vgan``: ``multi``'s and ``gan``'s programs alone, then with every
+  layeropt optimizer attached with ``verify=`` over every step: tests/verifyfuzz.py's
+  outcomes (``verify-silent``, ``verify-diff``, ``verify-false-alarm``), but for the
+  cases verify is said not to find (``VERIFY_BLIND``).
 
 Outcomes are loopfuzz's: ``exact``, ``refused``, ``undetectable``, ``torch-error``, or
 one of ``FAILURES`` (``diff``, ``crash``, ``torch-error-only``). ``undetectable`` names
@@ -59,8 +63,9 @@ import offloadfuzz
 from loopfuzz import FAILURES, _diff, cli, draw_optimizer, drop_chunks, play_both
 from streamsim import offload_in_mode, simulate
 
-MIXES = ["multi", "gan", "handover", "checkpoint", "offload", "ckoffload"]
+MIXES = ["multi", "gan", "handover", "checkpoint", "offload", "ckoffload", "verify", "vgan"]
 OFFLOADED = {"offload": "multi", "ckoffload": "checkpoint"}  # mix -> the mix it offloads
+VERIFIED = {"verify": "multi", "vgan": "gan"}  # mix -> the mix it verifies (every step)
 Op = tuple[str, dict[str, Any]]
 
 # The documented undetectable cases these programs reach (docs/rules.md), by the entry
@@ -318,11 +323,11 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     if mix not in MIXES:
         raise ValueError(f"mix={mix!r}: one of {MIXES}")
     r = random.Random(seed)
-    base = OFFLOADED.get(mix, mix)
+    base = OFFLOADED.get(mix) or VERIFIED.get(mix, mix)
     prog = _draw_blocks(r) if base == "checkpoint" else _draw_heads(r, base)
     mode = offloadfuzz.draw_mode(random.Random(seed + 10**7)) if mix in OFFLOADED else None
     return {"seed": seed, "mix": mix, **prog, "ops": _mutate(r, prog["ops"])[:22],
-            "mode": mode}
+            "mode": mode, "verify": mix in VERIFIED}
 
 
 # -- running it -------------------------------------------------------------------------
@@ -369,7 +374,7 @@ class Side:
         style = self.prog["style"]
         if style == "none" or (style == "list" and len(names) > 1):
             h = layeropt.attach(self.model, None if style == "none" else
-                                [self.opts[n] for n in names], **self.prog["akw"])
+                                [self.opts[n] for n in names], **self._akw())
             self.handles = {n: [h] for n in names}
         else:
             for n in names:
@@ -377,7 +382,11 @@ class Side:
 
     def _attach(self, n: str) -> None:
         mods = self.modules(n) if self.prog["style"] == "sub" else [self.model]
-        self.handles[n] = [layeropt.attach(m, self.opts[n], **self.prog["akw"]) for m in mods]
+        self.handles[n] = [layeropt.attach(m, self.opts[n], **self._akw()) for m in mods]
+
+    def _akw(self) -> dict[str, Any]:
+        """attach's arguments: the program's, and ``verify=`` over every step (verified)."""
+        return {**self.prog["akw"], **({"verify": 1000} if self.prog.get("verify") else {})}
 
     def _attached_params(self) -> list[torch.Tensor]:
         """What ``layeropt.backward`` measures by default: the attached models'
@@ -594,12 +603,43 @@ def _ops(prog: dict[str, Any], watch: Watch) -> Iterator[Op]:
 
 def run_program(prog: dict[str, Any]) -> dict[str, Any]:
     """Both sides op by op; the outcome (module docstring)."""
+    if prog.get("verify"):
+        return _verified(prog)
     if not prog.get("mode"):
         return _run(prog)
     with pytest.MonkeyPatch.context() as monkeypatch, simulate(monkeypatch) as sim:
         out = _run(prog)
     if sim.races and out["status"] not in FAILURES:
         out = {**out, "status": "race", "races": sim.races[:3]}
+    return out
+
+
+# WHY keys verify does not find either (docs/rules.md: a forward reading parameters
+# between backward and step() - verified, it reads torch's; remove() inside a step; an
+# optimizer handed over or deleted open, whose verifier goes with it, and a gradient it
+# applied stepped again by the new one)
+VERIFY_BLIND = ("reads-updated", "unkept", "step-less", "deleted", "handed-over")
+
+
+def _verified(prog: dict[str, Any]) -> dict[str, Any]:
+    """tests/verifyfuzz.py's outcomes: the program alone, then verified over every step."""
+    plain = _run({**prog, "verify": False})
+    if plain.get("why") == "never-zeroed" and any(
+            name == "handover" for name, _ in prog["ops"][:plain["at"]]):
+        plain["why"] = "handed-over"  # (a gradient the old optimizer's step() applied)
+    out = {**_run(prog), "plain": plain["status"]}
+    ended = out["status"] not in ("exact", "undetectable", "diff")  # (raised)
+    blind = plain.get("why") in VERIFY_BLIND
+    if out.get("differs") and not ended:  # (blind: verify takes the loop as one without
+        return ({**out, "status": "undetectable", "why": plain["why"]} if blind  # step()
+                else {**out, "status": "verify-diff"})  # at the forward, as layeropt
+        # alone does, and says so)
+    said = out["status"] == "refused" and "VerifyError" in out.get("error", "")
+    if plain.get("differs") and plain["status"] in ("exact", "undetectable") and not ended:
+        return {**out, "status": "undetectable", "why": plain["why"]} if blind else {
+            **out, "status": "verify-silent"}
+    if plain["status"] == "exact" and said:
+        return {**out, "status": "verify-false-alarm"}
     return out
 
 
@@ -621,6 +661,7 @@ def _run(prog: dict[str, Any]) -> dict[str, Any]:
                 if why is not None and out["status"] == "exact":
                     out.update(status="undetectable", why=why, at=i)
             found = _diff(t.snapshot(), lo.snapshot())
+            out["differs"] = bool(found)  # (what verify must have found, if not refused)
             if found and out["status"] == "exact":
                 return {**out, "status": "diff", "differences": found[:6]}
             return out

@@ -27,6 +27,8 @@ BLOCKS = [
     ("checkpoint", 150),  # torch's and layeropt's checkpoints, a block reused, a weight read twice
     ("offload", 150),  # multi's, every layeropt optimizer's state offloaded (simulated streams)
     ("ckoffload", 100),  # checkpoint's, offloaded: gradients in pieces moved as they land
+    ("verify", 150),  # multi's alone, then verified: verifyfuzz's outcomes
+    ("vgan", 100),  # gan's alone, then verified
 ]
 
 
