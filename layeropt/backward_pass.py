@@ -296,6 +296,10 @@ def backward(
                     if clipped is None or id(p) in clipped:  # (only those it is given)
                         p.grad = torch.zeros_like(p).mul_(coef.to(p.device, p.dtype))
         for e, before in verifying.items():  # LAYEROPT_VERIFY: the real side, torch's recipe
+            o = e._optimizer()
+            if any(o is f for f in fused):  # (scaler.step's kernel divides by the scale)
+                o.grad_scale = scaler._scale
+                continue
             verifiers[e].transform_real([p for p in verifiers[e].shadows if p not in before],
                                       transform)
     for o in optimizers:  # their step is skipped: nothing of theirs changes

@@ -21,7 +21,8 @@ not: 1000, 0.7, 12345.678) and growth interval, attach options (none, ``clip_val
 
 (the ``offload`` mix: ``all``'s bodies with the optimizer state offloaded in a mode drawn
 per program, every copy on simulated CUDA streams, tests/offloadfuzz.py's; ``race`` a
-failure too) with injected inf/NaN (the loss, or one input element: NaN in some layers only),
+failure too; ``verify``: ``all``'s attached with ``verify=`` over every step, where a
+``VerifyError`` is a false alarm) with injected inf/NaN (the loss, or one input element: NaN in some layers only),
 bf16/fp16 autocast, ``zero_grad`` keeping zeros or not. Compared: parameters,
 ``opt.state_dict()``, ``scaler.state_dict()`` (NaN equal to NaN), the returned norm
 against ``clip_grad_norm_``'s, and ``opt.last_grad_norm is`` that norm. Statuses:
@@ -72,6 +73,8 @@ BODIES = {
     # all's bodies with the optimizer state offloaded (a mode drawn per program,
     # tests/offloadfuzz.py's), every copy on simulated CUDA streams
     "offload": ["amp", "amp", "ampacc", "amphold", "clip", "loop", "loop"],
+    # all's bodies attached with verify= over every step: exact, or a false alarm
+    "verify": ["amp", "amp", "ampacc", "amphold", "clip", "loop", "loop"],
 }
 MIXES = list(BODIES)
 SCALES = [65536.0, 1024.0, 1000.0, 3.0, 0.7, 0.125, 12345.678, 2.0**20]
@@ -146,7 +149,8 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     mode = offloadfuzz.draw_mode(random.Random(seed + 10**7)) if mix == "offload" else None
     return {"seed": seed, "mix": mix, "tied": r.random() < 0.5, "opt": kind, "okw": okw,
             "akw": akw, "dtype": dtype, "init_scale": r.choice(SCALES),
-            "growth_interval": r.choice([1, 1, 2]), "iters": iters, "mode": mode}
+            "growth_interval": r.choice([1, 1, 2]), "iters": iters, "mode": mode,
+            "verify": mix == "verify"}
 
 
 # -- running it -----------------------------------------------------------------------
@@ -175,7 +179,8 @@ class Side:
         self.opt = cls([{"params": params[:2]}, {"params": params[2:]}], **prog["okw"])
         self.params = [p for g in self.opt.param_groups for p in g["params"]]  # state_dict keys
         self.akw = prog["akw"]
-        self.handle = layeropt.attach(m, self.opt, **self.akw) if layer else None
+        verify = {"verify": 1000} if prog.get("verify") else {}
+        self.handle = layeropt.attach(m, self.opt, **self.akw, **verify) if layer else None
         mode = prog.get("mode")
         self.offload = offload_in_mode(self.opt, mode) if layer and mode else None
         self.scaler = torch.amp.GradScaler("cpu", init_scale=prog["init_scale"],
@@ -384,6 +389,8 @@ def _error_status(terr: Exception | None, lerr: Exception | None) -> dict[str, A
         return None
     if TORCH_LIMIT in str(lerr):
         return {"status": "torch-error", "error": repr(lerr)[:200]}
+    if isinstance(lerr, layeropt.VerifyError):  # (these loops are exact: a false alarm)
+        return {"status": "verify-false-alarm", "error": f"{lerr}"[:300]}
     if isinstance(lerr, layeropt.LayeroptError):
         return {"status": "refused", "error": f"{type(lerr).__name__}: {lerr}"[:300]}
     return {"status": "crash", "error": f"{type(lerr).__name__}: {lerr}"[:300],
@@ -413,6 +420,9 @@ def _run(prog: dict[str, Any]) -> dict[str, Any]:
             for i, a in enumerate(prog["iters"]):
                 (tn, ln), (terr, lerr) = _both(t, lo, a)
                 ended = _error_status(terr, lerr)
+                if ended is not None and ended["status"] == "verify-false-alarm" and \
+                        t.uninitialised:  # (verify compared them: torch's own garbage)
+                    ended = {"status": "torch-error", "error": ended["error"]}
                 if ended is not None:
                     return {**out, **ended, "at": i, "body": a["body"]}
                 if t.uninitialised:

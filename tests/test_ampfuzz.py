@@ -26,6 +26,7 @@ BLOCKS = [
     ("hold", 120),  # torch's own recipe, scaler.scale(loss).backward(), held by layeropt
     ("clip", 150),  # layeropt.backward(max_norm=, norm_type=, error_if_nonfinite=), no scaler
     ("offload", 150),  # all's, the state offloaded in any mode on simulated streams
+    ("verify", 150),  # all's, verified over every step: a VerifyError is a false alarm
 ]
 
 

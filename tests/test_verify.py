@@ -730,3 +730,39 @@ def test_another_models_zero_grad_leaves_the_verified_loop_alone():
     for p, q in zip(model.parameters(), ref.parameters()):
         test_rules.assert_same(p.detach(), q.detach())
     test_rules.assert_same(lo.state_dict(), ro.state_dict())
+
+
+def _scaled_steps(m, o, scaler, xs, lo, stn):
+    """GradScaler steps (torch's recipe, or layeropt.backward's): the first batch's
+    loss NaN (a skipped step), ``zero_grad(set_to_none=stn)``, then the rest."""
+    for i, x in enumerate(xs):
+        loss = m(x).pow(2).mean() * (float("nan") if i == 0 else 1.0)
+        if lo:
+            layeropt.backward(scaler.scale(loss), scaler=scaler)
+        else:
+            scaler.scale(loss).backward()
+        scaler.step(o)
+        scaler.update()
+        o.zero_grad(set_to_none=stn)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("scale", [1024.0, 1000.0], ids=["power of two", "1000"])
+@pytest.mark.parametrize("stn", [True, False], ids=["set_to_none", "zeros kept"])
+@pytest.mark.parametrize("fused", [False, True], ids=["", "fused"])
+def test_verified_gradscaler_steps_are_torchs(fused, stn, scale):
+    """Verified GradScaler steps end as torch's (tests/ampfuzz.py's verify mix found both):
+    a fused Adam's kernel divides by a scale that is not a power of two (the real side
+    had unscaled by multiplying: a false alarm), and the zeros zero_grad(set_to_none=False)
+    keeps after a skipped step are stepped at the next one (the real side had dropped
+    them)."""
+    ref, model = _model(), _model()
+    ro = torch.optim.Adam(ref.parameters(), lr=0.05, fused=fused)
+    lo = layeropt.Adam(model.parameters(), lr=0.05, fused=fused)
+    layeropt.attach(model, lo, verify=100)
+    xs = [torch.randn(5, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    for m, o, lo_side in ((ref, ro, False), (model, lo, True)):
+        _scaled_steps(m, o, torch.amp.GradScaler("cpu", init_scale=scale), xs, lo_side, stn)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        test_rules.assert_same(p.detach(), q.detach())
+    test_rules.assert_same(lo.state_dict(), ro.state_dict())

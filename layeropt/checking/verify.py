@@ -399,7 +399,9 @@ class Verifier(Wrapper):
                 loss = closure()
         engine.check_boundary("step()")  # (what in-backward updating refuses, refused)
         self._apply(optimizer)
-        engine.boundary("step()")
+        skipped = engine.train_step.scaler_skipped  # (a fused optimizer's skipped step: its
+        engine.boundary("step()")  # dropped gradients torch keeps, as engine.step_call)
+        engine.train_step.skipped += skipped
         self.done += 1
         self.left -= 1
         if self.left <= 0:
@@ -469,6 +471,8 @@ class Verifier(Wrapper):
         """Torch's own step on what the loop left in ``.grad``, then the comparison with
         the shadows (raises :class:`VerifyError`)."""
         engine = self.engine
+        for p in engine.unused_kept(optimizer):  # zeros torch keeps, .grad dropped since (a
+            p.grad = torch.zeros_like(p)  # skipped step): stepped, as engine.step_call does
         leftovers = [p for g in optimizer.param_groups for p in g["params"]
                      if p.grad is not None and p not in self.shadows]
         # step() again on the gradient it applied (nothing added to it, nothing done to
