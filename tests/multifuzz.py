@@ -28,7 +28,8 @@ optimizer over one model does not reach. Each program is drawn from
   layeropt optimizer's state offloaded (a mode drawn per program, tests/offloadfuzz.py's;
   an optimizer handed over is offloaded again), every copy on simulated CUDA streams
   (``race``: a copy not ordered after what it depends on);
-* ``verify`` and ``vgan``: ``multi``'s and ``gan``'s programs alone, then with every
+* ``verify``, ``vgan`` and ``vck``: ``multi``'s, ``gan``'s and ``checkpoint``'s programs
+  alone, then with every
   layeropt optimizer attached with ``verify=`` over every step: tests/verifyfuzz.py's
   outcomes (``verify-silent``, ``verify-diff``, ``verify-false-alarm``), but for the
   cases verify is said not to find (``VERIFY_BLIND``).
@@ -63,9 +64,10 @@ import offloadfuzz
 from loopfuzz import FAILURES, _diff, cli, draw_optimizer, drop_chunks, play_both
 from streamsim import offload_in_mode, simulate
 
-MIXES = ["multi", "gan", "handover", "checkpoint", "offload", "ckoffload", "verify", "vgan"]
+MIXES = ["multi", "gan", "handover", "checkpoint", "offload", "ckoffload", "verify", "vgan",
+          "vck"]
 OFFLOADED = {"offload": "multi", "ckoffload": "checkpoint"}  # mix -> the mix it offloads
-VERIFIED = {"verify": "multi", "vgan": "gan"}  # mix -> the mix it verifies (every step)
+VERIFIED = {"verify": "multi", "vgan": "gan", "vck": "checkpoint"}  # mix -> the mix verified
 Op = tuple[str, dict[str, Any]]
 
 # The documented undetectable cases these programs reach (docs/rules.md), by the entry

@@ -29,6 +29,7 @@ BLOCKS = [
     ("ckoffload", 100),  # checkpoint's, offloaded: gradients in pieces moved as they land
     ("verify", 150),  # multi's alone, then verified: verifyfuzz's outcomes
     ("vgan", 100),  # gan's alone, then verified
+    ("vck", 100),  # checkpoint's alone, then verified
 ]
 
 

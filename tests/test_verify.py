@@ -766,3 +766,28 @@ def test_verified_gradscaler_steps_are_torchs(fused, stn, scale):
     for p, q in zip(model.parameters(), ref.parameters()):
         test_rules.assert_same(p.detach(), q.detach())
     test_rules.assert_same(lo.state_dict(), ro.state_dict())
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_gradient_not_zeroed_is_found_through_a_checkpoint_and_a_clip(reentrant):
+    """step() without zero_grad(), then ``layeropt.backward(max_norm=)`` through torch's
+    checkpoint: torch adds onto the last step's gradient. Verify finds it through the
+    reentrant checkpoint too (its measure pass put a copy of the gradient back in
+    ``.grad``, not the tensor torch kept: tests/multifuzz.py's vck mix found it)."""
+    import torch.utils.checkpoint as tuc
+
+    model = _model()
+    opt = layeropt.AdamW(model.parameters(), lr=0.01)
+    layeropt.attach(model, opt, verify=10)
+    gen = torch.Generator().manual_seed(0)
+
+    def loss() -> torch.Tensor:
+        x = torch.randn(5, 6, generator=gen, requires_grad=True)
+        return tuc.checkpoint(model, x, use_reentrant=reentrant).pow(2).mean()
+
+    layeropt.backward(loss(), max_norm=1.0)
+    opt.step()  # no zero_grad(): the next backward adds onto these gradients
+    with pytest.raises(layeropt.VerifyError, match="not zeroed"):
+        layeropt.backward(loss(), max_norm=1.0)
+        opt.step()

@@ -250,7 +250,7 @@ class Rules(StepRules):
             if p.grad is not None:
                 m.stash[p] = p.grad.clone() if in_place else p.grad
                 if in_place:
-                    m.summed.add(id(p))
+                    m.summed[id(p)] = p.grad
                 else:
                     p.grad = None
 
@@ -265,7 +265,11 @@ class Rules(StepRules):
         for p, held in m.stash.items() if m is not None else ():
             if id(p) not in m.seen:  # no gradient this pass: measure the held one
                 m.reduce(p, held.clone())
-            p.grad = held
+            kept = m.summed.get(id(p))  # (summed in place: restored into the .grad tensor
+            if kept is not None and kept.shape == held.shape:  # torch kept, not a new one)
+                p.grad = kept.copy_(held)
+            else:
+                p.grad = held
 
     # -- a backward reaches the engine -----------------------------------------
     def on_grad(self, bucket: Any, index: int, param: Tensor) -> bool:

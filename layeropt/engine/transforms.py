@@ -69,7 +69,8 @@ class Measure:
         self.inv_scale = inv_scale
         self.found_inf = found_inf
         self.stash: dict[Tensor, Tensor] = {}  # gradients held by no_step()
-        self.summed: set[int] = set()  # of those, the ones left in .grad to accumulate onto
+        # of those, the ones left in .grad to accumulate onto (by id: that .grad tensor)
+        self.summed: dict[int, Tensor] = {}
         self.seen: set[int] = set()
 
     def take(self, param: Tensor) -> None:
