@@ -53,7 +53,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 
 import layeropt
@@ -62,7 +61,7 @@ from layeropt.loop import LoopAccumulator
 import loopfuzz
 import offloadfuzz
 from loopfuzz import TORCH_LIMIT, _diff, cli, detach
-from streamsim import offload_in_mode, simulate
+from streamsim import offload_in_mode
 
 BODIES = {
     "all": ["amp", "amp", "ampacc", "amphold", "clip", "loop", "loop"],
@@ -402,11 +401,7 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
     statuses of the module's docstring (offloaded: ``race`` too, offloadfuzz's)."""
     if not prog.get("mode"):
         return _run(prog)
-    with pytest.MonkeyPatch.context() as monkeypatch, simulate(monkeypatch) as sim:
-        out = _run(prog)
-    if sim.races and out["status"] not in loopfuzz.FAILURES:
-        out = {**out, "status": "race", "races": sim.races[:3]}
-    return out
+    return offloadfuzz.simulated(_run, prog)
 
 
 def _run(prog: dict[str, Any]) -> dict[str, Any]:

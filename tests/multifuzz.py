@@ -54,15 +54,14 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
 import layeropt
 import offloadfuzz
-from loopfuzz import FAILURES, _diff, cli, draw_optimizer, drop_chunks, play_both
-from streamsim import offload_in_mode, simulate
+from loopfuzz import _diff, cli, draw_optimizer, drop_chunks, play_both
+from streamsim import offload_in_mode
 
 MIXES = ["multi", "gan", "handover", "checkpoint", "offload", "ckoffload", "verify", "vgan",
           "vck"]
@@ -609,11 +608,7 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
         return _verified(prog)
     if not prog.get("mode"):
         return _run(prog)
-    with pytest.MonkeyPatch.context() as monkeypatch, simulate(monkeypatch) as sim:
-        out = _run(prog)
-    if sim.races and out["status"] not in FAILURES:
-        out = {**out, "status": "race", "races": sim.races[:3]}
-    return out
+    return offloadfuzz.simulated(_run, prog)
 
 
 # WHY keys verify does not find either (docs/rules.md: a forward reading parameters

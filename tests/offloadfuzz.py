@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -91,14 +92,20 @@ def held_in_host(handle: Any, p: Any) -> bool:
     return handle is not None and handle.held is not None and p in handle.held
 
 
-def run_program(prog: dict[str, Any]) -> dict[str, Any]:
-    """loopfuzz's outcome for the program offloaded; ``race`` if it was exact or refused
-    but a copy was not ordered (the first races in ``races``)."""
+def simulated(run: Callable[[dict[str, Any]], dict[str, Any]], prog: dict[str, Any]
+              ) -> dict[str, Any]:
+    """``run(prog)``'s outcome with every offload copy on simulated streams; ``race`` if
+    it was not a failure already but a copy was not ordered (the first in ``races``)."""
     with pytest.MonkeyPatch.context() as monkeypatch, simulate(monkeypatch) as sim:
-        out = loopfuzz.run_program(prog, OffloadSide)
+        out = run(prog)
     if sim.races and out["status"] not in FAILURES:
         out = {**out, "status": "race", "races": sim.races[:3]}
     return out
+
+
+def run_program(prog: dict[str, Any]) -> dict[str, Any]:
+    """loopfuzz's outcome for the program offloaded, on simulated streams."""
+    return simulated(lambda p: loopfuzz.run_program(p, OffloadSide), prog)
 
 
 def run_block(mix: str, start: int, n: int) -> list[dict[str, Any]]:
