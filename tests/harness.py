@@ -277,3 +277,13 @@ def one_process_group(backend: str = "gloo") -> Any:
 def process_group():
     """One gloo process, for DDP and FSDP2 in this process."""
     yield from one_process_group("gloo")
+
+
+def scaled_step(lo: bool, loss: torch.Tensor, opt: Any, scaler: Any) -> None:
+    """One GradScaler step: torch's recipe, or layeropt.backward(scaler=) (``lo``)."""
+    if lo:
+        layeropt.backward(scaler.scale(loss), scaler=scaler)
+    else:
+        scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()

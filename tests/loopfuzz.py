@@ -533,6 +533,19 @@ def run_block(mix: str, start: int, n: int) -> list[dict[str, Any]]:
     return [run_program(draw_program(s, mix)) for s in range(start, start + n)]
 
 
+def assert_block(outcomes: list[dict[str, Any]], script: str, mix: str, exact_share: float
+                 ) -> collections.Counter[str]:
+    """A CI block of a fuzzer (``script``): no program failed - the first failure named with
+    the command that shrinks it - and at least ``exact_share`` of them exact (the programs
+    train: a mix that only refused would pass). Returns the outcome counts."""
+    failed = [o for o in outcomes if o["status"] in FAILURES]
+    assert not failed, (f"{len(failed)} of {len(outcomes)} programs failed; the first: {failed[0]}"
+                        f" (python tests/{script} --mix {mix} --minimize {failed[0]['seed']})")
+    counts = collections.Counter(o["status"] for o in outcomes)
+    assert counts["exact"] >= len(outcomes) * exact_share, counts
+    return counts
+
+
 # -- by hand: more programs, one program, a smaller program -----------------------------
 def drop_chunks(prog: dict[str, Any], key: str, still: Callable[[dict[str, Any]], bool]
                 ) -> dict[str, Any]:

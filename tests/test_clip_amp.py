@@ -19,6 +19,7 @@ from harness import (
     assert_same,
     config_id,
     make_pair,
+    scaled_step,
 )
 
 
@@ -229,16 +230,6 @@ def test_grad_scaler_with_float16_parameters_raises_as_torch():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def _scaled_step(lo: bool, loss: torch.Tensor, opt: Any, scaler: Any) -> None:
-    """One GradScaler step: torch's recipe, or layeropt.backward(scaler=) (lo)."""
-    if lo:
-        layeropt.backward(scaler.scale(loss), scaler=scaler)
-    else:
-        scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-
-
 @pytest.mark.parametrize("kw", [dict(lr=0.1, weight_decay=0.01, fused=True),
                                 dict(lr=0.1, weight_decay=0.01, foreach=False)],
                          ids=["fused", "forloop"])
@@ -259,7 +250,7 @@ def test_a_skipped_step_then_zero_grad_keeping_zeros(kind, kw):
         for both in (True, False):  # an inf first step over both layers, then "a" alone
             for m, o, s in ((ref, ref_opt, ref_scaler), (model, opt, scaler)):
                 loss = m["a"](x).sum() + (m["b"](x).sum() * float("inf") if both else 0)
-                _scaled_step(m is model, loss, o, s)
+                scaled_step(m is model, loss, o, s)
                 o.zero_grad(set_to_none=not both)
     assert_models_equal(model, ref)
     assert_same(opt.state_dict()["state"], ref_opt.state_dict()["state"])
@@ -352,7 +343,7 @@ def test_a_skipped_first_step_of_a_fused_adam_creates_torchs_state(kind):
     with layeropt.attach(model, opt):
         for inject in (float("inf"), 1.0):  # a skipped step, then a real one
             for m, o, s in ((ref, ref_opt, scalers[0]), (model, opt, scalers[1])):
-                _scaled_step(m is model, m(x).sum() * inject, o, s)
+                scaled_step(m is model, m(x).sum() * inject, o, s)
                 o.zero_grad()
             assert_same(opt.state_dict(), ref_opt.state_dict())
     assert_models_equal(model, ref)
@@ -870,13 +861,8 @@ def test_skipped_step_keeps_zeroed_gradients_as_torch(opt_name):
                                      (model, opt, scalers[1], True)):
                 h = m["lin"](x)
                 h = m["norm"](h) if step % 2 == 0 else h
-                loss = h.square().sum() * (float("inf") if step == 0 else 1.0)
-                if lo:
-                    layeropt.backward(scaler.scale(loss), scaler=scaler)
-                else:
-                    scaler.scale(loss).backward()
-                scaler.step(o)
-                scaler.update()
+                scaled_step(lo, h.square().sum() * (float("inf") if step == 0 else 1.0), o,
+                            scaler)
                 o.zero_grad(set_to_none=False)
     assert_models_equal(model, ref)
     assert_same(opt.state_dict(), ref_opt.state_dict())

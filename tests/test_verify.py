@@ -25,7 +25,7 @@ import torch
 from layeropt.engine.stepper import PLAIN
 import layeropt
 import test_rules
-from harness import process_group  # noqa: F401 - a fixture
+from harness import process_group, scaled_step  # noqa: F401 - a fixture
 
 # Not in the per-step table: loops that never call step(). Under LAYEROPT_VERIFY a
 # backward's update is applied at the loop's next forward or zero_grad()
@@ -736,13 +736,7 @@ def _scaled_steps(m, o, scaler, xs, lo, stn):
     """GradScaler steps (torch's recipe, or layeropt.backward's): the first batch's
     loss NaN (a skipped step), ``zero_grad(set_to_none=stn)``, then the rest."""
     for i, x in enumerate(xs):
-        loss = m(x).pow(2).mean() * (float("nan") if i == 0 else 1.0)
-        if lo:
-            layeropt.backward(scaler.scale(loss), scaler=scaler)
-        else:
-            scaler.scale(loss).backward()
-        scaler.step(o)
-        scaler.update()
+        scaled_step(lo, m(x).pow(2).mean() * (float("nan") if i == 0 else 1.0), o, scaler)
         o.zero_grad(set_to_none=stn)
 
 
