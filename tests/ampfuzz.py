@@ -15,6 +15,8 @@ not: 1000, 0.7, 12345.678) and growth interval, attach options (none, ``clip_val
 * ``amphold``: torch's own recipe on both sides (layeropt holds the gradients);
 * ``clip``: ``layeropt.backward(loss, max_norm=, norm_type=, error_if_nonfinite=)``
   against ``clip_grad_norm_``, no scaler;
+* ``resume`` (its own mix, between the others): model, optimizer and ``GradScaler``
+  saved and loaded into new ones, the old dropped without ``remove()``;
 * ``loop``: ``LoopAccumulator(n, reduction=, max_norm=, scaler=)``, its ``step()`` or
   ``with`` form, micro-batches of loops in an outer ``no_step()``, a layer only the
   first iteration reaches, against docs/loops.md's hand-written torch loop;
@@ -69,11 +71,13 @@ BODIES = {
     "hold": ["amphold"],
     "clip": ["clip"],
     "loop": ["loop"],
-    # all's bodies with the optimizer state offloaded (a mode drawn per program,
-    # tests/offloadfuzz.py's), every copy on simulated CUDA streams
-    "offload": ["amp", "amp", "ampacc", "amphold", "clip", "loop", "loop"],
-    # all's bodies attached with verify= over every step: exact, or a false alarm
-    "verify": ["amp", "amp", "ampacc", "amphold", "clip", "loop", "loop"],
+    # all's bodies (and resume) with the optimizer state offloaded (a mode drawn per
+    # program, tests/offloadfuzz.py's), every copy on simulated CUDA streams
+    "offload": ["amp", "amp", "ampacc", "amphold", "clip", "loop", "loop", "resume"],
+    # all's (and resume) attached with verify= over every step: exact, or a false alarm
+    "verify": ["amp", "amp", "ampacc", "amphold", "clip", "loop", "loop", "resume"],
+    # and resumed: model, optimizer and GradScaler saved, loaded into new ones
+    "resume": ["amp", "ampacc", "amphold", "loop", "resume", "resume"],
 }
 MIXES = list(BODIES)
 SCALES = [65536.0, 1024.0, 1000.0, 3.0, 0.7, 0.125, 12345.678, 2.0**20]
@@ -163,6 +167,7 @@ class Side:
     _attach_clips = loopfuzz.Side._attach_clips
 
     def __init__(self, prog: dict[str, Any], layer: bool, init: dict[str, torch.Tensor]) -> None:
+        self.prog = prog
         self.model = m = Net(prog["tied"])
         m.load_state_dict(init)
         if prog["dtype"] == "bf16":
@@ -239,6 +244,17 @@ class Side:
             self.uninitialised = True
 
     # the bodies -----------------------------------------------------------------------
+    def _resume(self, a: Iteration) -> None:
+        """A checkpoint - model, optimizer, GradScaler - loaded into new ones (attached,
+        offloaded as before), the old dropped without ``remove()``, as a resumed run."""
+        ck = copy.deepcopy({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                            "scaler": self.scaler.state_dict()})
+        new = Side(self.prog, self.layer, ck["model"])
+        new.opt.load_state_dict(ck["opt"])
+        new.scaler.load_state_dict(ck["scaler"])
+        new.uninitialised = self.uninitialised
+        self.__dict__.update(new.__dict__)
+
     def _amp(self, a: Iteration) -> torch.Tensor | None:
         return self._scaled_step(a, self.loss(a, a["inject"]))
 

@@ -166,8 +166,10 @@ class StepRules:
         for p, b in self.train_step.held.items():
             if p in store:
                 buckets.setdefault(id(b), (b, []))[1].append(p)
-        for b, params in buckets.values():
-            for g in self.placed(params) if b is None else [Group(params, b.settings)]:
+        for b, params in buckets.values():  # (a bucket's in its order: clip_grad_norm_'s)
+            ids = {id(p) for p in params}
+            for g in self.placed(params) if b is None else [
+                    Group([p for p in b.params if id(p) in ids], b.settings)]:
                 store.up(g.params)
                 self._step([g])
 

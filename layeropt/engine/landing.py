@@ -391,16 +391,16 @@ class Engine(Rules):
             return []
         if not self.clips:
             return [Group(params, None)]
-        if self._places is None:
+        if self._places is None:  # id -> (settings, bucket key, place in the module)
             self._places = {
-                id(p): (a.settings, (id(a), name.rpartition(".")[0]))
-                for a in list(self.attachments) for name, p in a.named
+                id(p): (a.settings, (id(a), name.rpartition(".")[0]), i)
+                for a in list(self.attachments) for i, (name, p) in enumerate(a.named)
             }
         groups: dict[Any, Group] = {}
-        for p in params:
-            settings, key = self._places.get(id(p), (None, id(p)))
-            groups.setdefault(key, Group([], settings)).params.append(p)
-        return list(groups.values())
+        for p in sorted(params, key=lambda p: self._places.get(id(p), (None, None, -1))[2]):
+            settings, key, _ = self._places.get(id(p), (None, id(p), -1))  # (in the module's
+            groups.setdefault(key, Group([], settings)).params.append(p)  # order: its
+        return list(groups.values())  # clip_grad_norm_ sums the norms in that order)
 
     def name_of(self, param: Tensor) -> str:
         """``param``'s name in its attached model, for messages."""
