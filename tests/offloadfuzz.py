@@ -30,7 +30,7 @@ import loopfuzz
 from loopfuzz import FAILURES, Side, cli, detach, drop_chunks
 from streamsim import offload_in_mode, simulate
 
-MIXES = ["all", "clip", "chaos", "toggle"]
+MIXES = ["all", "clip", "clipattach", "chaos", "toggle"]
 
 
 def draw_mode(r: random.Random) -> dict[str, Any]:

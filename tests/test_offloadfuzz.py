@@ -21,6 +21,7 @@ from offloadfuzz import run_block
 BLOCKS = [
     ("all", 150),  # every operation, settings between iterations, re-attach
     ("clip", 100),  # layeropt.backward(max_norm=) with accumulation: held sums brought back
+    ("clipattach", 100),  # attach(clip_value=, bucket_max_norm=) of held sums brought back
     ("chaos", 150),  # the loops shuffled, cut and padded with random operations
     ("toggle", 100),  # offload stopped and started, checkpoints resumed into new optimizers
 ]
