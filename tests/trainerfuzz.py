@@ -23,7 +23,8 @@ settings (a mix names the tool):
 * ``hf``: ``LayeroptTrainer`` or a plain ``Trainer`` with ``LayeroptCallback`` -
   ``optimizers=`` or an ``optim=`` the Trainer builds, ``max_grad_norm``, warmup and
   schedule types, evaluation during training, a model whose loss takes the window's
-  ``num_items_in_batch`` (``loss_kwargs``, as transformers' language models), a new Trainer (model, optimizer) resumed
+  ``num_items_in_batch`` (``loss_kwargs``, as transformers' language models), a tiny
+  ``LlamaForCausalLM`` itself, with gradient checkpointing or not (``lm``), a new Trainer (model, optimizer) resumed
   by ``train(resume_from_checkpoint=)`` from the first one's checkpoint (``resume``).
 
 Compared: parameters, the optimizer's ``state_dict()``, the global step, and what the
@@ -84,7 +85,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "hf": {"groups": False, "frozen": None, "rows": 9, "bf16": False, "ga": 1,
            "kind": "trainer", "built": None, "max_grad_norm": 0.0, "weight_decay": 0.0,
            "sched": "linear", "warmup": 0, "eval": False, "stop": ("steps", 3),
-           "resume": None, "loss_kwargs": False, "verify": False, "offload": False},
+           "resume": None, "loss_kwargs": False, "verify": False, "offload": False,
+           "lm": None},
 }
 
 
@@ -134,7 +136,8 @@ def _draw_hf(r: random.Random) -> dict[str, Any]:
             "stop": r.choice([("steps", r.randint(2, 5)), ("epochs", r.choice([1, 2]))]),
             "resume": r.choice([1, 2, 3]) if r.random() < 0.2 else None,
             "loss_kwargs": r.random() < 0.3, "verify": r.random() < 0.15,
-            "offload": r.random() < 0.15}
+            "offload": r.random() < 0.15,
+            "lm": r.choice(["plain", "ck", "ckre"]) if r.random() < 0.25 else None}
 
 
 DRAWS: dict[str, Callable[[random.Random], dict[str, Any]]] = {
@@ -187,8 +190,9 @@ def optimizer(prog: dict[str, Any], model: nn.Module, layer: bool) -> torch.opti
     params: Any = [p for _, p in named]
     if s["groups"]:
         decay = prog["okw"].get("weight_decay") or 0.05
-        params = [{"params": [p for n, p in named if not n.endswith("bias")], "weight_decay": decay},
-                  {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
+        no = [n.endswith("bias") or "norm" in n for n, _ in named]  # (biases, norms: no decay)
+        params = [{"params": [p for (_, p), x in zip(named, no) if not x], "weight_decay": decay},
+                  {"params": [p for (_, p), x in zip(named, no) if x], "weight_decay": 0.0}]
     return cls(params, **prog["okw"])
 
 
@@ -398,6 +402,25 @@ class HFTokenNet(HFNet):
         return {"loss": err.mean() if n is None else err.sum() / n, "logits": out}
 
 
+def tiny_lm(frozen: str | None) -> nn.Module:
+    """A two-layer ``LlamaForCausalLM`` from a tiny config, seed 0 (``lm``); ``frozen``: its
+    token embedding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16))
+    if frozen:
+        model.model.embed_tokens.requires_grad_(False)
+    return model
+
+
+def _lm_rows(n: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 32, (n, 6), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
 def _rows(n: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
     x, y = data(n, seed)
     return [{"x": a, "labels": b} for a, b in zip(x, y)]
@@ -429,7 +452,10 @@ def _hf_train(prog: dict[str, Any], layer: bool, s: dict[str, Any], tmp: str,
 
     from layeropt.integrations.hf import LayeroptCallback, LayeroptTrainer
 
-    model = (HFTokenNet if s["loss_kwargs"] else HFNet)(s["frozen"])
+    lm = s["lm"]
+    model = tiny_lm(s["frozen"]) if lm else (HFTokenNet if s["loss_kwargs"] else HFNet)(
+        s["frozen"])
+    rows = _lm_rows if lm else _rows
     saving = ({"save_strategy": "steps", "save_steps": s["resume"]} if s["resume"]
               else {"save_strategy": "no"})
     args = TrainingArguments(
@@ -440,10 +466,12 @@ def _hf_train(prog: dict[str, Any], layer: bool, s: dict[str, Any], tmp: str,
         **saving, **({"max_steps": s["stop"][1]} if s["stop"][0] == "steps"
                       else {"num_train_epochs": s["stop"][1]}),
         **({"eval_strategy": "steps", "eval_steps": 2} if s["eval"] else {}),
+        **({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {
+            "use_reentrant": lm == "ckre"}} if lm in ("ck", "ckre") else {}),
         **({"optim": s["built"]} if s["built"] else {}))
     common: dict[str, Any] = {
-        "model": model, "args": args, "train_dataset": _rows(s["rows"]),
-        "eval_dataset": _rows(4, 2) if s["eval"] else None,
+        "model": model, "args": args, "train_dataset": rows(s["rows"]),
+        "eval_dataset": rows(4, 2) if s["eval"] else None,
         "optimizers": (None if s["built"] else optimizer(prog, model, layer), None)}
     if not layer:
         trainer = Trainer(**common)
