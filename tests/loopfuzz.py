@@ -33,6 +33,7 @@ import contextlib
 import copy
 import gc
 import json
+import os
 import random
 import traceback
 import warnings
@@ -53,6 +54,9 @@ FAILURES = ("diff", "crash", "torch-error-only", "race",
             # (LAYEROPT_VERIFY silent, wrong, or alarmed on an exact loop: tests/verifyfuzz.py)
             "verify-silent", "verify-diff", "verify-false-alarm")
 Op = tuple[str, dict[str, Any]]
+# where the programs' models train: the CPU, or (LAYEROPT_FUZZ_DEVICE=cuda, for
+# benchmarks/device_check.sh) a GPU, both sides on it
+DEVICE = torch.device(os.environ.get("LAYEROPT_FUZZ_DEVICE", "cpu"))
 # torch's fused SGD raises this on a step whose parameters mix momentum buffers and none
 # (a layer's first gradient after others' steps): torch's step() too, where it reaches one
 TORCH_LIMIT = "expected Tensor as element"
@@ -242,6 +246,7 @@ class Side:
         """The program's model (from ``init``) and a new optimizer for it."""
         m = Net(self.prog["tied"])
         m.load_state_dict(init)
+        m.to(DEVICE)
         kind = self.prog["opt"]
         cls = getattr(torch.optim, kind)
         if self.layer:
@@ -286,7 +291,8 @@ class Side:
     def loss(self, a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(a["seed"])
         x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
-        out = self.model(x, a["branch"], a["extra"])
+        out = self.model(x.to(DEVICE), a["branch"], a["extra"])
+        y = y.to(DEVICE)
         return ((out - y) ** 2).mean(), out
 
     def holds(self, p: torch.Tensor) -> bool:
@@ -434,6 +440,7 @@ def _unkept_after_remove(t: Side, lo: Side, name: str, a: dict[str, Any]) -> boo
 
 def _diff(a: Any, b: Any, path: str = "") -> list[str]:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        a, b = a.detach().cpu(), b.detach().cpu()  # (offloaded state: in host memory)
         if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
             d = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else "shape"
             return [f"{path}: max difference {d}"]

@@ -15,6 +15,10 @@ refused with a race is a failure (``race``) as much as a difference is.
 
     python offloadfuzz.py --mix all --start 0 --n 500
     python offloadfuzz.py --mix toggle --minimize 17
+
+On a GPU, ``LAYEROPT_FUZZ_DEVICE=cuda python tests/offloadfuzz.py --mix all`` runs the
+same programs on CUDA with offload's real copy streams (benchmarks/device_check.sh;
+not run on a GPU yet).
 """
 
 from __future__ import annotations
@@ -104,7 +108,10 @@ def simulated(run: Callable[[dict[str, Any]], dict[str, Any]], prog: dict[str, A
 
 
 def run_program(prog: dict[str, Any]) -> dict[str, Any]:
-    """loopfuzz's outcome for the program offloaded, on simulated streams."""
+    """loopfuzz's outcome for the program offloaded, on simulated streams (on a GPU,
+    ``LAYEROPT_FUZZ_DEVICE=cuda``: on its own streams, the values the only check)."""
+    if loopfuzz.DEVICE.type == "cuda":
+        return loopfuzz.run_program(prog, OffloadSide)
     return simulated(lambda p: loopfuzz.run_program(p, OffloadSide), prog)
 
 
