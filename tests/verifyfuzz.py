@@ -11,8 +11,9 @@ for bit, or raise; and:
   past any documented undetectable case), the verified run raised nothing, and the
   case is not one of those verify is said not to find (``BLIND``: ``remove()`` inside a
   training step, a checkpoint saved there, a gradient applied again after ``remove()``);
-* ``verify-false-alarm`` (a failure): layeropt alone ends exact, and the verified run
-  raised ``VerifyError``;
+* ``verify-false-alarm`` (a failure): layeropt alone ends exact without reaching a
+  documented undetectable case (a loop that never zeroes can end exact by chance - at
+  lr 0, say - and verify names its bug), and the verified run raised ``VerifyError``;
 * ``verify-diff`` (a failure): the verified run differs from torch without an error.
 
 Otherwise the outcome is the verified run's (``exact``, ``refused``: ``VerifyError`` or
@@ -69,9 +70,9 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
     said = verified["status"] == "refused" and "VerifyError" in verified.get("error", "")
     if plain == "diff" and verified["status"] == "exact":
         return {**out, "status": "undetectable" if why in BLIND else "verify-silent"}
-    if plain == "exact" and said:
-        return {**out, "status": "verify-false-alarm"}
-    return out
+    if plain == "exact" and said and not why:  # (a loop that reached a case layeropt
+        return {**out, "status": "verify-false-alarm"}  # cannot see - never zeroed - and
+    return out  # ended exact by chance, at lr 0 say, may be said: it is the loop's bug)
 
 
 def _detached(prog: dict[str, Any], at: int) -> bool:
