@@ -391,22 +391,36 @@ class NeverZeroed:
 
     def __init__(self, side: Side) -> None:
         self.side = side
-        self.applied: set[int] = set()
+        self.applied: dict[int, torch.Tensor] = {}  # id(param) -> the gradient step() applied
 
-    def reached(self, name: str) -> bool:
+    def reached(self, name: str, a: dict[str, Any] | None = None) -> str | None:
         """A backward adds to a nonzero one; a ``step()`` applies one again - zeros too
-        (rules.md's "``step()`` twice on one backward's gradients": Adam moves on zeros)."""
-        return name in ("step", "fb", "clip") and any(
-            id(p) in self.applied and p.grad is not None
-            and (name == "step" or bool(p.grad.any())) for p in self.side.model.parameters())
+        (rules.md's "``step()`` twice on one backward's gradients": Adam moves on zeros).
+        ``zeros-again`` where the gradients applied again unchanged are all zeros: verify
+        takes those for gradients zeroed in place (``p.grad.zero_()``); ``held-onto``: a
+        backward in ``no_step()`` adds to them (verify finds it at the ``step()``, not
+        where a ``zero_grad(set_to_none=False)`` comes first)."""
+        if name not in ("step", "fb", "clip"):
+            return None
+        stale = [(p.grad, self.applied[id(p)]) for p in self.side.model.parameters()
+                 if id(p) in self.applied and p.grad is not None]
+        if name != "step":
+            if not any(bool(g.any()) for g, _ in stale):
+                return None
+            return "held-onto" if a is not None and a.get("ns") else "never-zeroed"
+        same = [g for g, was in stale if g.shape == was.shape and torch.equal(g, was)]
+        if not stale:
+            return None
+        return "zeros-again" if same and not any(bool(g.any()) for g in same) else "never-zeroed"
 
     def after(self, name: str, a: dict[str, Any]) -> None:
         s = self.side
         if name == "step":
-            self.applied |= {id(p) for p in s._owned() if p.grad is not None}
+            self.applied.update({id(p): p.grad.clone() for p in s._owned() if p.grad is not None})
         elif name == "zg":
             ps = s.model.parameters() if a["who"] == "model" else s._owned()
-            self.applied -= {id(p) for p in ps}
+            for p in ps:
+                self.applied.pop(id(p), None)
         elif name == "resume":  # (a new model: its gradients all None)
             self.applied.clear()
 
@@ -518,7 +532,7 @@ def run_program(prog: dict[str, Any], side: type[Side] = Side, classify: bool = 
                         break
                     name = "step"
                 why = classify and (
-                    never_zeroed.reached(name) and "never-zeroed"
+                    never_zeroed.reached(name, a)
                     or _unwatched_discard(lo, name, a) and "remove-discard"
                     or _unkept_after_remove(t, lo, name, a) and "remove-unkept"
                     or _saved_ahead(lo, name) and "saved-ahead")

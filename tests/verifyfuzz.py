@@ -10,7 +10,9 @@ for bit, or raise; and:
 * ``verify-silent`` (a failure): layeropt alone ends different from torch (run on
   past any documented undetectable case), the verified run raised nothing, and the
   case is not one of those verify is said not to find (``BLIND``: ``remove()`` inside a
-  training step, a checkpoint saved there, a gradient applied again after ``remove()``);
+  training step, a checkpoint saved there, a gradient applied again after ``remove()``,
+  zeros applied again - taken for a gradient zeroed in place -, a ``no_step()`` backward
+  onto a gradient never zeroed, then ``zero_grad(set_to_none=False)``);
 * ``verify-false-alarm`` (a failure): layeropt alone ends exact without reaching a
   documented undetectable case (a loop that never zeroes can end exact by chance - at
   lr 0, say - and verify names its bug), and the verified run raised ``VerifyError``;
@@ -35,7 +37,8 @@ STEPS = 1000  # verify= for every program: more steps than any program makes
 # loopfuzz's undetectable cases verify does not find either (docs/rules.md, "What cannot
 # be detected": the last five; and verify watches while attached - "How to check your
 # loop" - so a step() again after remove() is torch's there)
-BLIND = ("remove-discard", "remove-unkept", "saved-ahead", "detached")
+BLIND = ("remove-discard", "remove-unkept", "saved-ahead", "detached", "zeros-again",
+         "held-onto")
 
 
 class VerifySide(Side):
@@ -60,7 +63,7 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
     undetectable cases; ``why``: the first undetectable case it reached, if one."""
     first = loopfuzz.run_program(prog)
     why = first.get("why")
-    if why == "never-zeroed" and _detached(prog, first["at"]):
+    if why in ("never-zeroed", "zeros-again", "held-onto") and _detached(prog, first["at"]):
         why = "detached"
     plain = loopfuzz.run_program(prog, classify=False)["status"]
     verified = loopfuzz.run_program(prog, VerifySide, classify=False)
