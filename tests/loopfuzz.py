@@ -201,6 +201,26 @@ def _any_op(r: random.Random, reattach: bool) -> Op:
     return (k, {"lr": 0.05} if k == "apg" else {})
 
 
+def mutate(r: random.Random, ops: list[Any], times: int, cuts: tuple[float, float],
+           insert: Callable[[random.Random], Any] | None = None) -> list[Any]:
+    """``times`` mutations of ``ops``, in place: two neighbours swapped (below
+    ``cuts[0]``), one dropped (below ``cuts[1]``), one repeated - or, with ``insert``,
+    from 0.85 on, ``insert(r)`` put anywhere."""
+    for _ in range(times):
+        if len(ops) < 2:
+            break
+        m, i = r.random(), r.randrange(len(ops) - 1)
+        if m < cuts[0]:
+            ops[i], ops[i + 1] = ops[i + 1], ops[i]
+        elif m < cuts[1]:
+            del ops[i]
+        elif insert is None or m < 0.85:
+            ops.insert(i, copy.deepcopy(ops[i]))
+        else:
+            ops.insert(r.randrange(len(ops) + 1), insert(r))
+    return ops
+
+
 def draw_program(seed: int, mix: str) -> dict[str, Any]:
     """A loop of 2-4 iterations, then 0-6 mutations (swap, drop, repeat, insert); ``chaos``
     draws from everything and mutates most."""
@@ -214,18 +234,9 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     ops: list[Op] = []
     for _ in range(r.randint(2, 4)):
         ops += _iteration(r, gen, reattach)
-    for _ in range(r.randint(2, 6) if mix == "chaos" else r.choice([0, 0, 1, 1, 2, 3])):
-        if len(ops) < 2:
-            break
-        m, i = r.random(), r.randrange(len(ops) - 1)
-        if m < 0.4:
-            ops[i], ops[i + 1] = ops[i + 1], ops[i]
-        elif m < 0.7:
-            del ops[i]
-        elif m < 0.85 or mix != "chaos":
-            ops.insert(i, copy.deepcopy(ops[i]))
-        else:
-            ops.insert(r.randrange(len(ops) + 1), _any_op(r, reattach))
+    times = r.randint(2, 6) if mix == "chaos" else r.choice([0, 0, 1, 1, 2, 3])
+    mutate(r, ops, times, (0.4, 0.7),
+           (lambda r: _any_op(r, reattach)) if mix == "chaos" else None)
     return {"seed": seed, "mix": mix, "tied": r.random() < 0.7, "opt": kind, "okw": okw,
             "akw": akw, "sched": r.choice(["exp", "step", "lambda"]), "ops": ops[:15]}
 

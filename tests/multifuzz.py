@@ -60,7 +60,7 @@ import torch.utils.checkpoint as tuc
 
 import layeropt
 import offloadfuzz
-from loopfuzz import _diff, cli, draw_optimizer, drop_chunks, play_both
+from loopfuzz import _diff, cli, draw_optimizer, drop_chunks, mutate, play_both
 from streamsim import offload_in_mode
 
 MIXES = ["multi", "gan", "handover", "checkpoint", "offload", "ckoffload", "verify", "vgan",
@@ -304,21 +304,6 @@ def _draw_blocks(r: random.Random) -> dict[str, Any]:
             "ops": ops}
 
 
-def _mutate(r: random.Random, ops: list[Op]) -> list[Op]:
-    """0-3 of: two neighbours swapped, one dropped, one repeated."""
-    for _ in range(r.choice([0, 0, 1, 1, 2, 3])):
-        if len(ops) < 2:
-            break
-        m, i = r.random(), r.randrange(len(ops) - 1)
-        if m < 0.45:
-            ops[i], ops[i + 1] = ops[i + 1], ops[i]
-        elif m < 0.75:
-            del ops[i]
-        else:
-            ops.insert(i, copy.deepcopy(ops[i]))
-    return ops
-
-
 def draw_program(seed: int, mix: str) -> dict[str, Any]:
     """A loop of 2-4 iterations (``checkpoint``: 2-3), then 0-3 mutations."""
     if mix not in MIXES:
@@ -327,7 +312,8 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     base = OFFLOADED.get(mix) or VERIFIED.get(mix, mix)
     prog = _draw_blocks(r) if base == "checkpoint" else _draw_heads(r, base)
     mode = offloadfuzz.draw_mode(random.Random(seed + 10**7)) if mix in OFFLOADED else None
-    return {"seed": seed, "mix": mix, **prog, "ops": _mutate(r, prog["ops"])[:22],
+    ops = mutate(r, prog["ops"], r.choice([0, 0, 1, 1, 2, 3]), (0.45, 0.75))
+    return {"seed": seed, "mix": mix, **prog, "ops": ops[:22],
             "mode": mode, "verify": mix in VERIFIED}
 
 

@@ -155,9 +155,7 @@ def _local(t: Tensor) -> Tensor:
 
 
 def fingerprint(t: Tensor) -> Print:
-    if is_dtensor(t):
-        t = t.to_local()  # (each process checks its own shard)
-    t = t.detach()
+    t = _local(t).detach()  # (each process checks its own shard)
     if t.is_floating_point() or t.is_complex():
         t = t + 0  # -0.0 + 0 is 0.0: the two zeros are one value, as torch.equal has it
     data = t.contiguous().cpu().reshape(-1)  # (a 0-dim step counter too)
@@ -399,9 +397,7 @@ class Verifier(Wrapper):
                 loss = closure()
         engine.check_boundary("step()")  # (what in-backward updating refuses, refused)
         self._apply(optimizer)
-        skipped = engine.train_step.scaler_skipped  # (a fused optimizer's skipped step: its
-        engine.boundary("step()")  # dropped gradients torch keeps, as engine.step_call)
-        engine.train_step.skipped += skipped
+        engine.end_step([])  # (real .grad stays: only what a skipped step dropped is kept)
         self.done += 1
         self.left -= 1
         if self.left <= 0:
@@ -471,8 +467,7 @@ class Verifier(Wrapper):
         """Torch's own step on what the loop left in ``.grad``, then the comparison with
         the shadows (raises :class:`VerifyError`)."""
         engine = self.engine
-        for p in engine.unused_kept(optimizer):  # zeros torch keeps, .grad dropped since (a
-            p.grad = torch.zeros_like(p)  # skipped step): stepped, as engine.step_call does
+        engine.show_kept()  # (zeros torch keeps, .grad dropped since by a skipped step)
         leftovers = [p for g in optimizer.param_groups for p in g["params"]
                      if p.grad is not None and p not in self.shadows]
         # step() again on the gradient it applied (nothing added to it, nothing done to

@@ -243,8 +243,7 @@ class StepRules:
         self.check_boundary("step()")
         if _autocast_on() and self._this_step() and _autocast_may_change(optimizer):
             raise BackwardStateError(AUTOCAST_STEP_ERROR.format(name=type(optimizer).__name__))
-        for p in self.unused_kept(optimizer):  # torch steps them on a zero gradient
-            p.grad = torch.zeros_like(p)
+        self.show_kept()  # (torch steps them on a zero gradient)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if params and self.train_step.stepped_backwards:  # set after backward (_between.py)
             _between.refuse_second_update(self.last.stepped, params)
@@ -257,15 +256,21 @@ class StepRules:
         self._step(self.placed(params))
         self._step_stored()
         rec.steps = steps
-        skipped = self.train_step.scaler_skipped  # (a fused optimizer's scaler.step calls
-        self.boundary("step()")  # this step(): what the skip left keeps its .grad too)
-        self.train_step.skipped += skipped + params  # (torch keeps their .grad until a zero_grad)
+        self.end_step(params)
         if params:  # gradients no hook took: layers unfrozen (or hooks lost) since
             for attachment in list(self.attachments):
                 attachment.sync()
         if early:  # (this step() was torch's; the discarded batch's update was not)
             raise BackwardStateError(EARLY_DISCARD_ERROR)
         return loss
+
+    def end_step(self, stepped: list[Tensor]) -> None:
+        """``step()`` ended the training step. torch keeps a ``.grad`` until a ``zero_grad``
+        for what it ``stepped`` and for what a skipped ``GradScaler`` step left (a fused
+        optimizer's ``scaler.step`` calls this ``step()``)."""
+        skipped = self.train_step.scaler_skipped
+        self.boundary("step()")
+        self.train_step.skipped += skipped + stepped
 
     def first_step(self) -> bool:
         """A ``step()`` was called (attached or not): whether it is the loop's first and a
@@ -390,10 +395,11 @@ class StepRules:
                                                 optimizer.param_groups) if p not in held]
 
     def show_kept(self) -> None:
-        """A backward held its gradients for ``step()``, and what the loop runs before it
-        reads them (``clip_grad_norm_`` after ``scaler.unscale_``): the zeros torch keeps
-        for the layers it did not reach (``zero_grad(set_to_none=False)``) are in ``.grad``
-        too, or a norm over them would sum other terms than torch's (a last bit)."""
+        """The zeros torch keeps (``zero_grad(set_to_none=False)``) for the layers this
+        step did not reach, in ``.grad``: for ``step()`` to update them, and where a
+        backward held its gradients for ``step()``, for what the loop runs before it
+        (``clip_grad_norm_`` after ``scaler.unscale_``: a norm over them sums the same
+        terms as torch's)."""
         optimizer = self._optimizer()
         for p in self.unused_kept(optimizer) if optimizer is not None and self.kept_grads else ():
             p.grad = torch.zeros_like(p)

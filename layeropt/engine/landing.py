@@ -396,11 +396,11 @@ class Engine(Rules):
                 id(p): (a.settings, (id(a), name.rpartition(".")[0]), i)
                 for a in list(self.attachments) for i, (name, p) in enumerate(a.named)
             }
-        groups: dict[Any, Group] = {}
-        for p in sorted(params, key=lambda p: self._places.get(id(p), (None, None, -1))[2]):
-            settings, key, _ = self._places.get(id(p), (None, id(p), -1))  # (in the module's
-            groups.setdefault(key, Group([], settings)).params.append(p)  # order: its
-        return list(groups.values())  # clip_grad_norm_ sums the norms in that order)
+        groups: dict[Any, Group] = {}  # (each in its module's order: clip_grad_norm_ sums
+        places = [(self._places.get(id(p), (None, id(p), -1)), p) for p in params]  # the
+        for (settings, key, _), p in sorted(places, key=lambda place: place[0][2]):  # norms
+            groups.setdefault(key, Group([], settings)).params.append(p)  # in that order)
+        return list(groups.values())
 
     def name_of(self, param: Tensor) -> str:
         """``param``'s name in its attached model, for messages."""
