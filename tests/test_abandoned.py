@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 import layeropt
-from harness import assert_same
+import test_rules
+from harness import assert_same, process_group  # noqa: F401 - a fixture
 
 _TORCH = torch.torch_version.TorchVersion(torch.__version__)
 
@@ -694,12 +695,12 @@ def test_accelerate_second_accelerator_on_the_same_model():
 
 
 # -- a checkpoint saved, a run resumed from it ---------------------------------------
-def _resume(model: nn.Module, opt: torch.optim.Optimizer, lo: bool, z: torch.Tensor
-            ) -> nn.Module:
+def _resume(model: nn.Module, opt: torch.optim.Optimizer, lo: bool, z: torch.Tensor,
+            kind: str = "plain") -> nn.Module:
     """Save model and optimizer, load them into new ones (the old dropped unremoved, as a
     run that ends), train one step; the new model."""
     ck = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
-    new = _mlp()
+    new = test_rules._wrap(kind, _mlp())
     new.load_state_dict(ck["model"])
     new_opt = (layeropt.SGD if lo else torch.optim.SGD)(new.parameters(), lr=0.1, momentum=0.9)
     if lo:
@@ -729,13 +730,15 @@ SAVED = {
 }
 
 
+@pytest.mark.parametrize("kind", test_rules.KINDS)
 @pytest.mark.parametrize("case", list(SAVED))
-def test_a_checkpoint_ahead_of_torchs_warns(case):
+def test_a_checkpoint_ahead_of_torchs_warns(process_group, case, kind):
     """A run resumed from a checkpoint equals torch's resumed run, or ``state_dict()``
     warned when it was saved: where it holds an update torch's has not (its refusal, if
-    any, would come at a ``step()`` the resumed run's new optimizer never makes)."""
+    any, would come at a ``step()`` the resumed run's new optimizer never makes). On a
+    plain model, under DDP and under FSDP2 (one process)."""
     loop, warned = SAVED[case]
-    ref, model = _mlp(), _mlp()
+    ref, model = test_rules._wrap(kind, _mlp()), test_rules._wrap(kind, _mlp())
     ro = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     lo = layeropt.SGD(model.parameters(), lr=0.1, momentum=0.9)
     layeropt.attach(model, lo)
@@ -744,9 +747,10 @@ def test_a_checkpoint_ahead_of_torchs_warns(case):
     loop(model, lo, x, y)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ref_new, new = _resume(ref, ro, False, z), _resume(model, lo, True, z)
+        ref_new, new = _resume(ref, ro, False, z, kind), _resume(model, lo, True, z, kind)
     said = [str(w.message) for w in caught if "state_dict()" in str(w.message)]
-    same = all(torch.equal(p, q) for p, q in zip(new.parameters(), ref_new.parameters()))
+    same = all(torch.equal(*test_rules._local([p, q]))
+               for p, q in zip(new.parameters(), ref_new.parameters()))
     if warned is None:
         assert said == [] and same
     else:

@@ -687,34 +687,52 @@ VERIFY_FOUND = {
 }
 
 
+def _pair(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two copies of ``_model()``, wrapped for ``kind`` (test_rules.KINDS): torch's, ours."""
+    return test_rules._wrap(kind, _model()), test_rules._wrap(kind, _model())
+
+
+def _assert_torchs(model, lo, ref, ro) -> None:
+    """Parameters and optimizer state bit for bit (FSDP2's DTensors as full tensors)."""
+    for p, q in zip(model.parameters(), ref.parameters()):
+        test_rules.assert_same(*test_rules._local([p, q]))
+    test_rules.assert_same(*test_rules._local([lo.state_dict(), ro.state_dict()]))
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("kind", test_rules.KINDS)
 @pytest.mark.parametrize("case", list(VERIFY_FOUND))
-def test_verify_finds_these_and_only_these(case):
+def test_verify_finds_these_and_only_these(process_group, kind, case):
     """Each loop with verify on every step: ``VerifyError`` naming the cause where the
     loop differs from torch's, otherwise torch's parameters and state bit for bit."""
     loop, cause = VERIFY_FOUND[case]
-    ref, model = _model(), _model()
+    ref, model = _pair(kind)
     ro = torch.optim.NAdam(ref.parameters(), lr=0.05)
     lo = layeropt.in_backward(torch.optim.NAdam)(model.parameters(), lr=0.05)
-    layeropt.attach(model, lo, verify=100)
+    handles = [layeropt.attach(model, lo, verify=100)]
+
+    def again() -> None:  # (a DDP or FSDP2 model is attached again after remove())
+        if kind != "plain":
+            handles[-1].remove()
+        handles.append(layeropt.attach(model, lo, verify=100))
+
     xs = [torch.randn(5, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     loop(ref, ro, xs, lambda: None)
     if cause is not None:
         with pytest.raises(layeropt.VerifyError, match=cause):
-            loop(model, lo, xs, lambda: layeropt.attach(model, lo, verify=100))
+            loop(model, lo, xs, again)
         return
-    loop(model, lo, xs, lambda: layeropt.attach(model, lo, verify=100))
-    for p, q in zip(model.parameters(), ref.parameters()):
-        test_rules.assert_same(p.detach(), q.detach())
-    test_rules.assert_same(lo.state_dict(), ro.state_dict())
+    loop(model, lo, xs, again)
+    _assert_torchs(model, lo, ref, ro)
 
 
-def test_another_models_zero_grad_leaves_the_verified_loop_alone():
+@pytest.mark.parametrize("kind", test_rules.KINDS)
+def test_another_models_zero_grad_leaves_the_verified_loop_alone(process_group, kind):
     """A plain model's ``zero_grad()`` (another model, trained by torch.optim beside it)
     between the verified loop's backward and its ``step()``: not this loop's - it applied
     this loop's pending step as a loop without ``step()``'s and failed its ``step()``
     (tests/verifyfuzz.py, torch's side of a program)."""
-    ref, model, other = _model(), _model(), _model()
+    (ref, model), other = _pair(kind), _model()
     ro = torch.optim.Adamax(ref.parameters(), lr=0.01)
     lo = layeropt.in_backward(torch.optim.Adamax)(model.parameters(), lr=0.01)
     layeropt.attach(model, lo, verify=100)
@@ -727,9 +745,7 @@ def test_another_models_zero_grad_leaves_the_verified_loop_alone():
             other.zero_grad()
             o.step()
             o.zero_grad()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        test_rules.assert_same(p.detach(), q.detach())
-    test_rules.assert_same(lo.state_dict(), ro.state_dict())
+    _assert_torchs(model, lo, ref, ro)
 
 
 def _scaled_steps(m, o, scaler, xs, lo, stn):
@@ -744,34 +760,37 @@ def _scaled_steps(m, o, scaler, xs, lo, stn):
 @pytest.mark.parametrize("scale", [1024.0, 1000.0], ids=["power of two", "1000"])
 @pytest.mark.parametrize("stn", [True, False], ids=["set_to_none", "zeros kept"])
 @pytest.mark.parametrize("fused", [False, True], ids=["", "fused"])
-def test_verified_gradscaler_steps_are_torchs(fused, stn, scale):
+@pytest.mark.parametrize("kind", test_rules.KINDS)
+def test_verified_gradscaler_steps_are_torchs(process_group, kind, fused, stn, scale):
     """Verified GradScaler steps end as torch's (tests/ampfuzz.py's verify mix found both):
     a fused Adam's kernel divides by a scale that is not a power of two (the real side
     had unscaled by multiplying: a false alarm), and the zeros zero_grad(set_to_none=False)
     keeps after a skipped step are stepped at the next one (the real side had dropped
     them)."""
-    ref, model = _model(), _model()
+    if kind == "fsdp2" and fused:
+        pytest.skip("torch's fused kernels have no DTensor sharding rule")
+    ref, model = _pair(kind)
     ro = torch.optim.Adam(ref.parameters(), lr=0.05, fused=fused)
     lo = layeropt.Adam(model.parameters(), lr=0.05, fused=fused)
     layeropt.attach(model, lo, verify=100)
     xs = [torch.randn(5, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     for m, o, lo_side in ((ref, ro, False), (model, lo, True)):
         _scaled_steps(m, o, torch.amp.GradScaler("cpu", init_scale=scale), xs, lo_side, stn)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        test_rules.assert_same(p.detach(), q.detach())
-    test_rules.assert_same(lo.state_dict(), ro.state_dict())
+    _assert_torchs(model, lo, ref, ro)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_a_gradient_not_zeroed_is_found_through_a_checkpoint_and_a_clip(reentrant):
+@pytest.mark.parametrize("kind", test_rules.KINDS)
+def test_a_gradient_not_zeroed_is_found_through_a_checkpoint_and_a_clip(process_group, kind,
+                                                                        reentrant):
     """step() without zero_grad(), then ``layeropt.backward(max_norm=)`` through torch's
     checkpoint: torch adds onto the last step's gradient. Verify finds it through the
     reentrant checkpoint too (its measure pass put a copy of the gradient back in
     ``.grad``, not the tensor torch kept: tests/multifuzz.py's vck mix found it)."""
     import torch.utils.checkpoint as tuc
 
-    model = _model()
+    model = test_rules._wrap(kind, _model())
     opt = layeropt.AdamW(model.parameters(), lr=0.01)
     layeropt.attach(model, opt, verify=10)
     gen = torch.Generator().manual_seed(0)

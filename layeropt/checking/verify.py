@@ -480,7 +480,7 @@ class Verifier(Wrapper):
                 self.unzeroed.pop(id(p), None)
         again = {p: _digests(optimizer, p) for p in leftovers
                  if (kept := self.unzeroed.get(id(p))) is not None
-                 and p.grad is kept[0] and kept[0]._version == kept[1]}
+                 and p.grad is kept[0] and _local(kept[0])._version == kept[1]}
         leftovers = [p for p in leftovers if p not in again]
         if leftovers:  # what step() itself updates in backward mode (held, set by hand)
             self.shadow(optimizer, engine.placed(leftovers), None)
@@ -513,7 +513,8 @@ class Verifier(Wrapper):
             for p in g["params"]:
                 if p.grad is None:
                     continue
-                self.unzeroed[id(p)] = (p.grad, p.grad._version)
+                self.unzeroed[id(p)] = (p.grad, _local(p.grad)._version)  # (FSDP2 adds
+                # into the shard itself, sharded_param.grad._local_tensor += new)
                 if id(p) not in self.grad_hooks and p.requires_grad:
                     self.grad_hooks[id(p)] = p.register_hook(_zero_watch(self, p))
 

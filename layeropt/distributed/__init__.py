@@ -23,6 +23,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ..engine.registry import allow_local_updates, check_local_hooks_allowed
@@ -61,6 +62,23 @@ def _fsdp_held(fsdp_params: list[Any]) -> list[tuple[Any, Tensor | None, Tensor 
     return held
 
 
+class _Kept:
+    """A ``.grad`` before the measure pass, to be put back as the same tensor: the loop
+    (and ``LAYEROPT_VERIFY``, which finds a gradient not zeroed since ``step()`` by its
+    identity) holds that one. The reducer adds the pass's local gradient into it."""
+
+    def __init__(self, grad: Tensor | None) -> None:
+        self.grad = grad
+        self.values = None if grad is None else grad.detach().clone()
+        self.version = None if grad is None else grad._version
+
+    def restored(self) -> Tensor | None:
+        if self.grad is not None and self.grad._version != self.version:
+            with torch.no_grad():
+                self.grad.copy_(self.values)
+        return self.grad
+
+
 class TwoPasses:
     """``layeropt.backward``'s two passes on DDP models (clipping, GradScaler).
 
@@ -86,8 +104,7 @@ class TwoPasses:
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
-        grads = {p: None if p.grad is None else p.grad.detach().clone()
-                 for state in self.states for p in state.owner}
+        grads = {p: _Kept(p.grad) for state in self.states for p in state.owner}
         fired = [set(state.fired) for state in self.states]
         held = _fsdp_held(self.fsdp_params)
         try:
@@ -95,8 +112,8 @@ class TwoPasses:
         finally:
             for state, before in zip(self.states, fired):
                 state.fired = before
-            for p, grad in grads.items():
-                p.grad = grad
+            for p, kept in grads.items():
+                p.grad = kept.restored()
             for fsdp_param, accumulated, grad in held:  # (pass 1 reduced and dropped them)
                 fsdp_param.unsharded_accumulated_grad = accumulated
                 fsdp_param._unsharded_param.grad = grad
