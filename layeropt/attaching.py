@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .distributed.ddp_hook import _allreduce_then_step, _Copied, _HookState
+from .distributed.fsdp2 import sharded_of
 from .distributed.fsdp_offload import check_fsdp2_offload
 from .engine.boundaries import refuse_open_updates, take_over
 from .engine.registry import hooked_by, mark_hooked, unmark_hooked
@@ -73,9 +74,11 @@ def layer_buckets(
     """
     seen: set[int] = set()
     buckets: list[tuple[InBackwardOptimizer, Bucket]] = []
+    sharded = sharded_of(model)  # (FSDP2 between forward and backward: the shards hooked)
     for mod_name, module in model.named_modules(remove_duplicate=False):
         own: dict[int, tuple[InBackwardOptimizer, list[Tensor]]] = {}
         for p_name, p in module.named_parameters(recurse=False):
+            p = sharded.get(id(p), p)
             if id(p) in seen or not p.requires_grad:
                 continue
             owners = [o for o in optimizers if o.owns(p)]
@@ -168,7 +171,8 @@ class Attachment:
         if model is None:
             return
         optimizers = self.optimizers
-        self.named = list(model.named_parameters())  # the objects hooked, by name
+        sharded = sharded_of(model)  # (FSDP2 between forward and backward: the shards)
+        self.named = [(n, sharded.get(id(p), p)) for n, p in model.named_parameters()]
         self._owned = [p for _, p in self.named if any(o.owns(p) for o in optimizers)]
         self._trainable = tuple(p.requires_grad for p in self._owned)
         self.stale = False
@@ -484,7 +488,7 @@ class DDPAttachment(Attachment):
                 "the optimizer owns none of the parameters DDP synchronises. Build it "
                 "from ddp_model.parameters() before attaching."
             )
-        self.params = list(owner)
+        self.params = self._owned = list(owner)  # (owned: kept by _release, for remove())
         self.named = [(n, p) for n, p in ddp.named_parameters() if p in owner]
         for opt in self.optimizers:
             opt._lo_engine.add_attachment(self)  # opt.attached; add_param_group -> _rebuild
@@ -499,7 +503,7 @@ class DDPAttachment(Attachment):
         return any(p is param for p in self.params)
 
     def _taken(self) -> list[Tensor]:
-        return self.params
+        return self._owned
 
     owned = property(_taken, doc="The parameters DDP synchronises that the optimizers own.")
     averaged = True  # (its gradients come averaged through DDP's comm hook)

@@ -222,14 +222,14 @@ def backward(
     # as the single backward of plain training does; kept if pass 2 does not run.
     measured: dict[Tensor, Tensor] = {}
     buffers = _BufferSnapshot(engines + others)
-    unhooked.add_leaves(loss)
+    ddp = TwoPasses(engines + others)  # DDP models: average before measuring, and in pass 2
+    unhooked.add_leaves(loss, ddp.shards())
     unhooked.set_aside()
 
     def undo_pass_1() -> None:
         buffers.restore()
         unhooked.restore()
 
-    ddp = TwoPasses(engines + others)  # DDP models: average before measuring, and in pass 2
     norm = norm_type if max_norm is not None else None
     seen: set[int] = set()  # parameters with a gradient in this backward
     for e in engines:
@@ -300,8 +300,8 @@ def backward(
             if any(o is f for f in fused):  # (scaler.step's kernel divides by the scale)
                 o.grad_scale = scaler._scale
                 continue
-            verifiers[e].transform_real([p for p in verifiers[e].shadows if p not in before],
-                                      transform)
+            verifiers[e].transform_real([p for p in verifiers[e].shadows if p not in before
+                                         and not unhooked.prepares(p)], transform)
     for o in optimizers:  # their step is skipped: nothing of theirs changes
         if o._lo_engine in skipped:
             o._lo_engine.skip([p for g in o.param_groups for p in g["params"]
@@ -369,10 +369,11 @@ class _Unhooked:
             if norm is not None and (clipped is None or id(p) in clipped):
                 measured[p] = norm
 
-    def add_leaves(self, loss: Tensor) -> None:
+    def add_leaves(self, loss: Tensor, sharded: dict[int, Tensor]) -> None:
         """Every other leaf the loss reaches (a module a plain optimizer trains, a tensor
         no optimizer owns): pass 1 would leave its gradient in ``.grad`` for pass 2 to
-        add to, so it is set aside too (not measured: it is not clipped)."""
+        add to, so it is set aside too (not measured: it is not clipped). An FSDP2
+        unsharded parameter's gradient lands in its shard's (``sharded``)."""
         known = {id(p) for p in self.owned + self.foreign + self.strays}
         known.update(id(p) for o in live_optimizers() if o.attached  # (hooked: attach
                      for a in list(o._lo_engine.attachments) for p in a.owned)  # synced them)
@@ -384,6 +385,7 @@ class _Unhooked:
                 continue
             seen.add(fn)
             leaf = getattr(fn, "variable", None)  # (an AccumulateGrad node's tensor)
+            leaf = sharded.get(id(leaf), leaf)
             if leaf is not None and id(leaf) not in known:
                 known.add(id(leaf))
                 self.leaves.append(leaf)
@@ -427,6 +429,10 @@ class _Unhooked:
         for p, grad in self.before.items():
             p.grad = grad
         self.before = {}
+
+    def prepares(self, p: Tensor) -> bool:
+        """Whether :meth:`prepare` unscales and clips ``p``'s ``.grad``."""
+        return any(p is q for q in self.owned + self.foreign)
 
     def prepare(self, transform: Transform) -> None:
         """After pass 2: unscaled (their optimizer's) and clipped as torch's recipe does

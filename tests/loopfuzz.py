@@ -23,11 +23,13 @@ shrink a failing one (from the tests/ folder)::
     python loopfuzz.py --mix all --start 0 --n 5000
     python loopfuzz.py --mix clip --replay 36
     python loopfuzz.py --mix clip --minimize 36
+    LAYEROPT_FUZZ_WRAP=fsdp2 python loopfuzz.py --mix all --n 500   # (or ddp: one process)
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import contextlib
 import copy
@@ -57,9 +59,18 @@ Op = tuple[str, dict[str, Any]]
 # where the programs' models train: the CPU, or (LAYEROPT_FUZZ_DEVICE=cuda, for
 # benchmarks/device_check.sh) a GPU, both sides on it
 DEVICE = torch.device(os.environ.get("LAYEROPT_FUZZ_DEVICE", "cpu"))
+# how the programs' models are wrapped (LAYEROPT_FUZZ_WRAP, or a program's "wrap"): not
+# at all, DistributedDataParallel or FSDP2's fully_shard, in a process group of this
+# process alone - both sides alike
+WRAP = os.environ.get("LAYEROPT_FUZZ_WRAP", "plain")
+WRAPS = ("plain", "ddp", "fsdp2")
 # torch's fused SGD raises this on a step whose parameters mix momentum buffers and none
 # (a layer's first gradient after others' steps): torch's step() too, where it reaches one
 TORCH_LIMIT = "expected Tensor as element"
+# DDP's reducer raises this where a loop leaves it a parameter it marked used without a
+# gradient (two backwards through one forward, then a frozen layer): torch's side too,
+# where its gradients were set to None; layeropt frees them after each step
+DDP_LIMIT = "but still allreduced by DDP reducer"
 
 
 class Net(nn.Module):
@@ -253,20 +264,25 @@ class Side:
         self.model, self.opt = self._new(init)
         self.handle = self.attach()
 
-    def _new(self, init: dict[str, torch.Tensor]) -> tuple[Net, torch.optim.Optimizer]:
-        """The program's model (from ``init``) and a new optimizer for it."""
+    def _new(self, init: dict[str, torch.Tensor]) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """The program's model (from ``init``, wrapped as the program says) and a new
+        optimizer for it; ``self.net``: the ``Net`` itself."""
         m = Net(self.prog["tied"])
         m.load_state_dict(init)
         m.to(DEVICE)
+        self.net, model = m, wrap(m, self.prog.get("wrap", WRAP))
         kind = self.prog["opt"]
         cls = getattr(torch.optim, kind)
         if self.layer:
             cls = getattr(layeropt, kind, None) or layeropt.in_backward(cls)
         params = [p for n, p in m.named_parameters() if not n.startswith("extra.")]
-        opt = cls([{"params": params[:2]}, {"params": params[2:]}], **self.prog["okw"])
+        okw = self.prog["okw"]
+        if self.prog.get("wrap", WRAP) == "fsdp2":  # (torch's fused kernels have no DTensor
+            okw = {k: v for k, v in okw.items() if k != "fused"}  # rule: plain, both sides)
+        opt = cls([{"params": params[:2]}, {"params": params[2:]}], **okw)
         if self.added:
             opt.add_param_group({"params": list(m.extra.parameters())})
-        return m, opt
+        return model, opt
 
     def attach(self) -> Any:
         return layeropt.attach(self.model, self.opt, **self.akw) if self.layer else None
@@ -279,9 +295,9 @@ class Side:
         """A checkpoint of the model, optimizer and scheduler saved, then loaded into new
         ones, as a resumed run does; the old ones dropped without ``remove()`` (``gc``:
         collected at once; otherwise whenever Python does)."""
-        ck = copy.deepcopy({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+        ck = copy.deepcopy({"model": self.net.state_dict(), "opt": self.opt.state_dict(),
                             "sched": self.sched and self.sched.state_dict()})
-        self.model, self.opt = self._new(ck["model"])
+        self.model, self.opt = self._new(full(ck["model"]))
         self.handle = None
         if a["gc"] and self.layer:  # (torch's side needs none: 0.1 s a collection)
             gc.collect()
@@ -345,13 +361,16 @@ class Side:
                     out.abs().mean().backward()
         elif name == "clip":
             loss, _ = self.loss(a)
-            subset = list(m.l1.parameters()) + list(m.head.parameters()) if a["subset"] else None
+            net = self.net
+
+            def subset() -> list[torch.Tensor]:  # (under FSDP2, after the forward: the
+                return [*net.l1.parameters(), *net.head.parameters()]  # unsharded ones)
             if self.layer:
-                kw = {} if subset is None else {"parameters": subset}
+                kw = {"parameters": subset()} if a["subset"] else {}
                 layeropt.backward(loss, max_norm=a["max_norm"], **kw)
             else:
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(m.parameters() if subset is None else subset,
+                torch.nn.utils.clip_grad_norm_(subset() if a["subset"] else m.parameters(),
                                                a["max_norm"])
         elif name == "step":
             if not self.layer and self.akw:
@@ -360,7 +379,7 @@ class Side:
         elif name == "zg":
             (opt if a["who"] == "opt" else m).zero_grad(set_to_none=a["stn"])
         elif name == "freeze":
-            getattr(m, a["layer"]).requires_grad_(a["flag"])
+            getattr(self.net, a["layer"]).requires_grad_(a["flag"])
         elif name == "hp":
             if a["g"] < len(opt.param_groups):
                 opt.param_groups[a["g"]][a["key"]] = a["val"]
@@ -376,7 +395,7 @@ class Side:
         elif name == "apg":
             if not self.added:
                 self.added = True
-                opt.add_param_group({"params": list(m.extra.parameters()), "lr": a["lr"]})
+                opt.add_param_group({"params": list(self.net.extra.parameters()), "lr": a["lr"]})
         elif name == "sd":
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
         elif name == "remove":
@@ -391,8 +410,45 @@ class Side:
             raise ValueError(f"unknown op {name!r}")
 
     def snapshot(self) -> dict[str, Any]:
-        return {"params": [p.detach().clone() for p in self.model.parameters()],
-                "state": copy.deepcopy(self.opt.state_dict())}
+        return {"params": [full(p.detach()).clone() for p in self.model.parameters()],
+                "state": full(copy.deepcopy(self.opt.state_dict()))}
+
+
+def wrap(net: nn.Module, how: str) -> nn.Module:
+    """``net`` as it trains: itself, in DistributedDataParallel (``find_unused_parameters``:
+    a forward may skip the branches), or sharded by FSDP2 as one unit (the tied weight
+    shared in it), in a process group of this process alone (started here if none)."""
+    if how == "plain":
+        return net
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        import harness
+
+        _GROUP.append(harness.one_process_group("gloo"))
+        next(_GROUP[-1])
+        atexit.register(_GROUP[-1].close)  # (destroyed while torch.distributed is loaded)
+    if how == "ddp":
+        return nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
+    if how == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard(net)
+    raise ValueError(f"wrap={how!r}: one of {WRAPS}")
+
+
+_GROUP: list[Any] = []  # the process group wrap() started, kept for the process's life
+
+
+def full(x: Any) -> Any:
+    """Tensors as plain ones (a DTensor of a one-process mesh: its full tensor)."""
+    if isinstance(x, torch.Tensor):
+        return x.full_tensor() if hasattr(x, "full_tensor") else x
+    if isinstance(x, dict):
+        return {k: full(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(full(v) for v in x)
+    return x
 
 
 class NeverZeroed:
@@ -506,7 +562,7 @@ def play_both(t: Any, lo: Any, name: str, a: dict[str, Any]) -> dict[str, Any] |
         return {"status": status, "error": repr(terr)[:200]}
     if lerr is None:
         return None
-    if TORCH_LIMIT in str(lerr):
+    if TORCH_LIMIT in str(lerr) or DDP_LIMIT in str(lerr):
         return {"status": "torch-error", "error": repr(lerr)[:200]}
     ok = isinstance(lerr, layeropt.LayeroptError)
     return {"status": "refused" if ok else "crash", "error": f"{type(lerr).__name__}: {lerr}"[:300],
@@ -530,9 +586,13 @@ def run_program(prog: dict[str, Any], side: type[Side] = Side, classify: bool = 
     ``TORCH_LIMIT`` before a refusal), or one of ``FAILURES``."""
     torch.manual_seed(prog["seed"])
     init = Net(prog["tied"]).state_dict()
-    t, lo = side(prog, False, init), side(prog, True, init)
-    never_zeroed = NeverZeroed(t)
     out: dict[str, Any] = {"seed": prog["seed"], "mix": prog["mix"], "status": "exact"}
+    t = side(prog, False, init)
+    try:
+        lo = side(prog, True, init)
+    except layeropt.LayeroptError as e:  # (attach: bucket_max_norm= on a DDP model)
+        return {**out, "status": "refused", "error": f"{type(e).__name__}: {e}"[:300], "at": -1}
+    never_zeroed = NeverZeroed(t)
     pending = stepped = False
     try:
         with warnings.catch_warnings():
@@ -561,8 +621,11 @@ def run_program(prog: dict[str, Any], side: type[Side] = Side, classify: bool = 
         lo.close()
 
 
-def run_block(mix: str, start: int, n: int) -> list[dict[str, Any]]:
-    return [run_program(draw_program(s, mix)) for s in range(start, start + n)]
+def run_block(mix: str, start: int, n: int, wrap: str | None = None) -> list[dict[str, Any]]:
+    """Programs ``start`` to ``start + n`` of ``mix``; ``wrap``: their models so wrapped
+    (``loopfuzz.WRAPS``; default ``LAYEROPT_FUZZ_WRAP``, else none)."""
+    how = {} if wrap is None else {"wrap": wrap}
+    return [run_program({**draw_program(s, mix), **how}) for s in range(start, start + n)]
 
 
 def assert_block(outcomes: list[dict[str, Any]], script: str, mix: str, exact_share: float

@@ -8,12 +8,14 @@ many programs.
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
 
 import pytest
 import torch
 
-from harness import SOAK
-from loopfuzz import assert_block, run_block
+from harness import FSDP2_ON_CPU, SOAK
+from loopfuzz import assert_block, run_block, run_program
 
 # (mix, programs): what each mix draws is in loopfuzz.draw_program
 BLOCKS = [
@@ -31,3 +33,70 @@ def test_random_loops_equal_torch_or_are_refused(mix, n):
     outcomes = run_block(mix, 0, n * SOAK)
     # the programs train: most end exact, not refused (a mix that only refused would pass)
     assert_block(outcomes, "loopfuzz.py", mix, 1 / 3)
+
+
+# The same programs on a DistributedDataParallel model and on an FSDP2 one (a process
+# group of this process alone): torch's DDP / FSDP2 against layeropt's, bit for bit
+WRAPPED = [("all", 300), ("chaos", 300), ("resume", 200)]
+
+
+@pytest.mark.parametrize("wrap", ["ddp", pytest.param("fsdp2", marks=pytest.mark.skipif(
+    not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8"))])
+@pytest.mark.parametrize("mix,n", WRAPPED, ids=[b[0] for b in WRAPPED])
+def test_random_loops_on_ddp_and_fsdp2(mix, n, wrap):
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():  # (DDP's find_unused_parameters notes)
+        warnings.simplefilter("ignore")
+        outcomes = run_block(mix, 0, n * SOAK, wrap)
+    assert_block(outcomes, f"loopfuzz.py (LAYEROPT_FUZZ_WRAP={wrap})", mix, 1 / 3)
+
+
+def _program(seed: int, mix: str, wrap: str, setup: dict[str, Any], ops: list[Any]
+             ) -> dict[str, Any]:
+    return {"seed": seed, "mix": mix, "wrap": wrap, "sched": "exp", "akw": {}, "tied": False,
+            **setup, "ops": ops}
+
+
+def _fb(seed: int, **kw: Any) -> tuple[str, dict[str, Any]]:
+    return ("fb", {"seed": seed, "branch": False, "extra": False, "ns": False, "mode": "plain",
+                   **kw})
+
+
+def _clip(seed: int, max_norm: float, **kw: Any) -> tuple[str, dict[str, Any]]:
+    return ("clip", {"seed": seed, "branch": False, "extra": False, "max_norm": max_norm,
+                     "subset": False, **kw})
+
+
+SGD = {"opt": "SGD", "okw": {"lr": 0.05}}
+# found by the wrapped blocks (minimized), each differing without an error before its fix
+FOUND = {
+    # FSDP2 registers a root group's unsharded parameters from its forward on; a layer
+    # frozen since attach made layeropt.backward hook those again, not the shards
+    "fsdp2: a layer frozen, then layeropt.backward(max_norm=)": _program(
+        86, "all", "fsdp2", SGD, [("freeze", {"layer": "branch", "flag": False}),
+                                  _clip(441870, 0.01, extra=True)]),
+    # a parameter no optimizer owns: its gradient of the measure pass lands in FSDP2's
+    # shard, which was not set aside (added twice)
+    "fsdp2: layeropt.backward over a parameter no optimizer owns": _program(
+        38, "all", "fsdp2", {"opt": "Adamax", "okw": {"lr": 0.01}},
+        [_clip(800985, 1e9, extra=True, subset=True), ("step", {}),
+         ("zg", {"who": "opt", "stn": True}), _clip(30171, 0.01)]),
+    # remove() on a DDP model forgot the zeros zero_grad(set_to_none=False) keeps: torch's
+    # next step() updates on them
+    "ddp: kept zeros, then remove()": _program(
+        241, "resume", "ddp", {"opt": "Adadelta", "okw": {"lr": 0.1}},
+        [("apg", {"lr": 0.1}), ("remove", {}), _fb(401939, extra=True), ("attach", {}),
+         ("step", {}), ("zg", {"who": "model", "stn": False}), ("remove", {}),
+         _fb(116196, ns=True)]),
+}
+
+
+@pytest.mark.parametrize("case", list(FOUND))
+def test_programs_found_on_ddp_and_fsdp2_are_exact(case):
+    prog = FOUND[case]
+    if prog["wrap"] == "fsdp2" and not FSDP2_ON_CPU:
+        pytest.skip("FSDP2 runs on CPU from torch 2.8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = run_program(prog)
+    assert out["status"] == "exact", out

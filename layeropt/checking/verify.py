@@ -299,13 +299,14 @@ class Verifier(Wrapper):
         fingerprinted, and undone; the real ``.grad`` stay for ``step()``. Returns the
         parameters in-backward updating would have stepped.
 
-        Not a leaf frozen after its forward: torch still adds its gradient onto a
-        ``.grad`` kept since ``step()`` and runs its hooks, where in-backward updating
-        (whose ``.grad`` was freed) never sees one."""
+        Not a leaf frozen after its forward whose ``.grad`` was kept since ``step()``:
+        torch still adds its gradient onto it and runs its hooks, where in-backward
+        updating (whose ``.grad`` was freed) never sees one. A frozen one's gradient
+        held by ``no_step()`` is stepped, as in backward (DDP hands it over)."""
         self._watch_forwards()
-        stepped = [p for g in groups for p in g.params if p.requires_grad]
+        stepped = [p for g in groups for p in g.params if self._steps(p)]
         for g in groups:
-            params = [p for p in g.params if p not in self.shadows and p.requires_grad]
+            params = [p for p in g.params if p not in self.shadows and self._steps(p)]
             if not params:
                 continue
             self.check_zeroed(params)
@@ -336,6 +337,10 @@ class Verifier(Wrapper):
             for p in params:  # (restored in place: torch's step() must find these unchanged)
                 self.shadows[p] = self.shadows[p]._replace(state=_stamps(optimizer, p))
         return stepped
+
+    def _steps(self, p: Tensor) -> bool:
+        kept = self.unzeroed.get(id(p))
+        return p.requires_grad or kept is None or p.grad is not kept[0]
 
     def check_zeroed(self, params: list[Tensor]) -> None:
         """Refuse gradients accumulated onto the last step's: autograd adds into the

@@ -24,10 +24,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..engine.registry import allow_local_updates, check_local_hooks_allowed
 from ..attaching import DDPAttachment, attach_ddp
+from .fsdp2 import fsdp_params as _fsdp_params
 
 __all__ = [
     "DDPAttachment",
@@ -35,17 +36,6 @@ __all__ = [
     "check_local_hooks_allowed",
     "allow_local_updates",
 ]
-
-def _fsdp_params(model: nn.Module) -> list[Any]:
-    """FSDP2's per-parameter states (``FSDPParam``) of ``model``'s ``fully_shard`` modules
-    (private; the same names in torch 2.8-2.15)."""
-    found = []
-    for module in model.modules():
-        get_state = getattr(module, "_get_fsdp_state", None)
-        group = None if get_state is None else getattr(get_state(), "_fsdp_param_group", None)
-        found += getattr(group, "fsdp_params", None) or ()
-    return found
-
 
 def _fsdp_held(fsdp_params: list[Any]) -> list[tuple[Any, Tensor | None, Tensor | None]]:
     """Copies of the unsharded gradients FSDP2 holds from backwards that did not reduce
@@ -101,6 +91,12 @@ class TwoPasses:
                     self.states.append(a._state)
                 elif a.model is not None:
                     self.fsdp_params += _fsdp_params(a.model)
+
+    def shards(self) -> dict[int, Tensor]:
+        """``id`` of each FSDP2 unsharded parameter of the attached models -> its shard,
+        whose ``.grad`` FSDP2 writes."""
+        return {id(unsharded): fp.sharded_param for fp in self.fsdp_params
+                if (unsharded := getattr(fp, "_unsharded_param", None)) is not None}
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
