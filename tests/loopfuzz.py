@@ -465,8 +465,8 @@ class NeverZeroed:
         (rules.md's "``step()`` twice on one backward's gradients": Adam moves on zeros).
         ``zeros-again`` where the gradients applied again unchanged are all zeros: verify
         takes those for gradients zeroed in place (``p.grad.zero_()``); ``held-onto``: a
-        backward in ``no_step()`` adds to them (verify finds it at the ``step()``, not
-        where a ``zero_grad(set_to_none=False)`` comes first)."""
+        backward in ``no_step()`` adds to them (verify finds it at the ``step()``; where a
+        ``zero_grad(set_to_none=False)`` comes first, layeropt keeps torch's zeros)."""
         if name not in ("step", "fb", "clip"):
             return None
         stale = [(p.grad, self.applied[id(p)]) for p in self.side.model.parameters()

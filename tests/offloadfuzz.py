@@ -115,8 +115,10 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
     return simulated(lambda p: loopfuzz.run_program(p, OffloadSide), prog)
 
 
-def run_block(mix: str, start: int, n: int) -> list[dict[str, Any]]:
-    return [run_program(draw_program(s, mix)) for s in range(start, start + n)]
+def run_block(mix: str, start: int, n: int, wrap: str | None = None) -> list[dict[str, Any]]:
+    """As ``loopfuzz.run_block`` (``wrap``: ``"ddp"``; FSDP2's shards are refused)."""
+    how = {} if wrap is None else {"wrap": wrap}
+    return [run_program({**draw_program(s, mix), **how}) for s in range(start, start + n)]
 
 
 def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:

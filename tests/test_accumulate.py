@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -169,3 +170,28 @@ def test_zero_grad_drops_held_gradients():
     opt.step()
     for p, q in zip(before, model.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("zero", ["optimizer", "model"])
+def test_held_backward_onto_gradients_not_zeroed_then_kept_as_zeros(zero):
+    """``step()`` with no ``zero_grad()`` after it, a ``no_step()`` backward that does not
+    reach layer ``a`` (it adds onto the others' gradients, not zeroed), then
+    ``zero_grad(set_to_none=False)`` and ``step()``: torch updates ``a`` on the zeros its
+    kept gradient became, and so does layeropt (tests/verifyfuzz.py found it skipped)."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 3), "b": torch.nn.Linear(3, 3)})
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(1))
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    opt = layeropt.Adam(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    for m, o, held in ((ref, ref_opt, False), (model, opt, True)):
+        for _ in range(2):
+            m["b"](m["a"](x)).sum().backward()
+            o.step()
+            with o.no_step() if held else contextlib.nullcontext():
+                m["b"](x).square().sum().backward()
+            (o if zero == "optimizer" else m).zero_grad(set_to_none=False)
+            o.step()
+    assert_models_equal(ref, model)
+    assert_same(opt.state_dict(), ref_opt.state_dict())

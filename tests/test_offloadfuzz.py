@@ -9,6 +9,7 @@ SEED`` shrinks it. ``LAYEROPT_SOAK=k`` runs k times as many programs.
 
 from __future__ import annotations
 
+import warnings
 
 import pytest
 import torch
@@ -34,3 +35,17 @@ def test_random_offloaded_loops_equal_torch_or_are_refused(mix, n):
     # the programs train: many end exact, not refused (a mix that only refused would pass;
     # a step() after remove() is refused with offload, so fewer than loopfuzz's third)
     assert_block(outcomes, "offloadfuzz.py", mix, 1 / 4)
+
+
+# The same on a DistributedDataParallel model (one process; FSDP2's DTensor shards are
+# refused by offload_state)
+WRAPPED = [("all", 150), ("clip", 100), ("toggle", 100)]
+
+
+@pytest.mark.parametrize("mix,n", WRAPPED, ids=[b[0] for b in WRAPPED])
+def test_random_offloaded_loops_on_ddp(mix, n):
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():  # (DDP's find_unused_parameters notes)
+        warnings.simplefilter("ignore")
+        outcomes = run_block(mix, 0, n * SOAK, "ddp")
+    assert_block(outcomes, "offloadfuzz.py (LAYEROPT_FUZZ_WRAP=ddp)", mix, 1 / 4)

@@ -269,8 +269,9 @@ class StepRules:
         for what it ``stepped`` and for what a skipped ``GradScaler`` step left (a fused
         optimizer's ``scaler.step`` calls this ``step()``)."""
         skipped = self.train_step.scaler_skipped
+        rec = self.last  # (its gradients too, past the next backward: until a zero_grad)
         self.boundary("step()")
-        self.train_step.skipped += skipped + stepped
+        self.train_step.skipped += skipped + stepped + ([] if rec.zeroed else rec.stepped)
 
     def first_step(self) -> bool:
         """A ``step()`` was called (attached or not): whether it is the loop's first and a
