@@ -176,15 +176,20 @@ class Side:
             m.l2.to(torch.bfloat16)
             m.head.to(torch.bfloat16)
         self.layer = layer
+        self.net, self.model = m, loopfuzz.wrap(m, prog.get("wrap", loopfuzz.WRAP))
         cls = getattr(torch.optim, prog["opt"])
         if layer:
             cls = getattr(layeropt, prog["opt"], None) or layeropt.in_backward(cls)
         params = list(m.parameters())
-        self.opt = cls([{"params": params[:2]}, {"params": params[2:]}], **prog["okw"])
+        okw = prog["okw"]
+        if prog.get("wrap", loopfuzz.WRAP) == "fsdp2":  # (torch's fused kernels: no DTensor
+            okw = {k: v for k, v in okw.items() if k != "fused"}  # rule; plain, both sides)
+        self.opt = cls([{"params": params[:2]}, {"params": params[2:]}], **okw)
         self.params = [p for g in self.opt.param_groups for p in g["params"]]  # state_dict keys
         self.akw = prog["akw"]
         verify = {"verify": 1000} if prog.get("verify") else {}
-        self.handle = layeropt.attach(m, self.opt, **self.akw, **verify) if layer else None
+        self.handle = (layeropt.attach(self.model, self.opt, **self.akw, **verify) if layer
+                       else None)
         mode = prog.get("mode")
         self.offload = offload_in_mode(self.opt, mode) if layer and mode else None
         self.scaler = torch.amp.GradScaler("cpu", init_scale=prog["init_scale"],
@@ -247,9 +252,9 @@ class Side:
     def _resume(self, a: Iteration) -> None:
         """A checkpoint - model, optimizer, GradScaler - loaded into new ones (attached,
         offloaded as before), the old dropped without ``remove()``, as a resumed run."""
-        ck = copy.deepcopy({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+        ck = copy.deepcopy({"model": self.net.state_dict(), "opt": self.opt.state_dict(),
                             "scaler": self.scaler.state_dict()})
-        new = Side(self.prog, self.layer, ck["model"])
+        new = Side(self.prog, self.layer, loopfuzz.full(ck["model"]))
         new.opt.load_state_dict(ck["opt"])
         new.scaler.load_state_dict(ck["scaler"])
         new.uninitialised = self.uninitialised
@@ -349,8 +354,9 @@ class Side:
 
     def snapshot(self) -> dict[str, Any]:
         """Parameters, optimizer and scaler state (views: compare before the next step)."""
-        return {"param": {n: p.detach() for n, p in self.model.named_parameters()},
-                "state_dict": self.opt.state_dict(), "scaler": self.scaler.state_dict()}
+        return {"param": {n: loopfuzz.full(p.detach()) for n, p in self.net.named_parameters()},
+                "state_dict": loopfuzz.full(self.opt.state_dict()),
+                "scaler": self.scaler.state_dict()}
 
 
 def _nan_marked(x: Any) -> Any:
@@ -423,8 +429,12 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
 def _run(prog: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(prog["seed"])
     init = Net(prog["tied"]).state_dict()
-    t, lo = Side(prog, False, init), Side(prog, True, init)
     out: dict[str, Any] = {"seed": prog["seed"], "mix": prog["mix"], "status": "exact"}
+    t = Side(prog, False, init)
+    try:
+        lo = Side(prog, True, init)
+    except layeropt.LayeroptError as e:  # (attach: bucket_max_norm= on a DDP model)
+        return {**out, "status": "refused", "error": f"{type(e).__name__}: {e}"[:300], "at": -1}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -452,8 +462,11 @@ def _run(prog: dict[str, Any]) -> dict[str, Any]:
         detach(lo.handle)
 
 
-def run_block(mix: str, start: int, n: int) -> list[dict[str, Any]]:
-    return [run_program(draw_program(s, mix)) for s in range(start, start + n)]
+def run_block(mix: str, start: int, n: int, wrap: str | None = None) -> list[dict[str, Any]]:
+    """As ``loopfuzz.run_block`` (``wrap``: DDP or FSDP2; the ``offload`` mix under FSDP2:
+    its shards are refused)."""
+    how = {} if wrap is None else {"wrap": wrap}
+    return [run_program({**draw_program(s, mix), **how}) for s in range(start, start + n)]
 
 
 # -- by hand: more programs, one program, a smaller program -----------------------------

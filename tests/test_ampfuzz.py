@@ -9,13 +9,14 @@ many programs.
 
 from __future__ import annotations
 
+import warnings
 
 import pytest
 import torch
 
 from ampfuzz import draw_program, run_block, run_program
 from loopfuzz import assert_block
-from harness import SOAK
+from harness import FSDP2_ON_CPU, SOAK
 
 # (mix, programs): what each mix draws is in ampfuzz.BODIES; about 20 s on one core
 BLOCKS = [
@@ -36,6 +37,24 @@ def test_random_amp_loops_equal_torch_or_are_refused(mix, n):
     outcomes = run_block(mix, 0, n * SOAK)
     # the programs train: most end exact, not refused (a mix that only refused would pass)
     assert_block(outcomes, "ampfuzz.py", mix, 1 / 2)
+
+
+# The same on a DistributedDataParallel model and an FSDP2 one (one process; FSDP2: no
+# fused kernels - torch's have no DTensor rule - and mixed dtypes are FSDP2's error on both
+# sides; offloaded shards are refused)
+WRAPPED = [("ddp", "all", 150), ("ddp", "verify", 100), ("ddp", "offload", 100),
+           ("fsdp2", "all", 150), ("fsdp2", "verify", 100)]
+
+
+@pytest.mark.parametrize("wrap,mix,n", WRAPPED, ids=[f"{w}-{m}" for w, m, _ in WRAPPED])
+def test_random_amp_loops_on_ddp_and_fsdp2(wrap, mix, n):
+    if wrap == "fsdp2" and not FSDP2_ON_CPU:
+        pytest.skip("FSDP2 runs on CPU from torch 2.8")
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():  # (DDP's find_unused_parameters notes)
+        warnings.simplefilter("ignore")
+        outcomes = run_block(mix, 0, n * SOAK, wrap)
+    assert_block(outcomes, f"ampfuzz.py (LAYEROPT_FUZZ_WRAP={wrap})", mix, 1 / 2)
 
 
 # programs the fuzzer found differing, shrunk (python tests/ampfuzz.py --minimize SEED):
