@@ -157,8 +157,9 @@ def backward(
     if scaler is not None and not scaler.is_enabled():
         scaler = None  # a disabled scaler is plain backward, as in torch
     given = parameters is not None  # clip_grad_norm_(parameters): only those are clipped
-    if given:
-        parameters = list(parameters)
+    if given:  # (FSDP2's unsharded parameters, as the shards the optimizers own)
+        shards = TwoPasses.shards()
+        parameters = [shards.get(id(p), p) for p in parameters]
         if scaler is None:  # (it clips them, whichever attached optimizer steps them)
             optimizers = optimizers + _owners(parameters, optimizers)
     engines = [o._lo_engine for o in optimizers]
@@ -223,6 +224,7 @@ def backward(
     measured: dict[Tensor, Tensor] = {}
     buffers = _BufferSnapshot(engines + others)
     ddp = TwoPasses(engines + others)  # DDP models: average before measuring, and in pass 2
+    ddp.refuse_held_shards(others)
     unhooked.add_leaves(loss, ddp.shards())
     unhooked.set_aside()
 

@@ -60,6 +60,7 @@ import torch.utils.checkpoint as tuc
 
 import layeropt
 import offloadfuzz
+import loopfuzz
 from loopfuzz import _diff, cli, draw_optimizer, drop_chunks, mutate, play_both
 from streamsim import offload_in_mode
 
@@ -327,6 +328,8 @@ class Side:
         self.model = make_net(prog)
         self.model.load_state_dict(init)
         self.ckpt = self.model.wire(layer)
+        if prog.get("wrap", loopfuzz.WRAP) == "fsdp2":  # (the same module, sharded as one
+            loopfuzz.wrap(self.model, "fsdp2")  # unit; DDP would need its loss outside)
         self.opts = {n: self._make(n, *prog["opts"][n]) for n in prog["opts"]}
         self.handles: dict[str, list[Any]] = {}
         self.offloads: dict[str, Any] = {}  # name -> its offload handle (mode drawn)
@@ -354,6 +357,8 @@ class Side:
         if self.is_lo(n):
             cls = getattr(layeropt, kind, None) or layeropt.in_backward(cls)
         ps = self.params(n)
+        if self.prog.get("wrap", loopfuzz.WRAP) == "fsdp2":  # (torch's fused kernels have
+            kw = {k: v for k, v in kw.items() if k != "fused"}  # no DTensor rule)
         return cls([{"params": ps[:1]}, {"params": ps[1:]}], **kw)
 
     def _attach_all(self) -> None:
@@ -412,15 +417,17 @@ class Side:
 
     def _clip(self, a: dict[str, Any]) -> None:
         loss = self.model.loss(a)
-        subset = None if a["sub"] is None else [
-            p for m in a["sub"] for p in self.model.get_submodule(m).parameters()]
+
+        def subset() -> list[torch.Tensor]:  # (FSDP2, after the forward: the unsharded)
+            return [p for m in a["sub"] for p in self.model.get_submodule(m).parameters()]
         if self.layer:
-            kw = {} if subset is None else {"parameters": subset}
+            kw = {} if a["sub"] is None else {"parameters": subset()}
             layeropt.backward(loss, self._selected(a["opt"]), max_norm=a["max_norm"], **kw)
         else:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(
-                self._torch_clipped(a["opt"]) if subset is None else subset, a["max_norm"])
+                self._torch_clipped(a["opt"]) if a["sub"] is None else subset(),
+                a["max_norm"])
 
     def _handover(self, n: str, new: list[Any], how: str) -> None:
         """``n`` replaced by a new optimizer of class ``new``: its attachment removed (the
@@ -477,8 +484,10 @@ class Side:
             raise ValueError(f"unknown op {name!r}")
 
     def snapshot(self) -> dict[str, Any]:
-        return {"param": {n: p.detach().clone() for n, p in self.model.named_parameters()},
-                "state_dict": {n: copy.deepcopy(o.state_dict()) for n, o in self.opts.items()}}
+        return {"param": {n: loopfuzz.full(p.detach()).clone()
+                          for n, p in self.model.named_parameters()},
+                "state_dict": {n: loopfuzz.full(copy.deepcopy(o.state_dict()))
+                               for n, o in self.opts.items()}}
 
     def close(self) -> None:
         for handle in self.offloads.values():
