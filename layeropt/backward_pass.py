@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .checking.verify import Verifier
 from .distributed import TwoPasses
+from .distributed.fsdp2 import sharded_of
 from .errors import TWO_PASSES_ERROR, LayeroptError
 from .engine.transforms import Transform, prepare_grads, reduce_grad
 from .optim import InBackwardOptimizer, live_optimizers, no_step_all, optimizer_list
@@ -53,7 +54,9 @@ def default_parameters(optimizers: list[InBackwardOptimizer]) -> list[Tensor]:
     for opt in optimizers:
         for attachment in list(opt._lo_engine.attachments):
             model = attachment.model
+            shards = {} if model is None else sharded_of(model)  # (FSDP2, after a forward)
             for p in model.parameters() if model is not None else ():
+                p = shards.get(id(p), p)
                 if id(p) not in others:
                     out.setdefault(id(p), p)
     for opt in optimizers:
@@ -61,21 +64,6 @@ def default_parameters(optimizers: list[InBackwardOptimizer]) -> list[Tensor]:
             for p in g["params"]:
                 out.setdefault(id(p), p)
     return list(out.values())
-
-
-def _as_attached(optimizers: list[InBackwardOptimizer], params: list[Tensor]) -> list[Tensor]:
-    """``params`` as the objects the attachments hooked: between forward and backward,
-    FSDP2 keeps a root group's parameters swapped for unsharded ones (matched by name)."""
-    hooked: dict[int, Tensor] = {}
-    for opt in optimizers:
-        for attachment in list(opt._lo_engine.attachments):
-            model = attachment.model
-            now = dict(model.named_parameters()) if model is not None else {}
-            for name, p in attachment.named:
-                q = now.get(name)
-                if q is not None and q is not p:
-                    hooked[id(q)] = p
-    return [hooked.get(id(p), p) for p in params] if hooked else params
 
 
 def _grad_order(measured: dict[Tensor, Tensor], parameters: list[Tensor]) -> list[Tensor]:
@@ -180,8 +168,7 @@ def backward(
     for e in engines + others:
         for attachment in list(e.attachments):
             attachment.sync()
-    parameters = _as_attached(optimizers,
-                              parameters if given else default_parameters(optimizers))
+    parameters = parameters if given else default_parameters(optimizers)
     clipped = frozenset(map(id, parameters)) if given else None
     # Trainable parameters no attached hook steps: torch's recipe measures, unscales and
     # clips them too. Each pass accumulates into their .grad, so pass 1's is measured
@@ -224,7 +211,6 @@ def backward(
     measured: dict[Tensor, Tensor] = {}
     buffers = _BufferSnapshot(engines + others)
     ddp = TwoPasses(engines + others)  # DDP models: average before measuring, and in pass 2
-    ddp.refuse_held_shards(others)
     unhooked.add_leaves(loss, ddp.shards())
     unhooked.set_aside()
 

@@ -18,7 +18,7 @@ import torch
 
 from harness import FSDP2_ON_CPU, SOAK
 from loopfuzz import assert_block
-from multifuzz import run_block, run_program
+from multifuzz import draw_program, run_block, run_program
 
 # (mix, programs): what each mix draws is in multifuzz.draw_program
 BLOCKS = [
@@ -42,8 +42,22 @@ def test_random_programs_equal_torch_or_are_refused(mix, n):
     assert_block(outcomes, "multifuzz.py", mix, 1 / 4)
 
 
-# Found with the programs on an FSDP2 model (LAYEROPT_FUZZ_WRAP=fsdp2; not yet a CI block:
-# its verify mixes raise false alarms there, see docs/distributed.md), minimized: each
+# The same on an FSDP2 model (one process; torch's fused kernels dropped: no DTensor rule)
+FSDP2_BLOCKS = [("multi", 100), ("handover", 100), ("verify", 100), ("vgan", 100)]
+
+
+@pytest.mark.skipif(not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8")
+@pytest.mark.parametrize("mix,n", FSDP2_BLOCKS, ids=[b[0] for b in FSDP2_BLOCKS])
+def test_random_programs_on_fsdp2(mix, n):
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outcomes = [run_program({**draw_program(s, mix), "wrap": "fsdp2"})
+                    for s in range(n * SOAK)]
+    assert_block(outcomes, "multifuzz.py (LAYEROPT_FUZZ_WRAP=fsdp2)", mix, 1 / 4)
+
+
+# Found with the programs on an FSDP2 model (LAYEROPT_FUZZ_WRAP=fsdp2), minimized: each
 # differed from torch without an error before its fix.
 _TWO = {"o1": ["RAdam", {"lr": 0.05}], "o2": ["Adamax", {"lr": 0.05}],
         "o3": ["RMSprop", {"lr": 0.05, "centered": True, "weight_decay": 0.01}]}
@@ -64,16 +78,17 @@ _FSDP2_FOUND = {
          "style": "sub"},
         [("clip", {"seed": 304797, "kind": "full", "aux": False, "max_norm": 0.01,
                    "sub": ["trunk", "head"], "opt": None})], "exact"),
-    # two attachments of one model, both holding no_step() gradients, then
-    # layeropt.backward for one of them: refused (the other's step differed)
-    "another optimizer's held shards, layeropt.backward for one": (
+    # two attachments of one model, then layeropt.backward for one of them: the default
+    # parameters left out the other's by the ids of its unsharded parameters, so that
+    # optimizer's were clipped as well (layeropt alone, and a verified run's torch side)
+    "two attachments of one model, layeropt.backward for one": (
         {"opts": {"o1": ["AdamW", {"lr": 0.1}], "o2": ["SGD", {"lr": 0.01, "momentum": 0.9}]},
          "layer": {"o1": True, "o2": True}, "owned": {"o1": ["trunk"], "o2": ["head", "aux"]},
          "style": "model"},
         [("fb", {"seed": 851006, "kind": "full", "aux": False, "ns": ["o1", "o2"],
                  "freeze": None}),
          ("clip", {"seed": 824255, "kind": "full", "aux": False, "max_norm": 0.01, "sub": None,
-                   "opt": "o2"})], "refused"),
+                   "opt": "o2"})], "exact"),
 }
 
 

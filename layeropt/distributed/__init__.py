@@ -26,8 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..engine.registry import allow_local_updates, check_local_hooks_allowed, is_dtensor
-from ..errors import LayeroptError
+from ..engine.registry import allow_local_updates, check_local_hooks_allowed
 from ..attaching import DDPAttachment, attach_ddp
 from .fsdp2 import _all_fsdp_params, fsdp_params as _fsdp_params
 
@@ -100,25 +99,6 @@ class TwoPasses:
         no attachment holds)."""
         return {id(unsharded): fp.sharded_param for fp in _all_fsdp_params()
                 if (unsharded := getattr(fp, "_unsharded_param", None)) is not None}
-
-    @staticmethod
-    def refuse_held_shards(others: list[Any]) -> None:
-        """Before pass 1: refuse where another attached optimizer (one this call does not
-        clip) holds a ``no_step()`` gradient in an FSDP2 shard. FSDP2 adds each pass's
-        gradient into that shard itself; tests/multifuzz.py found its update differing
-        from torch's there (two attachments of one FSDP2 model, 2026-12-05)."""
-        for e in others:
-            o = e._optimizer()
-            held = [p for g in (o.param_groups if o is not None else ()) for p in g["params"]
-                    if p.grad is not None and is_dtensor(p)]
-            if held:
-                raise LayeroptError(
-                    f"layeropt.backward: {type(o).__name__}, attached to this FSDP2 model and "
-                    f"not among the optimizers passed, holds a no_step() gradient for "
-                    f"{len(held)} parameter(s); its step after this two-pass backward has not "
-                    "been shown exact. Pass every attached optimizer that holds one "
-                    "(layeropt.backward(loss, [opt1, opt2], ...), or none: all of them). "
-                    "Nothing was updated.")
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
