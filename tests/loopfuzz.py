@@ -427,7 +427,7 @@ def wrap(net: nn.Module, how: str) -> nn.Module:
 
         _GROUP.append(harness.one_process_group("gloo"))
         next(_GROUP[-1])
-        atexit.register(_GROUP[-1].close)  # (destroyed while torch.distributed is loaded)
+        atexit.register(_end_group, _GROUP[-1])  # (while torch.distributed is loaded)
     if how == "ddp":
         return nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
     if how == "fsdp2":
@@ -438,6 +438,13 @@ def wrap(net: nn.Module, how: str) -> nn.Module:
 
 
 _GROUP: list[Any] = []  # the process group wrap() started, kept for the process's life
+
+
+def _end_group(group: Any) -> None:
+    """At exit: the DDP / FSDP2 modules freed while the process group exists (their
+    reducers' gloo work; tests/test_distributed.py does the same), then the group."""
+    gc.collect()
+    group.close()
 
 
 def full(x: Any) -> Any:
