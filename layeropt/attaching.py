@@ -64,7 +64,8 @@ def _check_param(name: str, p: Tensor, module: nn.Module) -> None:
 
 
 def layer_buckets(
-    model: nn.Module, optimizers: list[InBackwardOptimizer], settings: Settings | None = None
+    model: nn.Module, optimizers: list[InBackwardOptimizer], settings: Settings | None = None,
+    sharded: dict[int, Tensor] | None = None,
 ) -> list[tuple[InBackwardOptimizer, Bucket]]:
     """One bucket per (module, optimizer) of the module's own trainable params.
 
@@ -74,7 +75,8 @@ def layer_buckets(
     """
     seen: set[int] = set()
     buckets: list[tuple[InBackwardOptimizer, Bucket]] = []
-    sharded = sharded_of(model)  # (FSDP2 between forward and backward: the shards hooked)
+    if sharded is None:  # (FSDP2 between forward and backward: the shards are hooked)
+        sharded = sharded_of(model)
     for mod_name, module in model.named_modules(remove_duplicate=False):
         own: dict[int, tuple[InBackwardOptimizer, list[Tensor]]] = {}
         for p_name, p in module.named_parameters(recurse=False):
@@ -176,7 +178,7 @@ class Attachment:
         self._owned = [p for _, p in self.named if any(o.owns(p) for o in optimizers)]
         self._trainable = tuple(p.requires_grad for p in self._owned)
         self.stale = False
-        pairs = layer_buckets(model, optimizers, self.settings)
+        pairs = layer_buckets(model, optimizers, self.settings, sharded)
         names = {id(p): n for n, p in self.named}
         for owner, b in reversed(pairs):  # (model order: the first parameter is named)
             for p in b.params:

@@ -146,7 +146,7 @@ def backward(
         scaler = None  # a disabled scaler is plain backward, as in torch
     given = parameters is not None  # clip_grad_norm_(parameters): only those are clipped
     if given:  # (FSDP2's unsharded parameters, as the shards the optimizers own)
-        shards = TwoPasses.shards()
+        shards = sharded_of()
         parameters = [shards.get(id(p), p) for p in parameters]
         if scaler is None:  # (it clips them, whichever attached optimizer steps them)
             optimizers = optimizers + _owners(parameters, optimizers)
@@ -211,7 +211,7 @@ def backward(
     measured: dict[Tensor, Tensor] = {}
     buffers = _BufferSnapshot(engines + others)
     ddp = TwoPasses(engines + others)  # DDP models: average before measuring, and in pass 2
-    unhooked.add_leaves(loss, ddp.shards())
+    unhooked.add_leaves(loss, sharded_of())
     unhooked.set_aside()
 
     def undo_pass_1() -> None:
@@ -420,7 +420,7 @@ class _Unhooked:
 
     def prepares(self, p: Tensor) -> bool:
         """Whether :meth:`prepare` unscales and clips ``p``'s ``.grad``."""
-        return any(p is q for q in self.owned + self.foreign)
+        return id(p) in self.owner or any(p is q for q in self.foreign)
 
     def prepare(self, transform: Transform) -> None:
         """After pass 2: unscaled (their optimizer's) and clipped as torch's recipe does

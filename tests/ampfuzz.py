@@ -176,15 +176,13 @@ class Side:
             m.l2.to(torch.bfloat16)
             m.head.to(torch.bfloat16)
         self.layer = layer
-        self.net, self.model = m, loopfuzz.wrap(m, prog.get("wrap", loopfuzz.WRAP))
+        self.net, self.model = m, loopfuzz.wrap(m, loopfuzz.wrap_of(prog))
         cls = getattr(torch.optim, prog["opt"])
         if layer:
             cls = getattr(layeropt, prog["opt"], None) or layeropt.in_backward(cls)
         params = list(m.parameters())
-        okw = prog["okw"]
-        if prog.get("wrap", loopfuzz.WRAP) == "fsdp2":  # (torch's fused kernels: no DTensor
-            okw = {k: v for k, v in okw.items() if k != "fused"}  # rule; plain, both sides)
-        self.opt = cls([{"params": params[:2]}, {"params": params[2:]}], **okw)
+        self.opt = cls([{"params": params[:2]}, {"params": params[2:]}],
+                       **loopfuzz.wrapped_kwargs(prog["okw"], prog))
         self.params = [p for g in self.opt.param_groups for p in g["params"]]  # state_dict keys
         self.akw = prog["akw"]
         verify = {"verify": 1000} if prog.get("verify") else {}
@@ -433,8 +431,8 @@ def _run(prog: dict[str, Any]) -> dict[str, Any]:
     t = Side(prog, False, init)
     try:
         lo = Side(prog, True, init)
-    except layeropt.LayeroptError as e:  # (attach: bucket_max_norm= on a DDP model)
-        return {**out, "status": "refused", "error": f"{type(e).__name__}: {e}"[:300], "at": -1}
+    except layeropt.LayeroptError as e:
+        return loopfuzz.refused_at_attach(out, e)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -463,10 +461,8 @@ def _run(prog: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_block(mix: str, start: int, n: int, wrap: str | None = None) -> list[dict[str, Any]]:
-    """As ``loopfuzz.run_block`` (``wrap``: DDP or FSDP2; the ``offload`` mix under FSDP2:
-    its shards are refused)."""
-    how = {} if wrap is None else {"wrap": wrap}
-    return [run_program({**draw_program(s, mix), **how}) for s in range(start, start + n)]
+    """``wrap``: DDP or FSDP2 (not the ``offload`` mix under FSDP2: its shards are refused)."""
+    return loopfuzz.programs(run_program, draw_program, mix, start, n, wrap)
 
 
 # -- by hand: more programs, one program, a smaller program -----------------------------

@@ -270,16 +270,14 @@ class Side:
         m = Net(self.prog["tied"])
         m.load_state_dict(init)
         m.to(DEVICE)
-        self.net, model = m, wrap(m, self.prog.get("wrap", WRAP))
+        self.net, model = m, wrap(m, wrap_of(self.prog))
         kind = self.prog["opt"]
         cls = getattr(torch.optim, kind)
         if self.layer:
             cls = getattr(layeropt, kind, None) or layeropt.in_backward(cls)
         params = [p for n, p in m.named_parameters() if not n.startswith("extra.")]
-        okw = self.prog["okw"]
-        if self.prog.get("wrap", WRAP) == "fsdp2":  # (torch's fused kernels have no DTensor
-            okw = {k: v for k, v in okw.items() if k != "fused"}  # rule: plain, both sides)
-        opt = cls([{"params": params[:2]}, {"params": params[2:]}], **okw)
+        opt = cls([{"params": params[:2]}, {"params": params[2:]}],
+                  **wrapped_kwargs(self.prog["okw"], self.prog))
         if self.added:
             opt.add_param_group({"params": list(m.extra.parameters())})
         return model, opt
@@ -412,6 +410,33 @@ class Side:
     def snapshot(self) -> dict[str, Any]:
         return {"params": [full(p.detach()).clone() for p in self.model.parameters()],
                 "state": full(copy.deepcopy(self.opt.state_dict()))}
+
+
+def wrap_of(prog: dict[str, Any]) -> str:
+    """How ``prog``'s models are wrapped: its ``"wrap"``, else ``LAYEROPT_FUZZ_WRAP``."""
+    return prog.get("wrap", WRAP)
+
+
+def wrapped_kwargs(kw: dict[str, Any], prog: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's options for ``prog``'s wrap: under FSDP2 without ``fused`` (torch's
+    fused kernels have no DTensor rule: plain kernels on both sides)."""
+    return {k: v for k, v in kw.items() if k != "fused"} if wrap_of(prog) == "fsdp2" else kw
+
+
+def refused_at_attach(out: dict[str, Any], e: Exception) -> dict[str, Any]:
+    """The outcome of a program whose layeropt side ``attach`` refused (``bucket_max_norm=``
+    on a DDP model)."""
+    return {**out, "status": "refused", "error": f"{type(e).__name__}: {e}"[:300], "at": -1}
+
+
+def programs(run: Callable[[dict[str, Any]], dict[str, Any]],
+             draw: Callable[[int, str], dict[str, Any]], mix: str, start: int, n: int,
+             wrap: str | None = None) -> list[dict[str, Any]]:
+    """A fuzzer's block: programs ``start`` to ``start + n`` of ``mix`` drawn by ``draw``,
+    run by ``run``; ``wrap``: their models so wrapped (``WRAPS``; default
+    ``LAYEROPT_FUZZ_WRAP``, else none)."""
+    how = {} if wrap is None else {"wrap": wrap}
+    return [run({**draw(s, mix), **how}) for s in range(start, start + n)]
 
 
 def wrap(net: nn.Module, how: str) -> nn.Module:
@@ -597,8 +622,8 @@ def run_program(prog: dict[str, Any], side: type[Side] = Side, classify: bool = 
     t = side(prog, False, init)
     try:
         lo = side(prog, True, init)
-    except layeropt.LayeroptError as e:  # (attach: bucket_max_norm= on a DDP model)
-        return {**out, "status": "refused", "error": f"{type(e).__name__}: {e}"[:300], "at": -1}
+    except layeropt.LayeroptError as e:
+        return refused_at_attach(out, e)
     never_zeroed = NeverZeroed(t)
     pending = stepped = False
     try:
@@ -629,10 +654,7 @@ def run_program(prog: dict[str, Any], side: type[Side] = Side, classify: bool = 
 
 
 def run_block(mix: str, start: int, n: int, wrap: str | None = None) -> list[dict[str, Any]]:
-    """Programs ``start`` to ``start + n`` of ``mix``; ``wrap``: their models so wrapped
-    (``loopfuzz.WRAPS``; default ``LAYEROPT_FUZZ_WRAP``, else none)."""
-    how = {} if wrap is None else {"wrap": wrap}
-    return [run_program({**draw_program(s, mix), **how}) for s in range(start, start + n)]
+    return programs(run_program, draw_program, mix, start, n, wrap)
 
 
 def assert_block(outcomes: list[dict[str, Any]], script: str, mix: str, exact_share: float

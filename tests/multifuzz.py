@@ -328,8 +328,8 @@ class Side:
         self.model = make_net(prog)
         self.model.load_state_dict(init)
         self.ckpt = self.model.wire(layer)
-        if prog.get("wrap", loopfuzz.WRAP) == "fsdp2":  # (the same module, sharded as one
-            loopfuzz.wrap(self.model, "fsdp2")  # unit; DDP would need its loss outside)
+        if loopfuzz.wrap_of(prog) == "fsdp2":  # (the same module, sharded as one unit;
+            loopfuzz.wrap(self.model, "fsdp2")  # DDP would need its loss outside it)
         self.opts = {n: self._make(n, *prog["opts"][n]) for n in prog["opts"]}
         self.handles: dict[str, list[Any]] = {}
         self.offloads: dict[str, Any] = {}  # name -> its offload handle (mode drawn)
@@ -357,9 +357,8 @@ class Side:
         if self.is_lo(n):
             cls = getattr(layeropt, kind, None) or layeropt.in_backward(cls)
         ps = self.params(n)
-        if self.prog.get("wrap", loopfuzz.WRAP) == "fsdp2":  # (torch's fused kernels have
-            kw = {k: v for k, v in kw.items() if k != "fused"}  # no DTensor rule)
-        return cls([{"params": ps[:1]}, {"params": ps[1:]}], **kw)
+        return cls([{"params": ps[:1]}, {"params": ps[1:]}],
+                   **loopfuzz.wrapped_kwargs(kw, self.prog))
 
     def _attach_all(self) -> None:
         names = [n for n in self.opts if self.is_lo(n)]
@@ -663,8 +662,9 @@ def _run(prog: dict[str, Any]) -> dict[str, Any]:
             lo.close()
 
 
-def run_block(mix: str, start: int, n: int) -> list[dict[str, Any]]:
-    return [run_program(draw_program(s, mix)) for s in range(start, start + n)]
+def run_block(mix: str, start: int, n: int, wrap: str | None = None) -> list[dict[str, Any]]:
+    """``wrap``: FSDP2 (DDP would need the models' loss outside them)."""
+    return loopfuzz.programs(run_program, draw_program, mix, start, n, wrap)
 
 
 # -- by hand: more programs, one program, a smaller program -------------------------------

@@ -116,9 +116,8 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_block(mix: str, start: int, n: int, wrap: str | None = None) -> list[dict[str, Any]]:
-    """As ``loopfuzz.run_block`` (``wrap``: ``"ddp"``; FSDP2's shards are refused)."""
-    how = {} if wrap is None else {"wrap": wrap}
-    return [run_program({**draw_program(s, mix), **how}) for s in range(start, start + n)]
+    """``wrap``: ``"ddp"`` (offload refuses FSDP2's shards)."""
+    return loopfuzz.programs(run_program, draw_program, mix, start, n, wrap)
 
 
 def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:

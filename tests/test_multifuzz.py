@@ -18,7 +18,7 @@ import torch
 
 from harness import FSDP2_ON_CPU, SOAK
 from loopfuzz import assert_block
-from multifuzz import draw_program, run_block, run_program
+from multifuzz import run_block, run_program
 
 # (mix, programs): what each mix draws is in multifuzz.draw_program
 BLOCKS = [
@@ -52,8 +52,7 @@ def test_random_programs_on_fsdp2(mix, n):
     torch.set_num_threads(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        outcomes = [run_program({**draw_program(s, mix), "wrap": "fsdp2"})
-                    for s in range(n * SOAK)]
+        outcomes = run_block(mix, 0, n * SOAK, "fsdp2")
     assert_block(outcomes, "multifuzz.py (LAYEROPT_FUZZ_WRAP=fsdp2)", mix, 1 / 4)
 
 

@@ -98,10 +98,7 @@ def _removed_before_step(prog: dict[str, Any], at: int) -> bool:
 
 
 def run_block(mix: str, start: int, n: int, wrap: str | None = None) -> list[dict[str, Any]]:
-    """Programs ``start`` to ``start + n`` of ``mix``; ``wrap``: their models so wrapped
-    (``loopfuzz.WRAPS``; default ``LAYEROPT_FUZZ_WRAP``, else none)."""
-    how = {} if wrap is None else {"wrap": wrap}
-    return [run_program({**draw_program(s, mix), **how}) for s in range(start, start + n)]
+    return loopfuzz.programs(run_program, draw_program, mix, start, n, wrap)
 
 
 def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..engine.registry import allow_local_updates, check_local_hooks_allowed
 from ..attaching import DDPAttachment, attach_ddp
-from .fsdp2 import _all_fsdp_params, fsdp_params as _fsdp_params
+from .fsdp2 import fsdp_params as _fsdp_params
 
 __all__ = [
     "DDPAttachment",
@@ -91,14 +91,6 @@ class TwoPasses:
                     self.states.append(a._state)
                 elif a.model is not None:
                     self.fsdp_params += _fsdp_params(a.model)
-
-    @staticmethod
-    def shards() -> dict[int, Tensor]:
-        """``id`` of each FSDP2 unsharded parameter -> its shard, whose ``.grad`` FSDP2
-        writes (any ``fully_shard`` module's: a leaf the loss reaches may be a module's
-        no attachment holds)."""
-        return {id(unsharded): fp.sharded_param for fp in _all_fsdp_params()
-                if (unsharded := getattr(fp, "_unsharded_param", None)) is not None}
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:

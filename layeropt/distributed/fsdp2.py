@@ -46,13 +46,15 @@ def fsdp_params(model: nn.Module) -> list[Any]:
             or id(getattr(fp, "_unsharded_param", None)) in ids]
 
 
-def sharded_of(model: nn.Module) -> dict[int, Tensor]:
+def sharded_of(model: nn.Module | None = None) -> dict[int, Tensor]:
     """``id`` of each unsharded parameter ``model`` registers now -> its sharded parameter
-    (empty where none is registered: no FSDP2, or every group sharded)."""
+    (empty where none is registered: no FSDP2, or every group sharded). Without
+    ``model``: every ``fully_shard`` module's (a leaf a loss reaches may be a module's no
+    attachment holds; its ``.grad`` is the shard's)."""
     out: dict[int, Tensor] = {}
-    registered = {id(p) for p in model.parameters()}
+    registered = None if model is None else {id(p) for p in model.parameters()}
     for fsdp_param in _all_fsdp_params():
         unsharded = getattr(fsdp_param, "_unsharded_param", None)
-        if unsharded is not None and id(unsharded) in registered:
+        if unsharded is not None and (registered is None or id(unsharded) in registered):
             out[id(unsharded)] = fsdp_param.sharded_param
     return out
