@@ -80,3 +80,9 @@ try:
     __all__.append("Adafactor")
 except ImportError:  # pragma: no cover - old torch
     pass
+try:
+    from .optim import Muon  # torch >= 2.9
+
+    __all__.append("Muon")
+except ImportError:  # pragma: no cover - old torch
+    pass

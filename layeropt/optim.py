@@ -435,6 +435,9 @@ RMSprop = in_backward(torch.optim.RMSprop)
 if hasattr(torch.optim, "Adafactor"):  # torch >= 2.5
     Adafactor = in_backward(torch.optim.Adafactor)
     __all__.append("Adafactor")
+if hasattr(torch.optim, "Muon"):  # torch >= 2.9
+    Muon = in_backward(torch.optim.Muon)
+    __all__.append("Muon")
 
 
 def _new_in_backward(base: type) -> Any:

@@ -258,6 +258,52 @@ def test_in_backward_wraps_any_per_parameter_optimizer(cls, kw):
     assert_same(ref_opt.state_dict(), opt.state_dict())
 
 
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon: torch >= 2.9")
+@pytest.mark.parametrize("muon_kw", [
+    dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+    dict(lr=0.02, momentum=0.9, nesterov=False, adjust_lr_fn="original", ns_steps=3),
+    dict(lr=0.05, weight_decay=0.0, ns_coefficients=(3.0, -3.2, 1.2), eps=1e-5),
+], ids=["rms-adamw", "original-no-nesterov", "coefficients"])
+def test_muon_for_matrices_adamw_for_the_rest(muon_kw):
+    """torch's Muon recipe: Muon for the hidden 2D weights, AdamW for embeddings, head,
+    norms and biases - two optimizers attached to one model; micro-batches and a global
+    clip over both, as ``clip_grad_norm_(model.parameters())`` before both steps."""
+    assert issubclass(layeropt.Muon, torch.optim.Muon)
+    assert inspect.signature(layeropt.Muon) == inspect.signature(torch.optim.Muon)
+
+    def split(m):
+        hidden = [p for n, p in m.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+        ids = {id(p) for p in hidden}
+        return hidden, [p for p in m.parameters() if id(p) not in ids]
+
+    model, batch_fn, loss_fn = make_model("gpt")
+    ref = copy.deepcopy(model)
+    (rh, rr), (h, r) = split(ref), split(model)
+    assert rh and rr
+    ref_opts = [torch.optim.Muon(rh, **muon_kw), torch.optim.AdamW(rr, lr=1e-2)]
+    opts = [layeropt.Muon(h, **muon_kw), layeropt.AdamW(r, lr=1e-2)]
+    layeropt.attach(model)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        batches = [batch_fn(gen), batch_fn(gen)]
+        for data in batches:
+            loss_fn(ref, data).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        for o in ref_opts:
+            o.step()
+            o.zero_grad()
+        with opts[0].no_step(), opts[1].no_step():
+            loss_fn(model, batches[0]).backward()
+        norm = layeropt.backward(loss_fn(model, batches[1]), max_norm=0.5)
+        assert norm > 0.5  # (the clip fires)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    assert_models_equal(ref, model)
+    for o, ro in zip(opts, ref_opts):
+        assert_same(ro.state_dict(), o.state_dict())
+
+
 @pytest.mark.parametrize("cap_mb", [0.0, 0.05, 0.25, 1.0, 100.0])
 def test_bucket_cap_steps_complete_buckets_together_and_stays_exact(cap_mb):
     model, batch_fn, loss_fn = make_model("gpt")
