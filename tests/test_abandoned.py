@@ -211,6 +211,52 @@ def test_an_optimizer_the_user_stopped_referencing_no_longer_acts():
     _equal(model, ref)
 
 
+@pytest.mark.parametrize("alone", [False, True], ids=["", "opt1-layer-alone-first"])
+@pytest.mark.parametrize("loop", ["step", "backward only"])
+def test_a_shared_attachment_stays_for_the_optimizer_still_referenced(loop, alone):
+    """``attach(model, [opt1, opt2])``, then ``del opt1``: opt1's layers keep their
+    gradients from then on (one RuntimeWarning), opt2's are still updated in each
+    backward and freed - as torch trains opt2 alone. Before, the whole attachment went:
+    opt2 turned plain, and a loop that never calls ``step()`` (each backward its step)
+    stopped training opt2's layers."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    first, then = _batches(2, 1), _batches(3, 2)
+    ro1 = torch.optim.Adam(ref[0].parameters(), lr=1e-2)
+    ro2 = torch.optim.SGD([*ref[2].parameters(), *ref[4].parameters()], lr=0.1, momentum=0.9)
+    opt1 = layeropt.Adam(model[0].parameters(), lr=1e-2)
+    opt2 = layeropt.SGD([*model[2].parameters(), *model[4].parameters()], lr=0.1,
+                        momentum=0.9)
+    handle = layeropt.attach(model, [opt1, opt2])
+
+    def iteration(m: nn.Module, opts: list[Any], x: torch.Tensor, torchs: bool) -> None:
+        m(x).pow(2).mean().backward()
+        if torchs or loop == "step":
+            for o in opts:
+                o.step()
+                o.zero_grad()
+
+    for x in first:
+        iteration(ref, [ro1, ro2], x, True)
+        iteration(model, [opt1, opt2], x, False)
+    del opt1, ro1
+    gc.collect()
+    if alone:  # (a backward no live optimizer's engine takes part in: re-hooked at its end)
+        for m in (ref, model):
+            with pytest.warns(RuntimeWarning) if m is model else contextlib.nullcontext():
+                m[0](then[0]).pow(2).mean().backward()
+        assert repr(handle) == "<layeropt.Attachment 2 buckets>"
+    for i, x in enumerate(then):
+        iteration(ref, [ro2], x, True)
+        with pytest.warns(RuntimeWarning) if i == 0 and not alone else contextlib.nullcontext():
+            iteration(model, [opt2], x, False)
+        assert all(p.grad is None for p in opt2.param_groups[0]["params"])  # stepped, freed
+    assert opt2.attached and repr(handle) == "<layeropt.Attachment 2 buckets>"
+    _equal(model, ref)
+    assert_same(opt2.state_dict(), ro2.state_dict(), "optimizer state")
+    assert all(p.grad is not None for p in model[0].parameters())  # (opt1's: kept, unused)
+
+
 def test_an_open_training_step_is_refused_at_attach():
     """opt1's backward updated the model and the loop, which calls step(), has not
     called it (a run interrupted between backward and step): torch would apply that

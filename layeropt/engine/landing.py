@@ -62,17 +62,26 @@ _ORPHAN_WARNED = [IDLE]
 
 def _orphaned(param: Tensor, attachment_ref: Any) -> None:
     """A hook whose optimizer (and with it the engine) was deleted: warn once per
-    backward; at its end remove the attachment, or, if that is gone too, the dead
-    hooks of ``param``. The gradient stays in ``.grad``, as without layeropt."""
+    backward; at its end remove the attachment - or, where another of its optimizers
+    lives (``attach(model, [opt1, opt2])``), re-hook it for those alone (at their end of
+    backward, or here) - and the dead hooks of ``param``. The gradient stays in
+    ``.grad``, as without layeropt."""
     task = _graph_task_id()
     if _ORPHAN_WARNED[0] != task:
         _ORPHAN_WARNED[0] = task
         warn(ORPHAN_WARNING, RuntimeWarning)
+    attachment = attachment_ref()
+    if attachment is not None:
+        attachment.stale = True  # (a live engine ending this backward re-hooks it)
 
     def remove() -> None:
         attachment = attachment_ref()
         if attachment is not None:
-            attachment.remove()
+            live = attachment.optimizers
+            if not live:
+                attachment.remove()
+            elif attachment.stale and all(o._lo_engine.backward is None for o in live):
+                attachment._rebuild()
         drop_dead_hooks(param)
 
     torch.autograd.Variable._execution_engine.queue_callback(remove)
