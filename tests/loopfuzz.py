@@ -24,6 +24,11 @@ shrink a failing one (from the tests/ folder)::
     python loopfuzz.py --mix clip --replay 36
     python loopfuzz.py --mix clip --minimize 36
     LAYEROPT_FUZZ_WRAP=fsdp2 python loopfuzz.py --mix all --n 500   # (or ddp: one process)
+    LAYEROPT_FUZZ_WRAP=ddp python loopfuzz.py --mix clip --n 500 --ranks 2
+
+``--ranks 2`` runs the block on two processes, each rank its own batches (the other
+fuzzers take it too): a gradient reduced over the ranks is then neither rank's own, as
+in one process it is, and the ranks must end each program the same way.
 """
 
 from __future__ import annotations
@@ -54,7 +59,9 @@ MIXES = ["all", "clip", "clipattach", "chaos", "resume"]
 # (race: an offloaded copy not ordered after what it depends on, tests/offloadfuzz.py)
 FAILURES = ("diff", "crash", "torch-error-only", "race",
             # (LAYEROPT_VERIFY silent, wrong, or alarmed on an exact loop: tests/verifyfuzz.py)
-            "verify-silent", "verify-diff", "verify-false-alarm")
+            "verify-silent", "verify-diff", "verify-false-alarm",
+            # (the ranks of a run on several processes ended differently: programs_on_ranks)
+            "rank-mismatch")
 Op = tuple[str, dict[str, Any]]
 # where the programs' models train: the CPU, or (LAYEROPT_FUZZ_DEVICE=cuda, for
 # benchmarks/device_check.sh) a GPU, both sides on it
@@ -314,7 +321,7 @@ class Side:
         return self.handle is not None
 
     def loss(self, a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(a["seed"])
+        g = torch.Generator().manual_seed(batch_seed(a["seed"]))
         x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
         out = self.model(x.to(DEVICE), a["branch"], a["extra"])
         y = y.to(DEVICE)
@@ -481,6 +488,76 @@ def full(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return type(x)(full(v) for v in x)
     return x
+
+
+def batch_seed(seed: int) -> int:
+    """A batch's seed on this process: ``seed`` itself, but for the ranks after the first
+    of a group of several processes (:func:`programs_on_ranks`), each its own batches, as
+    under torchrun - where a gradient reduced over the ranks differs from each one's."""
+    import torch.distributed as dist
+
+    return seed + 7919 * dist.get_rank() if dist.is_initialized() else seed
+
+
+def on_ranks(job: Callable[[int], Any], world: int = 2, timeout_s: float = 300.0) -> list[Any]:
+    """``job(rank)`` in ``world`` processes forked from this one (torch imported once, as
+    tests/test_distributed.py does), in one gloo process group; what each returned, by
+    rank. A job that raises, or a run past ``timeout_s`` (ranks waiting on one another
+    for good), raises here."""
+    import datetime
+    import socket
+    import tempfile
+    import time
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    def worker(rank: int, port: int, out: str) -> None:
+        torch.set_num_threads(1)  # the ranks share the cores, as under torchrun
+        warnings.simplefilter("ignore")  # (DDP's find_unused_parameters notes, verify's)
+        if dist.is_initialized():  # (the one-process group wrap() started in the parent:
+            dist.destroy_process_group()  # the child's copy goes, the parent's stays)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        result = job(rank)
+        torch.save(result, f"{out}/rank{rank}.pt")
+        gc.collect()  # (DDP / FSDP2 modules freed while the group exists)
+        dist.barrier()
+        dist.destroy_process_group()
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(worker, args=(port, out), nprocs=world, join=False,
+                                 start_method="fork")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=max(deadline - time.monotonic(), 0.0)):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"the {world} ranks did not finish in {timeout_s} s")
+        finally:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+        return [torch.load(f"{out}/rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def programs_on_ranks(run: Callable[[dict[str, Any]], dict[str, Any]],
+                      draw: Callable[[int, str], dict[str, Any]], mix: str, start: int, n: int,
+                      wrap: str, world: int = 2) -> list[dict[str, Any]]:
+    """:func:`programs` on ``world`` processes (each rank its own batches, ``wrap`` over
+    them all): each program's outcome, rank 0's where every rank's status is the same (a
+    failure on any rank is rank 0's), else ``rank-mismatch`` with each rank's."""
+    per_rank = on_ranks(lambda rank: programs(run, draw, mix, start, n, wrap), world)
+    return [_merged(outs) for outs in zip(*per_rank)]
+
+
+def _merged(outs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    """One program's outcome from its ranks' (:func:`programs_on_ranks`)."""
+    if len({o["status"] for o in outs}) > 1:
+        return {**outs[0], "status": "rank-mismatch", "ranks": list(outs)}
+    return next((o for o in outs if o["status"] in FAILURES), outs[0])
 
 
 class NeverZeroed:
@@ -727,8 +804,19 @@ def cli(doc: str, mixes: list[str], draw: Callable[[int, str], dict[str, Any]],
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--replay", type=int, help="print one program and its outcome")
     ap.add_argument("--minimize", type=int, help="shrink one program keeping its outcome")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="run on this many processes, each its own batches (a block or "
+                         "--replay; needs LAYEROPT_FUZZ_WRAP=ddp or fsdp2)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.ranks > 1:
+        if WRAP == "plain" or args.minimize is not None:
+            ap.error("--ranks: with LAYEROPT_FUZZ_WRAP=ddp or fsdp2, and not with --minimize")
+        first, n = (args.replay, 1) if args.replay is not None else (args.start, args.n)
+        block = programs_on_ranks(run, draw, args.mix, first, n, WRAP, args.ranks)
+
+        def run(prog: dict[str, Any]) -> dict[str, Any]:  # (already run, on the ranks)
+            return block[prog["seed"] - first]
     one = args.replay if args.replay is not None else args.minimize
     if one is not None:
         prog = draw(one, args.mix)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ampfuzz import draw_program, run_block, run_program
-from loopfuzz import assert_block
+from loopfuzz import assert_block, programs_on_ranks
 from harness import FSDP2_ON_CPU, SOAK
 
 # (mix, programs): what each mix draws is in ampfuzz.BODIES; about 20 s on one core
@@ -55,6 +55,13 @@ def test_random_amp_loops_on_ddp_and_fsdp2(wrap, mix, n):
         warnings.simplefilter("ignore")
         outcomes = run_block(mix, 0, n * SOAK, wrap)
     assert_block(outcomes, f"ampfuzz.py (LAYEROPT_FUZZ_WRAP={wrap})", mix, 1 / 2)
+
+
+# ... and on two processes, each rank its own batches (loopfuzz.programs_on_ranks)
+@pytest.mark.parametrize("wrap,mix,n", [("ddp", "all", 100)])
+def test_random_amp_loops_on_two_processes(wrap, mix, n):
+    outcomes = programs_on_ranks(run_program, draw_program, mix, 0, n * SOAK, wrap)
+    assert_block(outcomes, f"ampfuzz.py --ranks 2 (LAYEROPT_FUZZ_WRAP={wrap})", mix, 1 / 2)
 
 
 # programs the fuzzer found differing, shrunk (python tests/ampfuzz.py --minimize SEED):

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from harness import FSDP2_ON_CPU, SOAK
-from loopfuzz import assert_block, run_block, run_program
+from loopfuzz import (assert_block, batch_seed, draw_program, on_ranks, programs_on_ranks,
+                      run_block, run_program)
 
 # (mix, programs): what each mix draws is in loopfuzz.draw_program
 BLOCKS = [
@@ -37,7 +38,7 @@ def test_random_loops_equal_torch_or_are_refused(mix, n):
 
 # The same programs on a DistributedDataParallel model and on an FSDP2 one (a process
 # group of this process alone): torch's DDP / FSDP2 against layeropt's, bit for bit
-WRAPPED = [("all", 300), ("chaos", 300), ("resume", 200)]
+WRAPPED = [("all", 200), ("chaos", 300), ("resume", 200)]
 
 
 @pytest.mark.parametrize("wrap", ["ddp", pytest.param("fsdp2", marks=pytest.mark.skipif(
@@ -49,6 +50,27 @@ def test_random_loops_on_ddp_and_fsdp2(mix, n, wrap):
         warnings.simplefilter("ignore")
         outcomes = run_block(mix, 0, n * SOAK, wrap)
     assert_block(outcomes, f"loopfuzz.py (LAYEROPT_FUZZ_WRAP={wrap})", mix, 1 / 3)
+
+
+# The same on two processes, each rank its own batches (loopfuzz.programs_on_ranks): the
+# gradients reduced over the ranks are neither rank's own, as in one process they are;
+# every rank must end the same way
+RANKED = [("ddp", "all", 200), ("ddp", "clip", 150), ("fsdp2", "clip", 100)]
+
+
+@pytest.mark.parametrize("wrap,mix,n", RANKED, ids=[f"{w}-{m}" for w, m, _ in RANKED])
+def test_random_loops_on_two_processes(wrap, mix, n):
+    if wrap == "fsdp2" and not FSDP2_ON_CPU:
+        pytest.skip("FSDP2 runs on CPU from torch 2.8")
+    outcomes = programs_on_ranks(run_program, draw_program, mix, 0, n * SOAK, wrap)
+    assert_block(outcomes, f"loopfuzz.py --ranks 2 (LAYEROPT_FUZZ_WRAP={wrap})", mix, 1 / 3)
+
+
+def test_each_rank_draws_its_own_batches():
+    """What makes the blocks above more than the one-process ones: the ranks' batches
+    differ (their gradients too), and one process draws the program's own."""
+    seeds = on_ranks(lambda rank: batch_seed(17))
+    assert len(set(seeds)) == 2 and batch_seed(17) == 17
 
 
 def _program(seed: int, mix: str, wrap: str, setup: dict[str, Any], ops: list[Any]

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from harness import FSDP2_ON_CPU, SOAK
-from loopfuzz import assert_block
-from verifyfuzz import run_block, run_program
+from loopfuzz import assert_block, programs_on_ranks
+from verifyfuzz import draw_program, run_block, run_program
 
 # (mix, programs): loopfuzz's mixes, each program run alone, then verified
 BLOCKS = [("all", 200), ("clip", 150), ("clipattach", 100), ("chaos", 200)]
@@ -47,6 +47,13 @@ def test_verify_on_ddp_and_fsdp2(mix, n, wrap):
         warnings.simplefilter("ignore")
         outcomes = run_block(mix, 0, n * SOAK, wrap)
     assert_block(outcomes, f"verifyfuzz.py (LAYEROPT_FUZZ_WRAP={wrap})", mix, 1 / 4)
+
+
+# ... and on two processes, each rank its own batches (loopfuzz.programs_on_ranks)
+@pytest.mark.parametrize("wrap,mix,n", [("ddp", "all", 100)])
+def test_verify_on_two_processes(wrap, mix, n):
+    outcomes = programs_on_ranks(run_program, draw_program, mix, 0, n * SOAK, wrap)
+    assert_block(outcomes, f"verifyfuzz.py --ranks 2 (LAYEROPT_FUZZ_WRAP={wrap})", mix, 1 / 4)
 
 
 # found by those blocks (minimized): a layer frozen after a no_step() backward held its
