@@ -529,9 +529,9 @@ def _check_ddp(ddp: nn.Module) -> None:
     problems = {
         "mixed_precision": getattr(ddp, "mixed_precision", None) is not None,
         "the Python reducer (compiled DDP)": getattr(ddp, "_use_python_reducer", False),
-        "delayed all-reduce of every parameter": getattr(
-            ddp, "_delay_all_reduce_all_params", False
-        ),
+        # (parameters in delay_all_reduce_named_params are reduced by a hook of another
+        # parameter, outside the buckets layeropt steps: some or all of them)
+        "delay_all_reduce_named_params": bool(getattr(ddp, "_delay_all_reduce_params", ())),
     }
     for what, bad in problems.items():
         if bad:

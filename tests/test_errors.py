@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import layeropt
+from harness import process_group  # noqa: F401 - a fixture
 from layeropt.errors import AttachError
 
 
@@ -259,3 +260,53 @@ def test_first_refusal_of_a_swapped_loop_names_what_was_already_applied(backward
     said = f"{backwards} attached backwards since the last step() were each applied"
     assert (said in message) == (backwards > 1), message
     assert ("no_step()" in message) == (backwards > 1)
+
+
+def _ddp_delayed(m: torch.nn.Module) -> dict[str, Any]:
+    return {"delay_all_reduce_named_params": [("0.weight", m[0].weight)],
+            "param_to_hook_all_reduce": m[1].bias}
+
+
+def _ddp_mixed_precision(m: torch.nn.Module) -> dict[str, Any]:
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    return {"mixed_precision": _MixedPrecision(param_dtype=torch.bfloat16)}
+
+
+# DDP options under which a bucket's global gradient is not what layeropt is handed:
+# (DDP's keyword arguments, a setting in force while DDP is built, what the error names)
+DDP_REFUSALS = {
+    "mixed_precision": (_ddp_mixed_precision, None, "mixed_precision"),
+    "the Python reducer": (lambda m: {}, "python_reducer", "the Python reducer"),
+    # (some parameters delayed: their reduction is another parameter's hook, outside the
+    # buckets - before, they trained silently off torch's on two processes)
+    # (every parameter delayed: DDP itself refuses a model on the CPU so left)
+    "delay_all_reduce_named_params": (_ddp_delayed, None, "delay_all_reduce_named_params"),
+}
+
+
+@pytest.mark.parametrize("case", list(DDP_REFUSALS))
+def test_ddp_options_that_cannot_be_exact_are_refused_at_attach(case, process_group):
+    """docs/distributed.md, "Not supported (yet)": refused by attach, nothing changed."""
+    kwargs, reducer, named = DDP_REFUSALS[case]
+    m = _mlp()
+    previous = torch._dynamo.config.optimize_ddp
+    try:
+        if reducer is not None:
+            torch._dynamo.config.optimize_ddp = reducer
+        ddp = torch.nn.parallel.DistributedDataParallel(m, **kwargs(m))
+    finally:
+        torch._dynamo.config.optimize_ddp = previous
+    opt = layeropt.Adam(ddp.parameters(), lr=0.1)
+    hooks = list(ddp._comm_hooks)
+    with pytest.raises(AttachError, match=f"under DDP with {named}.*Construct"):
+        layeropt.attach(ddp, opt)
+    assert not opt.attached and ddp._comm_hooks == hooks  # (no comm hook of layeropt's)
+
+
+def test_bucket_max_norm_on_a_ddp_model_is_refused_naming_the_fix(process_group):
+    ddp = torch.nn.parallel.DistributedDataParallel(_mlp())
+    opt = layeropt.Adam(ddp.parameters(), lr=0.1)
+    with pytest.raises(AttachError, match=r"takes no bucket_max_norm.*max_norm"):
+        layeropt.attach(ddp, opt, bucket_max_norm=1.0)
+    assert not opt.attached

@@ -25,6 +25,9 @@ from harness import (
     assert_same,
     clone_kwargs,
     config_id,
+    fully_shard,
+    needs_fsdp2,
+    process_group,  # noqa: F401 - a fixture
 )
 from layeropt.engine.fastpath import supported
 from layeropt.engine.subset import _MISSING
@@ -32,6 +35,7 @@ from layeropt.errors import LayeroptError
 from layeropt.models import make_model
 from layeropt.engine.stepper import PLAIN
 from layeropt.offload import StateOffload, offload_state
+from layeropt.offload.state import OffloadStepper, mode_refusal
 
 CAPS = pytest.mark.parametrize("cap", [0.0, 1.0], ids=["cap0", "default-cap"])
 NAdam = layeropt.in_backward(torch.optim.NAdam)
@@ -373,6 +377,40 @@ def test_refusals():
         opt.step()  # not attached: every parameter at once
     handle.remove()
     opt.step()
+
+
+# offload_state's modes for parameters on a GPU (mode_refusal, the decision offload_state
+# takes; a GPU runs it whole: test_cuda_offload.py): (overlap, prefetch, held_grads) ->
+# refused or not. Overlap alone with held gradients in host memory: not shown exact on a GPU
+CUDA_MODES = {
+    (False, False, True): None, (False, False, False): None,
+    (True, True, True): None, (True, True, False): None, (True, False, False): None,
+    (False, True, True): None, (False, True, False): None,
+    (True, False, True): "has not been shown bit-identical",
+}
+
+
+@pytest.mark.parametrize("mode", list(CUDA_MODES), ids=str)
+def test_the_modes_offload_state_refuses_on_a_gpu(mode):
+    overlap, prefetch, held = mode
+    said = mode_refusal(overlap, prefetch, held, [torch.device("cuda", 0)], cuda=True)
+    expected = CUDA_MODES[mode]
+    assert said is None if expected is None else expected in said
+    # on the CPU, every side-stream mode says first that it needs CUDA parameters
+    said = mode_refusal(overlap, prefetch, held, [torch.device("cpu")], cuda=True)
+    assert (said is None) == (not overlap and not prefetch)
+    assert said is None or "CUDA side stream" in said
+
+
+@needs_fsdp2
+def test_fsdp2_shards_are_refused_nothing_changed(process_group):
+    """docs/offload.md: offload moves plain tensors; FSDP2's DTensor shards are refused."""
+    model, _, _ = make_model("mlp")
+    fully_shard(model)
+    opt = layeropt.AdamW(model.parameters(), lr=0.01)
+    with pytest.raises(LayeroptError, match="moves plain tensors.*DTensor"):
+        offload_state(opt)
+    assert opt._lo_engine.find(OffloadStepper) is None and not opt.state
 
 
 @settings(max_examples=8, deadline=None)

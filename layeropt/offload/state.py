@@ -543,22 +543,33 @@ def offload_state(optimizer: Any, *, max_buckets: int = 2, overlap: bool = False
             "(FSDP2's DTensor shards, or another tensor subclass). Use it on a model that "
             "is not sharded, or without offload."
         )
-    for name, on in (("overlap", overlap), ("prefetch", prefetch)):
-        where = sorted({str(p.device) for p in params if p.device.type != "cuda"})
-        if on and (where or not torch.cuda.is_available()):
-            raise LayeroptError(
-                f"offload_state({name}=True) copies on a CUDA side stream, but parameters "
-                f"are on {', '.join(where) or 'no CUDA device'}. Use {name}=False (the "
-                "default): the same results, the copies in line with the steps."
-            )
-    if overlap and held_grads and not prefetch:  # (the one mode no GPU run has shown exact)
-        raise LayeroptError(OVERLAP_HELD_ERROR)
+    refusal = mode_refusal(overlap, prefetch, held_grads, [p.device for p in params],
+                           torch.cuda.is_available())
+    if refusal is not None:
+        raise LayeroptError(refusal)
     # the host pools (offload/pool.py): on CUDA not yet, as no GPU run has shown them; the
     # CUDA tests and benchmarks/offload_7b.py build them with StateOffload(pooled=True)
     pooled = not any(p.device.type == "cuda" for p in params)
     return _install(optimizer,
                     StateOffload(optimizer, max_buckets, overlap, held_grads, prefetch,
                                  held_device_bytes, pooled=pooled))
+
+
+def mode_refusal(overlap: bool, prefetch: bool, held_grads: bool,
+                 devices: list[torch.device], cuda: bool) -> str | None:
+    """Why :func:`offload_state` refuses a mode for parameters on ``devices`` (``cuda``:
+    whether CUDA is available), or ``None``: a side stream needs CUDA parameters (said
+    first: not a fix that fails too); overlap alone with held gradients has not been
+    shown exact on a GPU."""
+    for name, on in (("overlap", overlap), ("prefetch", prefetch)):
+        where = sorted({str(d) for d in devices if d.type != "cuda"})
+        if on and (where or not cuda):
+            return (f"offload_state({name}=True) copies on a CUDA side stream, but parameters "
+                    f"are on {', '.join(where) or 'no CUDA device'}. Use {name}=False (the "
+                    "default): the same results, the copies in line with the steps.")
+    if overlap and held_grads and not prefetch:  # (the one mode no GPU run has shown exact)
+        return OVERLAP_HELD_ERROR
+    return None
 
 
 def _install(optimizer: Any, handle: StateOffload) -> StateOffload:
