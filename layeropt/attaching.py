@@ -498,6 +498,7 @@ class DDPAttachment(Attachment):
             self._state.owner = {p: weakref.ref(o) for p, o in owner.items()}
             self._state.settings = self.settings
             self._state.active = True
+            self._state.attachment = weakref.ref(self)
             self._state.fresh = True  # (attached between a forward and its backward)
 
     def hooks(self, param: Tensor) -> bool:
@@ -512,8 +513,9 @@ class DDPAttachment(Attachment):
 
     def _release(self) -> None:
         with self._state.lock:
-            self._state.owner = {}
-            self._state.active = False
+            if self._state.attachment is None or self._state.attachment() is self:
+                self._state.owner = {}  # (not a later attachment's, made once this
+                self._state.active = False  # one's optimizers were deleted)
         self.params = []
 
     def sync(self, in_backward: bool = False) -> bool:
@@ -624,9 +626,14 @@ def attach_ddp(
     _start_verifying(optimizers, verify)
     state = _DDP_STATES.get(ddp_model)
     if state is not None and state.active:
-        raise AttachError(
-            "this DDP model is already attached; call .remove() on that handle first."
-        )
+        if any(r() is not None for r in state.owner.values()):
+            raise AttachError(
+                "this DDP model is already attached; call .remove() on that handle first."
+            )
+        old = state.attachment and state.attachment()  # its optimizers were deleted:
+        if old is not None:  # nothing to keep (as a plain attachment's, _hook_all)
+            old.remove()
+        state.active, state.owner = False, {}
     if state is None:
         hooks = getattr(ddp_model, "_comm_hooks", None)
         if hooks and all(type(st) is _Copied for _, st in hooks):

@@ -42,6 +42,20 @@ so that a refusal still counts as one. By hand (from the tests/ folder)::
     python multifuzz.py --mix multi --start 0 --n 3000
     python multifuzz.py --mix gan --replay 36
     python multifuzz.py --mix gan --minimize 36
+    LAYEROPT_FUZZ_WRAP=ddp python multifuzz.py --mix handover --n 300   # (or fsdp2)
+
+``LAYEROPT_FUZZ_WRAP`` (tests/loopfuzz.py) runs the programs on a wrapped model, both
+sides alike, in a process group of this process alone:
+
+* ``ddp``: in DistributedDataParallel (``find_unused_parameters=True``), every forward
+  through the wrapper (the loss taken outside it). Optimizers that attach the whole model
+  attach the wrapper, together (DDP takes one attachment, its communication hook: a
+  second is refused); ``style="sub"`` puts plain hooks on its module's submodules, as
+  one process allows (DDP's reducer may then raise ``loopfuzz.DDP_LIMIT`` on layeropt's
+  side: ``torch-error``). Every mix runs; torch's reentrant checkpoint (``tr``, in the
+  checkpoint mixes) raises in each backward under DDP, on both sides (``torch-error``);
+* ``fsdp2``: sharded by ``fully_shard`` as one unit, every mix but the offloaded ones
+  (offload refuses FSDP2's shards); torch's fused kernels dropped (no DTensor rule).
 """
 
 from __future__ import annotations
@@ -111,10 +125,12 @@ class Heads(nn.Module):
         out = self.head(h)
         return out + self.aux(h) if aux else out
 
-    def loss(self, a: dict[str, Any]) -> torch.Tensor:
-        g = torch.Generator().manual_seed(a["seed"])
+    def loss(self, a: dict[str, Any], top: nn.Module | None = None) -> torch.Tensor:
+        """The loss of ``a``'s batch, its forward through ``top`` (the model as it trains:
+        its DDP wrapper, which must see the forward), else this module."""
+        g = torch.Generator().manual_seed(loopfuzz.batch_seed(a["seed"]))
         x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
-        return ((self(x, a["kind"], a["aux"]) - y) ** 2).mean()
+        return (((top or self)(x, a["kind"], a["aux"]) - y) ** 2).mean()
 
     @staticmethod
     def reads(a: dict[str, Any]) -> set[str]:
@@ -163,9 +179,11 @@ class Blocks(nn.Module):
         h = self.norm(h)
         return h @ self.emb.weight if self.tied else self.out(h)
 
-    def loss(self, a: dict[str, Any]) -> torch.Tensor:
-        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(a["seed"]))
-        return ((self(x) - x) ** 2).mean()
+    def loss(self, a: dict[str, Any], top: nn.Module | None = None) -> torch.Tensor:
+        """As ``Heads.loss``."""
+        g = torch.Generator().manual_seed(loopfuzz.batch_seed(a["seed"]))
+        x = torch.randn(5, 4, generator=g)
+        return (((top or self)(x) - x) ** 2).mean()
 
     @staticmethod
     def reads(a: dict[str, Any]) -> set[str]:
@@ -321,15 +339,18 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
 # -- running it -------------------------------------------------------------------------
 class Side:
     """One side of the comparison: the model, its optimizers by name (``o1``...) and,
-    on layeropt's side, their attachments."""
+    on layeropt's side, their attachments. ``model``: the ``Heads`` or ``Blocks`` module
+    (its submodules, parameters, ``zero_grad()``); ``top``: the model as it trains, the
+    one each forward goes through and attachments of the whole model take - its
+    DistributedDataParallel wrapper under DDP, else the module itself (under FSDP2
+    sharded as one unit in place, the tied weight shared in it)."""
 
     def __init__(self, prog: dict[str, Any], layer: bool, init: dict[str, torch.Tensor]) -> None:
         self.prog, self.layer = prog, layer
         self.model = make_net(prog)
         self.model.load_state_dict(init)
         self.ckpt = self.model.wire(layer)
-        if loopfuzz.wrap_of(prog) == "fsdp2":  # (the same module, sharded as one unit;
-            loopfuzz.wrap(self.model, "fsdp2")  # DDP would need its loss outside it)
+        self.top: nn.Module = loopfuzz.wrap(self.model, loopfuzz.wrap_of(prog))
         self.opts = {n: self._make(n, *prog["opts"][n]) for n in prog["opts"]}
         self.handles: dict[str, list[Any]] = {}
         self.offloads: dict[str, Any] = {}  # name -> its offload handle (mode drawn)
@@ -364,15 +385,25 @@ class Side:
         names = [n for n in self.opts if self.is_lo(n)]
         style = self.prog["style"]
         if style == "none" or (style == "list" and len(names) > 1):
-            h = layeropt.attach(self.model, None if style == "none" else
+            h = layeropt.attach(self.top, None if style == "none" else
                                 [self.opts[n] for n in names], **self._akw())
             self.handles = {n: [h] for n in names}
         else:
-            for n in names:
-                self._attach(n)
+            self._attach_each(names)
+
+    def _attach_each(self, names: list[str]) -> None:
+        """Each optimizer attached on its own - but a DDP wrapper as a whole takes one
+        attachment (its communication hook; a second is refused): there, the optimizers
+        together, as ``style="list"``."""
+        if self.top is not self.model and self.prog["style"] != "sub" and len(names) > 1:
+            h = layeropt.attach(self.top, [self.opts[n] for n in names], **self._akw())
+            self.handles.update({n: [h] for n in names})
+            return
+        for n in names:
+            self._attach(n)
 
     def _attach(self, n: str) -> None:
-        mods = self.modules(n) if self.prog["style"] == "sub" else [self.model]
+        mods = self.modules(n) if self.prog["style"] == "sub" else [self.top]
         self.handles[n] = [layeropt.attach(m, self.opts[n], **self._akw()) for m in mods]
 
     def _akw(self) -> dict[str, Any]:
@@ -415,7 +446,7 @@ class Side:
                 mod.requires_grad_(True)
 
     def _clip(self, a: dict[str, Any]) -> None:
-        loss = self.model.loss(a)
+        loss = self.model.loss(a, self.top)
 
         def subset() -> list[torch.Tensor]:  # (FSDP2, after the forward: the unsharded)
             return [p for m in a["sub"] for p in self.model.get_submodule(m).parameters()]
@@ -448,16 +479,15 @@ class Side:
         kept = [self.opts.pop(n)] if how == "remove" else []
         self.opts.pop(n, None)  # (deleted: nothing else refers to it)
         self.opts[n] = self._make(n, *new)
-        for k in [*joint, n] if self.layer else []:
-            self._attach(k)
         if self.layer:
+            self._attach_each([*joint, n])
             self._offload(n)
         kept.clear()
 
     def do(self, name: str, a: dict[str, Any]) -> None:
         if name == "fb":
             with self._frozen(a["freeze"]), contextlib.ExitStack() as stack:
-                loss = self.model.loss(a)
+                loss = self.model.loss(a, self.top)
                 for n in a["ns"]:
                     if self.is_lo(n):
                         stack.enter_context(self.opts[n].no_step())
@@ -637,9 +667,13 @@ def _verified(prog: dict[str, Any]) -> dict[str, Any]:
 def _run(prog: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(prog["seed"])
     init = make_net(prog).state_dict()
-    t, lo = Side(prog, False, init), Side(prog, True, init)
-    watch = Watch(t, lo)
     out: dict[str, Any] = {"seed": prog["seed"], "mix": prog["mix"], "status": "exact"}
+    t = Side(prog, False, init)
+    try:
+        lo = Side(prog, True, init)
+    except layeropt.LayeroptError as e:  # (an attach refused before any operation)
+        return loopfuzz.refused_at_attach(out, e)
+    watch = Watch(t, lo)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -663,7 +697,8 @@ def _run(prog: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_block(mix: str, start: int, n: int, wrap: str | None = None) -> list[dict[str, Any]]:
-    """``wrap``: FSDP2 (DDP would need the models' loss outside them)."""
+    """``wrap``: ``"ddp"`` (every mix) or ``"fsdp2"`` (not ``offload``/``ckoffload``:
+    offload refuses FSDP2's shards); default ``LAYEROPT_FUZZ_WRAP`` (module docstring)."""
     return loopfuzz.programs(run_program, draw_program, mix, start, n, wrap)
 
 

@@ -1,7 +1,8 @@
 """Random programs with several optimizers or activation checkpointing
 (tests/multifuzz.py): each equals torch.optim bit for bit, or is refused by a layeropt
 error, or reaches a documented undetectable case (docs/rules.md, named in
-``multifuzz.WHY``).
+``multifuzz.WHY``) - on a plain model, and some of the mixes on a DistributedDataParallel
+and an FSDP2 model (a process group of this process alone).
 
 A failure prints the program's seed; ``python tests/multifuzz.py --mix MIX --minimize SEED``
 shrinks it to the few operations that still fail. ``LAYEROPT_SOAK=k`` runs k times as
@@ -40,6 +41,23 @@ def test_random_programs_equal_torch_or_are_refused(mix, n):
     outcomes = run_block(mix, 0, n * SOAK)
     # the programs train: many end exact, not refused (a mix that only refused would pass)
     assert_block(outcomes, "multifuzz.py", mix, 1 / 4)
+
+
+# The same on a DistributedDataParallel model (one process; find_unused_parameters=True):
+# each forward through the wrapper, the optimizers attached to it together. Fewer exact
+# than on a plain model: torch's reentrant checkpoint raises under DDP (torch-error), and
+# DDP's reducer refuses a plainly hooked submodule's parameter left unused (torch-error)
+DDP_BLOCKS = [("multi", 200), ("gan", 100), ("handover", 100), ("checkpoint", 100),
+              ("offload", 60), ("ckoffload", 30), ("verify", 100), ("vgan", 60), ("vck", 60)]
+
+
+@pytest.mark.parametrize("mix,n", DDP_BLOCKS, ids=[b[0] for b in DDP_BLOCKS])
+def test_random_programs_on_ddp(mix, n):
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():  # (DDP's find_unused_parameters notes)
+        warnings.simplefilter("ignore")
+        outcomes = run_block(mix, 0, n * SOAK, "ddp")
+    assert_block(outcomes, "multifuzz.py (LAYEROPT_FUZZ_WRAP=ddp)", mix, 1 / 5)
 
 
 # The same on an FSDP2 model (one process; torch's fused kernels dropped: no DTensor rule)
@@ -101,3 +119,55 @@ def test_programs_found_on_fsdp2(case):
         warnings.simplefilter("ignore")
         out = run_program(prog)
     assert out["status"] == status, out
+
+
+# Found with the programs on a DDP model (LAYEROPT_FUZZ_WRAP=ddp), minimized
+_DDP = {"seed": 0, "akw": {}, "mode": None, "wrap": "ddp"}
+_DDP_FOUND = {
+    # a parameter this backward leaves without gradient (the head, out of the forward),
+    # whose .grad torch kept since step(): verify checked it as if a gradient were added
+    # onto it, and passed it on as held by no_step() (a false alarm: layeropt alone exact)
+    "verify: a kept gradient on a parameter the backward does not reach": (
+        {"mix": "verify", "verify": True, "style": "model",
+         "opts": {"o1": ["Adagrad", {"lr": 0.1, "initial_accumulator_value": 0.1}],
+                  "o2": ["Adadelta", {"lr": 0.05, "weight_decay": 0.01}]},
+         "layer": {"o1": True, "o2": True, "o3": False},
+         "owned": {"o1": ["trunk"], "o2": ["head", "aux"]}},
+        [("fb", {"seed": 761148, "kind": "full", "aux": False, "ns": ["o1", "o2"],
+                 "freeze": None}),
+         ("step", {"o": "o2"}),
+         ("fb", {"seed": 166442, "kind": "trunkonly", "aux": False, "ns": [], "freeze": None})],
+        "exact"),
+    # ... and what that check is for, kept: gradients never zeroed after step(), then a
+    # layeropt.backward(max_norm=) - torch adds onto them (refused by VerifyError)
+    "verify: a backward onto gradients never zeroed since step()": (
+        {"mix": "verify", "verify": True, "style": "model",
+         "opts": {"o1": ["Adadelta", {"lr": 0.05, "foreach": True}],
+                  "o2": ["Adadelta", {"lr": 0.1}], "o3": ["Adamax", {"lr": 0.05}]},
+         "layer": {"o1": True, "o2": True, "o3": False},
+         "owned": {"o1": ["trunk"], "o2": ["head"], "o3": ["aux"]}},
+        [("fb", {"seed": 100821, "kind": "full", "aux": False, "ns": [], "freeze": None}),
+         ("step", {"o": "o2"}), ("step", {"o": "o1"}),
+         ("clip", {"seed": 434557, "kind": "full", "aux": False, "max_norm": 0.01, "sub": None,
+                   "opt": None})], "refused"),
+    # an optimizer deleted while attached to the DDP model: its attachment stayed, and
+    # attaching the model to the new optimizer was refused ("already attached")
+    "an optimizer deleted, then a new one attached to the DDP model": (
+        {"mix": "multi", "verify": False, "style": "model",
+         "opts": {"o1": ["Adamax", {"lr": 0.01, "weight_decay": 0.01, "foreach": True}],
+                  "o2": ["Adadelta", {"lr": 0.1}]},
+         "layer": {"o1": True, "o2": False, "o3": False},
+         "owned": {"o1": ["trunk"], "o2": ["head", "aux"]}},
+        [("handover", {"o": "o1", "new": ["Adam", {"lr": 0.01, "weight_decay": 0.01}],
+                       "how": "del"})], "exact"),
+}
+
+
+@pytest.mark.parametrize("case", list(_DDP_FOUND))
+def test_programs_found_on_ddp(case):
+    setup, ops, status = _DDP_FOUND[case]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = run_program({**_DDP, **setup, "ops": ops})
+    assert out["status"] == status, out
+    assert status != "refused" or "VerifyError" in out["error"], out

@@ -347,9 +347,14 @@ class Verifier(Wrapper):
         ``.grad`` it finds, in place, so a gradient no ``zero_grad()`` (or ``p.grad =
         None``) removed since ``step()`` is still the same tensor."""
         for p in params:
-            kept = self.unzeroed.get(id(p))
-            if kept is not None and p.grad is kept[0]:
+            if self.kept_since_step(p):
                 self._fail(p, "not zeroed", self.engine.name_of(p), "")
+
+    def kept_since_step(self, p: Tensor) -> bool:
+        """Whether ``p.grad`` is the gradient the last ``step()`` applied, kept by torch
+        (no ``zero_grad()`` since): not one a ``no_step()`` backward holds."""
+        kept = self.unzeroed.get(id(p))
+        return kept is not None and p.grad is kept[0]
 
     def before_accumulating(self, p: Tensor) -> None:
         """``p``'s gradient is about to be added onto ``p.grad``: a ``.grad`` kept since

@@ -52,6 +52,7 @@ class _HookState:
         self.owner: dict[Tensor, weakref.ref] = {}  # param -> its optimizer (weakly)
         self.settings: Any = None  # the attachment's Settings (layeropt/engine/landing.py)
         self.active = False
+        self.attachment: weakref.ref | None = None  # the DDPAttachment that set owner
         self.lock = threading.Lock()  # bucket steps may land on comm threads
         self.fresh = True  # DDP ran a forward since the last training step began
         self.deferred: list[tuple[_Landing, Any]] = []  # to land at the end, in bucket order
@@ -98,11 +99,25 @@ class _HookState:
             optimizers = [o for o in (r() for r in refs.values()) if o is not None]
             for opt in optimizers:  # the engine's rules, as for a plain backward (may refuse
                 opt._lo_engine.begin_averaged()  # it: nothing ran yet)
-                engine = opt._lo_engine  # LAYEROPT_VERIFY: the local gradients a step uses
-                verifier = engine.find(Verifier)
-                if verifier is not None and engine.averaged_route() is engine:
-                    verifier.check_zeroed([p for p, r in self.owner.items() if r() is opt])
+            if not self.find_unused:  # (every trainable parameter gets a gradient)
+                self.check_zeroed([p for p in self.owner if p.requires_grad])
             self.fresh = False
+
+    def check_zeroed(self, params: list[Tensor]) -> None:
+        """LAYEROPT_VERIFY: refuse local gradients accumulated onto the last step's (a
+        parameter this backward leaves without gradient - unused, frozen - is torch's
+        unchanged: not checked), before any is stepped."""
+        by_owner: dict[int, tuple[Any, list[Tensor]]] = {}
+        for p in params:
+            ref = self.owner.get(p)  # (None: no layeropt optimizer's)
+            opt = None if ref is None else ref()
+            if opt is not None:
+                by_owner.setdefault(id(opt), (opt, []))[1].append(p)
+        for opt, owned in by_owner.values():
+            engine = opt._lo_engine
+            verifier = engine.find(Verifier)
+            if verifier is not None and engine.averaged_route() is engine:
+                verifier.check_zeroed(owned)
 
     def defer(self, landing: _Landing, fut: Any) -> None:
         """Land ``landing`` when the running graph task ends, on this thread.
@@ -158,6 +173,13 @@ class _HookState:
             self.flush_task = _NONE
 
 
+def _applied_by_step(opt: Any, p: Tensor) -> bool:
+    """LAYEROPT_VERIFY, where torch's gradients stay after ``step()``: ``p.grad`` is the
+    one ``step()`` applied (not zeroed since), not one a ``no_step()`` backward held."""
+    verifier = opt._lo_engine.find(Verifier)
+    return verifier is not None and verifier.kept_since_step(p)
+
+
 def _fired(state_ref: weakref.ref, param: Tensor) -> None:
     """``find_unused_parameters``: ``param``'s gradient was accumulated here."""
     state = state_ref()
@@ -199,6 +221,8 @@ def _allreduce_then_step(state, bucket):  # no annotations: DDP inspects them
     """DDP comm hook: sort the bucket's parameters (:class:`_Landing`), average the
     bucket as DDP's reducer does, bit for bit; step them once the average lands."""
     state.begin()
+    if state.find_unused:  # (the bucket's parameters with a gradient here: accumulated now)
+        state.check_zeroed([p for p in bucket.parameters() if id(p) in state.fired])
     buffer = bucket.buffer()
     landing = _Landing(state, bucket, buffer)  # sorted now: frees the local gradients at once
     buffer.mul_(1.0 / state.world)
@@ -257,7 +281,8 @@ class _Landing:
                 raise AttachError(DDP_UNUSED_ERROR)
             elif type(mode) is list:
                 mode.append((p, view))
-                if state.find_unused and p.grad is not None and id(p) not in state.fired:
+                if (state.find_unused and p.grad is not None and id(p) not in state.fired
+                        and not _applied_by_step(ref(), p)):
                     self.held[p] = p.grad
                 p.grad = None  # the bucket holds it now
             else:
