@@ -240,6 +240,71 @@ def test_offload_state_does_not_learn_clipping():
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
 
 
+def _resumable(kind: str, data: list, tmp_path: Any, *, start: int = 0, save_after: int = 0,
+               offload: bool = False) -> tuple[Any, Any, list, dict]:
+    """The clipping loop with ga=2 over ``data[start:]``: ``save_state`` after
+    ``save_after`` micro-batches; ``start > 0``: ``load_state`` first, into a fresh
+    accelerator, model and optimizer."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    model, _, loss_fn = make_model("gpt")
+    if kind == "torch":
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    else:
+        accelerator = LayeroptAccelerator(cpu=True, gradient_accumulation_steps=2,
+                                          bucket_cap_mb=0, offload_state=offload,
+                                          max_grad_norm=0.05 if offload else None)
+        opt = layeropt.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    seen = {"accelerator": accelerator}
+    if start:
+        accelerator.load_state(str(tmp_path / "state"))
+        seen["loaded"] = copy.deepcopy(unwrap(opt).state_dict())
+        if offload:  # right after loading: every state tensor is a host copy
+            assert accelerator.offloads[unwrap(opt)].host_bytes == _state_bytes(unwrap(opt)) > 0
+    norms = []
+    for i in range(start, len(data)):
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_fn(model, data[i]))
+            if accelerator.sync_gradients:
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.05))
+            opt.step()
+            opt.zero_grad()
+        if i + 1 == save_after:
+            accelerator.save_state(str(tmp_path / "state"))
+            seen["saved"] = copy.deepcopy(unwrap(opt).state_dict())
+    return model, unwrap(opt), norms, seen
+
+
+def test_offload_state_load_state_loads_into_host_memory_and_resumes_exactly(tmp_path):
+    """docs/integrations.md ("Optimizer state in host memory"): with ``offload_state``,
+    ``load_state()`` loads into host memory. ``save_state`` after two of four optimizer
+    steps, then a fresh accelerator, model and optimizer ``load_state`` it: the state
+    is in the handle's host tensors, and the two steps after it equal the uninterrupted
+    run and accelerate + torch.optim bit for bit (parameters, state, norms)."""
+    gen = torch.Generator().manual_seed(1)
+    batch_fn = make_model("gpt")[1]
+    data = [batch_fn(gen) for _ in range(8)]  # 4 optimizer steps of 2 micro-batches
+    ref = _resumable("torch", data, tmp_path / "torch")
+    whole = _resumable("layeropt", data, tmp_path / "whole", offload=True)
+    first = _resumable("layeropt", data, tmp_path, offload=True, save_after=4)
+    resumed = _resumable("layeropt", data, tmp_path, offload=True, start=4)
+    assert_same(resumed[3]["loaded"], first[3]["saved"])  # what save_state wrote
+    opt = resumed[1]
+    handle = resumed[3]["accelerator"].offloads[opt]
+    assert handle.host_bytes == _state_bytes(opt) > 0
+    assert 0 < handle.peak_device_bytes < handle.host_bytes  # one layer's state at a time
+    assert int(opt.state_dict()["state"][0]["step"]) == 4 and len(resumed[2]) == 2
+    for other in (whole, ref):
+        for p, q in zip(resumed[0].parameters(), other[0].parameters()):
+            assert_same(p.detach(), q.detach())
+        assert_same(opt.state_dict(), other[1].state_dict())
+        assert len(other[2]) == 4
+        for a, b in zip(resumed[2], other[2][2:]):  # the norms of steps 3 and 4
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 # -- how the loop clips: exact, or refused (each was silent before) -------------------
 def _clipping_loop(lo: bool, how: str, ga: int, given: dict) -> tuple[Any, Any, list]:
     AcceleratorState._reset_state(reset_partial_state=True)

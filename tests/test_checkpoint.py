@@ -691,6 +691,215 @@ def test_use_reentrant_is_accepted_and_no_grad_runs_plainly():
         assert checkpoint(torch.tanh, x, use_reentrant=True).grad_fn is None
 
 
+# -- torch's options and torch.autograd.grad (docs/checkpointing.md, "Which mode") ------
+class DropoutLoop(SharedLoop):
+    """SharedLoop with dropout in each checkpointed iteration (the recomputation replays it)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__(d)
+        self.drop = nn.Dropout(0.3)
+
+    def step(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.drop(self.extractor(h))) + self.mix(x)
+
+
+TORCH_OPTIONS = [
+    dict(determinism_check="default"),
+    dict(determinism_check="none"),
+    dict(debug=True),
+    dict(early_stop=True),
+    dict(early_stop=False),
+    dict(debug=True, early_stop=False, determinism_check="none"),
+]
+
+
+def _options_id(options: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in options.items())
+
+
+@pytest.mark.parametrize("options", TORCH_OPTIONS, ids=_options_id)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("model_cls", [SharedLoop, DropoutLoop, MaskedByWeight],
+                         ids=lambda c: c.__name__)
+def test_torch_options_train_as_torch_checkpoint_with_torch_optim(model_cls, mode, options):
+    """docs/checkpointing.md: ``determinism_check``, ``debug`` and ``early_stop`` "all
+    work". The reference checkpoints the same segments with torch's non-reentrant
+    checkpoint and the same options, and steps torch.optim after backward."""
+    model, batch_fn, loss_fn = _custom(model_cls)()
+    ref = copy.deepcopy(model)
+    ref.ck = functools.partial(tc.checkpoint, use_reentrant=False, **options)
+    model.ck = functools.partial(checkpoint, use_reentrant=mode == "reentrant", **options)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    opt = layeropt.Adam(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    with layeropt.attach(model, opt):
+        for step in range(3):
+            data = batch_fn(gen)
+            torch.manual_seed(100 + step)  # the same dropout masks for both
+            loss_fn(ref, data).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.manual_seed(100 + step)
+            loss_fn(model, data).backward()
+            assert all(p.grad is None for p in model.parameters())  # stepped in backward
+            opt.step()
+            opt.zero_grad()
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+    assert not nesting._PINS
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+@pytest.mark.parametrize("mode", MODES)
+def test_early_stop_reaches_the_recomputation(mode, early_stop):
+    """``early_stop`` is passed on (checkpointing.py hands it to torch, or on torch
+    2.4-2.5 sets it globally): with it, the recomputation stops at the segment's last
+    saved tensor, as torch's does, and the parameters are still stepped once, exactly."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    ref_lin = copy.deepcopy(lin)
+    x = torch.randn(4, 8)
+    finished = {"torch": 0, "layeropt": 0}
+
+    def segment(side: str, layer: nn.Linear, z: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(layer(z))  # tanh saves its output: the last saved tensor
+        finished[side] += 1  # reached only where the recomputation runs to the end
+        return out
+
+    ref_opt = torch.optim.SGD(ref_lin.parameters(), lr=0.1, momentum=0.9)
+    opt = layeropt.SGD(lin.parameters(), lr=0.1, momentum=0.9)
+    with layeropt.attach(lin, opt):
+        for _ in range(2):
+            tc.checkpoint(segment, "torch", ref_lin, x, use_reentrant=False,
+                          early_stop=early_stop).square().sum().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            checkpoint(segment, "layeropt", lin, x, use_reentrant=mode == "reentrant",
+                       early_stop=early_stop).square().sum().backward()
+            assert opt.stepped_in_backward == 2
+    want = 2 if early_stop else 4  # forward only / forward and the whole recomputation
+    assert finished == {"torch": want, "layeropt": want}
+    assert_models_equal(ref_lin, lin)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+    assert not nesting._PINS
+
+
+class _Unsteady(nn.Module):
+    """A segment whose recomputation saves other tensors than its forward did: the one
+    ``determinism_check`` and ``debug`` exist for. ``plan`` says, per run of the
+    segment, how many columns to keep and whether to run a tanh. Every parameter is
+    inside the segment: pinned, none is stepped before the recomputation raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+        self.plan: list[tuple[int, bool]] = []
+
+    def segment(self, z: torch.Tensor) -> torch.Tensor:
+        cols, squash = self.plan.pop(0)
+        h = self.lin(z)[:, :cols]
+        h = torch.tanh(h) if squash else h
+        return self.head(torch.sigmoid(h).sum(1, keepdim=True).expand(-1, 8))
+
+
+UNSTEADY = [  # (options, plan: forward then recomputation, what torch's checkpoint raises)
+    (dict(), [(8, True), (4, True)], "different metadata"),
+    (dict(determinism_check="default"), [(8, True), (4, True)], "different metadata"),
+    (dict(early_stop=False), [(8, True), (8, False)], "different number of tensors"),
+    (dict(debug=True, early_stop=False), [(8, True), (8, False)], "Detected non-determinism"),
+]
+
+
+@pytest.mark.parametrize("options,plan,match", UNSTEADY,
+                         ids=[f"{_options_id(o) or 'defaults'}-{m}" for o, _, m in UNSTEADY])
+@pytest.mark.parametrize("mode", MODES)
+def test_determinism_check_and_debug_report_as_torch(mode, options, plan, match):
+    """``determinism_check`` and ``debug`` do their job: a recomputation that differs
+    from the forward raises torch's ``CheckpointError`` with torch's message (``debug``:
+    its logs of both runs), as torch's checkpoint does, and the next backward is clean."""
+    torch.manual_seed(0)
+    model = _Unsteady()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    ref.plan = list(plan)
+    y = tc.checkpoint(ref.segment, x, use_reentrant=False, **options)
+    with pytest.raises(tc.CheckpointError, match=match):
+        y.sum().backward()
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    with layeropt.attach(model, opt):
+        model.plan = list(plan)
+        y = checkpoint(model.segment, x, use_reentrant=mode == "reentrant", **options)
+        with pytest.raises(tc.CheckpointError, match=match):
+            y.sum().backward()
+        assert not opt.stepped_params
+        opt.zero_grad()
+        model.plan = [(8, True), (8, True)]  # a steady segment trains exactly after it
+        y = checkpoint(model.segment, x, use_reentrant=mode == "reentrant", **options)
+        y.sum().backward()
+        assert opt.stepped_in_backward == 4
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_opt.zero_grad()
+    ref.plan = [(8, True), (8, True)]
+    tc.checkpoint(ref.segment, x, use_reentrant=False, **options).sum().backward()
+    ref_opt.step()
+    assert_models_equal(ref, model)
+    assert not nesting._PINS
+
+
+@pytest.mark.parametrize("then", ["new forward", "same graph"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("model_cls", [SharedLoop, DropoutLoop, MaskedByWeight],
+                         ids=lambda c: c.__name__)
+def test_autograd_grad_through_segments_fills_no_grad_and_steps_nothing(model_cls, mode,
+                                                                        then):
+    """docs/checkpointing.md: ``torch.autograd.grad`` works through ``layeropt.checkpoint``;
+    docs/rules.md: it "fills no ``.grad`` and steps nothing". Its gradients (of the
+    parameters and the input) are torch's checkpoint's bit for bit, and training after
+    it - a new forward, or a backward over the same graph (``retain_graph=True``) -
+    equals torch.optim's."""
+    model, batch_fn, loss_fn = _custom(model_cls)()
+    ref = copy.deepcopy(model)
+    ref.ck = functools.partial(tc.checkpoint, use_reentrant=False)
+    model.ck = _checkpointer(mode)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    opt = layeropt.Adam(model.parameters(), lr=0.1)
+    calls = _count_steps(opt)
+    gen = torch.Generator().manual_seed(1)
+    keep = then == "same graph"
+    with layeropt.attach(model, opt):
+        for step in range(3):
+            x, target = batch_fn(gen)
+            x = x.requires_grad_()
+            sides = []
+            for m in (ref, model):
+                torch.manual_seed(100 + step)
+                loss = loss_fn(m, (x, target))
+                before = copy.deepcopy(m.state_dict())
+                grads = torch.autograd.grad(loss, [x, *m.parameters()], retain_graph=keep)
+                assert all(p.grad is None for p in m.parameters()) and x.grad is None
+                assert_same(m.state_dict(), before)
+                sides.append((loss, grads))
+            assert_same(sides[0][1], sides[1][1])
+            assert calls == []  # stepped nothing
+            assert bool(nesting._PINS) == keep  # pins go with the graph
+            for (loss, _), m in zip(sides, (ref, model)):
+                if not keep:
+                    torch.manual_seed(100 + step)
+                    loss = loss_fn(m, (x, target))
+                loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert sorted(calls) == sorted(id(p) for p in model.parameters())
+            calls.clear()
+            opt.step()
+            opt.zero_grad()
+            del sides, loss
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+    assert not nesting._PINS
+
+
 class _MakesLeafInside(torch.nn.Module):
     """Creates a tensor and marks it requires_grad inside the segment (HF T5's
     position bias under gradient checkpointing)."""

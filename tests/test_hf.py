@@ -346,6 +346,42 @@ def test_trainer_matches_torch_optim(tmp_path, kind, ref_kind, opts):
         assert norms == ref_norms
 
 
+@pytest.mark.parametrize("ga", [1, 2])
+def test_trainer_without_clipping_reports_grad_norm_none(tmp_path, ga):
+    """docs/integrations.md: with ``max_grad_norm=0`` LayeroptTrainer measures no norm:
+    the ``grad_norm`` the Trainer hands to its logging is ``None`` and no log has one,
+    where the Trainer with torch.optim measures one after backward (transformers 5;
+    4.x logs none either). The parameters and logged losses are torch.optim's, bit for
+    bit."""
+    runs = {}
+    for kind in ("torch", "layeropt"):
+        trainer, model, _ = _trainer(tmp_path, kind, ga=ga, max_grad_norm=0.0)
+        reported: list[Any] = []
+        log = trainer._maybe_log_save_evaluate
+
+        def recording(*args: Any, log=log, reported=reported, **kwargs: Any) -> Any:
+            reported.append(args[1] if len(args) > 1 else kwargs["grad_norm"])
+            return log(*args, **kwargs)
+
+        trainer._maybe_log_save_evaluate = recording
+        trainer.train()
+        assert trainer.state.global_step == 3 and len(reported) >= 3  # (again at the end)
+        runs[kind] = trainer, model, reported
+    (ref_trainer, ref, ref_reported), (trainer, model, reported) = runs["torch"], runs["layeropt"]
+    assert len(reported) == len(ref_reported) and set(reported) == {None}
+    assert _grad_norms(trainer) == []
+    if _MEASURES_NORM:  # the plain Trainer's norm-only clip_grad_norm_(inf) after backward
+        assert None not in ref_reported and len(_grad_norms(ref_trainer)) == 3
+        assert all(isinstance(n, float) and n > 0 for n in _grad_norms(ref_trainer))
+    else:
+        assert set(ref_reported) == {None} and _grad_norms(ref_trainer) == []
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h]
+              for t in (ref_trainer, trainer)]
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach(), name)
+
+
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(v.nbytes for s in opt.state.values() for v in s.values() if v.dim() > 0)
 

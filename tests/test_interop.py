@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim import swa_utils
 
 import layeropt
 from harness import (  # noqa: F401 - process_group: a fixture
@@ -198,16 +199,80 @@ def test_step_after_attach_updates_hand_assigned_gradients():
     assert_models_equal(ref, model)
 
 
-def test_step_hooks_fire_once_per_step_call_not_per_bucket():
+@pytest.mark.parametrize("hook", ["register_step_pre_hook", "register_step_post_hook"])
+def test_step_hooks_fire_once_per_step_call_not_per_bucket(hook):
+    """docs/how-it-works.md: ``register_step_pre_hook`` / ``register_step_post_hook`` run
+    on ``step()`` calls, not once per bucket: none during backward, one per ``step()``,
+    with the arguments torch.optim's get, while training stays torch.optim's."""
     model, batch_fn, loss_fn = make_model("mlp")
-    opt = layeropt.Adam(model.parameters())
-    calls = []
-    opt.register_step_post_hook(lambda *a: calls.append(1))
-    layeropt.attach(model, opt)
-    loss_fn(model, batch_fn(torch.Generator().manual_seed(0))).backward()
-    assert calls == []
-    opt.step()
-    assert calls == [1]
+    ref = copy.deepcopy(model)
+    opt, ref_opt = layeropt.Adam(model.parameters()), torch.optim.Adam(ref.parameters())
+    calls: dict[str, list] = {"torch": [], "layeropt": []}
+    for side, o in (("torch", ref_opt), ("layeropt", opt)):
+        getattr(o, hook)(lambda o, args, kwargs, side=side: calls[side].append((o, args, kwargs)))
+    handle = layeropt.attach(model, opt)
+    assert len(handle.buckets) == 4  # (stepped one by one under bucket_cap_mb=0)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        data = batch_fn(gen)
+        loss_fn(ref, data).backward()
+        loss_fn(model, data).backward()
+        assert opt.stepped_in_backward == len(list(model.parameters()))
+        assert len(calls["layeropt"]) == step  # no call for any bucket in backward
+        ref_opt.step()
+        opt.step()
+        assert len(calls["layeropt"]) == len(calls["torch"]) == step + 1
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    for side, o in (("torch", ref_opt), ("layeropt", opt)):  # (the optimizer, (self,), {})
+        assert all(c == (o, (o,), {}) and c[0] is o for c in calls[side]), side
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+AVERAGES = {  # AveragedModel's keyword arguments
+    "swa": lambda: dict(),
+    "ema-multi_avg_fn": lambda: dict(multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.9)),
+    "ema-avg_fn": lambda: dict(avg_fn=swa_utils.get_ema_avg_fn(0.9)),
+    "ema-use_buffers": lambda: dict(multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.9),
+                                    use_buffers=True),
+}
+
+
+@pytest.mark.parametrize("opt_name,kw", [("SGD", dict(lr=0.1, momentum=0.9)),
+                                         ("AdamW", dict(lr=0.01, weight_decay=0.1))],
+                         ids=["SGD", "AdamW"])
+@pytest.mark.parametrize("average", list(AVERAGES))
+@pytest.mark.parametrize("arch", ["gpt", "unet"])  # tied embedding; batch norm buffers
+def test_averaged_model_after_step_is_exact(arch, average, opt_name, kw):
+    """docs/rules.md: "``AveragedModel`` after ``step()`` is exact": an SWA / EMA average
+    (``torch.optim.swa_utils``) updated after each ``step()`` equals the same loop with
+    torch.optim bit for bit - the averaged model and the model."""
+    model, batch_fn, loss_fn = make_model(arch)
+    ref = copy.deepcopy(model)
+    ref_opt = getattr(torch.optim, opt_name)(ref.parameters(), **kw)
+    opt = getattr(layeropt, opt_name)(model.parameters(), **kw)
+    handle = layeropt.attach(model, opt)
+    ref_avg = swa_utils.AveragedModel(ref, **AVERAGES[average]())
+    avg = swa_utils.AveragedModel(model, **AVERAGES[average]())  # (of the attached model)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        data = batch_fn(gen)
+        loss_fn(ref, data).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_avg.update_parameters(ref)
+        loss_fn(model, data).backward()
+        opt.step()
+        opt.zero_grad()
+        avg.update_parameters(model)
+    handle.remove()
+    assert int(avg.n_averaged) == int(ref_avg.n_averaged) == 4
+    assert_same(ref_avg.state_dict(), avg.state_dict())  # parameters, buffers, n_averaged
+    assert_models_equal(ref_avg.module, avg.module)
+    assert_models_equal(ref, model)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+    assert not any(torch.equal(p, q) for p, q in zip(avg.parameters(), model.parameters()))
 
 
 class Lion(torch.optim.Optimizer):

@@ -988,6 +988,82 @@ def test_stack_forward_holds_the_stack_and_one_iteration():
     assert transient[0] == transient[1] > 0
 
 
+# --- preserve_rng_state=False (docs/loops.md, loop_stack) -----------------------
+def lo_stack_no_rng(m: Sino, x: Tensor, t: Tensor, n: int) -> None:
+    stack = loop_stack(lambda i: m.feat(x, i), n, dim=1, preserve_rng_state=False)
+    m.stack_loss(stack, t).backward()
+
+
+def lo_recurrent_no_rng(every: int) -> Callable[..., None]:
+    def run(m: Sino, x: Tensor, t: Tensor, n: int) -> None:
+        h0 = torch.zeros(B, SAMPLES, device=x.device)
+        h = loop_recurrent(m.step, h0, x.unbind(1), every=every, preserve_rng_state=False)
+        F.mse_loss(h.sum(1), t[:, 0]).backward()
+
+    return run
+
+
+def in_eval(step: Callable[..., None]) -> Callable[..., None]:
+    """The step with the model in eval mode: its dropout draws no random numbers."""
+    def run(m: Sino, opt: torch.optim.Optimizer, s: int, n: int) -> None:
+        m.eval()
+        step(m, opt, s, n)
+
+    return run
+
+
+NO_RNG_SHAPES = [
+    ("stack", full_stack, lo_stack_no_rng),
+    ("recurrent-every1", full_recurrent, lo_recurrent_no_rng(1)),
+    ("recurrent-every3", full_recurrent, lo_recurrent_no_rng(3)),
+]
+
+
+@pytest.mark.parametrize("attached", [True, False], ids=["layeropt", "torch.optim"])
+@pytest.mark.parametrize("shape", NO_RNG_SHAPES, ids=[s[0] for s in NO_RNG_SHAPES])
+@pytest.mark.parametrize("cfg", [("SGD", dict(lr=0.1, momentum=0.9)), ("Adam", dict(lr=0.01))],
+                         ids=config_id)
+def test_without_rng_state_equals_the_plain_loop_when_fn_draws_no_random_numbers(
+        cfg, shape, attached):
+    """docs/loops.md: ``preserve_rng_state=False`` is for an ``fn`` that draws no random
+    numbers (the model in eval mode: its dropout is off); then the recomputation needs
+    no RNG state and training equals the plain loop with torch.optim bit for bit."""
+    name, kw = cfg
+    _, full, mine = shape
+    ref, ref_opt = train(in_eval(reference(full)), name, kw, 7, attached=False)
+    m, opt = train(in_eval(reference(mine)), name, kw, 7, attached=attached)
+    assert_models_equal(ref, m)
+    assert_same(ref_opt.state_dict(), opt.state_dict())
+
+
+@pytest.mark.parametrize("shape", NO_RNG_SHAPES, ids=[s[0] for s in NO_RNG_SHAPES])
+def test_without_rng_state_dropout_is_not_replayed(shape):
+    """Why the docs say "when ``fn`` draws no random numbers": with dropout on (train
+    mode) the recomputation draws fresh masks, and the result leaves the plain loop's
+    (with the default ``preserve_rng_state=True`` it is equal:
+    test_stack_and_recurrent_equal_full_graph_bitwise)."""
+    _, full, mine = shape
+    ref, _ = train(reference(full), "SGD", dict(lr=0.1), 7, attached=False)
+    m, _ = train(reference(mine), "SGD", dict(lr=0.1), 7, attached=True)
+    assert any(not torch.equal(p, q) for p, q in zip(ref.parameters(), m.parameters()))
+
+
+@pytest.mark.parametrize("preserve", [True, False])
+def test_without_rng_state_the_stack_holds_no_rng_state(preserve):
+    """docs/loops.md: ``preserve_rng_state=False`` saves the CPU RNG state (5 KiB) each
+    iteration keeps: what stays after forward is the stack alone."""
+    assert 4096 < RNG_BYTES < 6144  # "5 KiB"
+    m = _mem_model()
+    for n in (4, 32):
+        x = torch.randn(MB, n, ML)
+        with PeakMemory() as mem:
+            s = loop_stack(lambda i, x=x: m.ext(x[:, i : i + 1]), n, 1,
+                           preserve_rng_state=preserve)
+        assert s.requires_grad
+        assert mem.end == n * (STACK_ITER_BYTES + (RNG_BYTES if preserve else 0))
+        del s
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 def test_cuda_dropout_replay_with_int_inputs(shape):
