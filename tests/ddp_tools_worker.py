@@ -105,11 +105,15 @@ HF = {
     "ga2-checkpointing-reentrant": dict(ga=2, max_grad_norm=0.5, ckpt={"use_reentrant": True}),
     "ga2-checkpointing": dict(ga=2, ckpt={"use_reentrant": False}),
     "callback-refused": dict(ga=2, callback=True),
+    # (README, integrations.md: FSDP under the Trainer is refused - reachable only here:
+    # the Trainer itself refuses fsdp= in one process)
+    "fsdp-refused": dict(ga=1, fsdp=True, refused=True),
 }
 
 
 def _hf(kind: str, ga: int = 2, max_grad_norm: float = 0.0, callback: bool = False,
-        built: bool = False, ckpt: dict | None = None, **targs: Any) -> dict[str, Any]:
+        built: bool = False, ckpt: dict | None = None, refused: bool = False,
+        **targs: Any) -> dict[str, Any]:
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -240,7 +244,8 @@ def main() -> None:
     cases, run = TOOLS[tool]
     results: dict[str, Any] = {}
     for name, kw in cases.items():
-        for kind in ("layeropt",) if kw.get("callback") else ("torch", "layeropt"):
+        for kind in ("layeropt",) if kw.get("callback") or kw.get("refused") else ("torch",
+                                                                                   "layeropt"):
             try:
                 results[f"{name}/{kind}"] = run(kind, **kw)
             except Exception as e:  # noqa: BLE001 - the test reports it

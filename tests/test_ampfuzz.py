@@ -42,7 +42,7 @@ def test_random_amp_loops_equal_torch_or_are_refused(mix, n):
 # The same on a DistributedDataParallel model and an FSDP2 one (one process; FSDP2: no
 # fused kernels - torch's have no DTensor rule - and mixed dtypes are FSDP2's error on both
 # sides; offloaded shards are refused)
-WRAPPED = [("ddp", "all", 150), ("ddp", "verify", 100), ("ddp", "offload", 100),
+WRAPPED = [("ddp", "all", 150), ("ddp", "verify", 100), ("ddp", "offload", 60),
            ("fsdp2", "all", 150), ("fsdp2", "verify", 100)]
 
 

@@ -95,7 +95,8 @@ def test_accelerate_under_ddp_equals_torch_optim(runs, case):
         assert got["grads_left"] == 0 < ref["grads_left"]  # freed in backward vs held
 
 
-@pytest.mark.parametrize("case", [c for c in HF if not HF[c].get("callback")])
+@pytest.mark.parametrize("case", [c for c in HF if not HF[c].get("callback")
+                                  and not HF[c].get("refused")])
 def test_hf_trainer_under_ddp_equals_torch_optim(runs, case):
     for ref, got in _same(runs("hf"), case):
         assert got["world"] == WORLD
@@ -111,6 +112,15 @@ def test_hf_callback_under_ddp_is_refused(runs):
         assert outcome.get("error", "").startswith("TrainerSetupError: LayeroptCallback cannot"), \
             outcome
         assert "Use LayeroptTrainer" in outcome["error"]
+
+
+def test_hf_trainer_with_fsdp_is_refused(runs):
+    """LayeroptTrainer under FSDP (``fsdp=True``, two processes): refused, naming the way
+    out, before anything is stepped (README, docs/integrations.md)."""
+    for r in runs("hf"):
+        outcome = r["fsdp-refused/layeropt"]
+        assert outcome.get("error", "").startswith("TrainerSetupError:"), outcome
+        assert "not FSDP or DeepSpeed" in outcome["error"], outcome
 
 
 @pytest.mark.parametrize("case", list(LIGHTNING))
