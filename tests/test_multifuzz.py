@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from harness import FSDP2_ON_CPU, SOAK
-from loopfuzz import assert_block
-from multifuzz import run_block, run_program
+from loopfuzz import assert_block, programs_on_ranks
+from multifuzz import draw_program, run_block, run_program
 
 # (mix, programs): what each mix draws is in multifuzz.draw_program
 BLOCKS = [
@@ -58,6 +58,16 @@ def test_random_programs_on_ddp(mix, n):
         warnings.simplefilter("ignore")
         outcomes = run_block(mix, 0, n * SOAK, "ddp")
     assert_block(outcomes, "multifuzz.py (LAYEROPT_FUZZ_WRAP=ddp)", mix, 1 / 5)
+
+
+# ... and on two DDP processes, each rank its own batches (loopfuzz.programs_on_ranks)
+RANKED = [("multi", 100), ("verify", 60)]
+
+
+@pytest.mark.parametrize("mix,n", RANKED, ids=[b[0] for b in RANKED])
+def test_random_programs_on_two_ddp_processes(mix, n):
+    outcomes = programs_on_ranks(run_program, draw_program, mix, 0, n * SOAK, "ddp")
+    assert_block(outcomes, "multifuzz.py --ranks 2 (LAYEROPT_FUZZ_WRAP=ddp)", mix, 1 / 5)
 
 
 # The same on an FSDP2 model (one process; torch's fused kernels dropped: no DTensor rule)
