@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
@@ -65,6 +66,18 @@ def test_example_smoke_run(script, tmp_path):
     for pattern in patterns:
         assert re.search(pattern, out), f"{script.name}: no match for {pattern!r} in:\n{out}"
     assert not any(tmp_path.iterdir()), f"{script.name} wrote files unasked: {list(tmp_path.iterdir())}"
+
+
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 8),
+                    reason="FSDP2 runs on CPU from torch 2.8")
+def test_ddp_train_with_fsdp2(tmp_path):
+    """docs/distributed.md: ``examples/ddp_train.py --fsdp`` (FSDP2's fully_shard, two
+    processes) prints that the replicas agree and layeropt is bit-identical to FSDP2 +
+    torch.optim (the script exits 1 otherwise)."""
+    out = _run(ROOT / "examples" / "ddp_train.py", ["--tiny", "--fsdp"], tmp_path)
+    for pattern in (r"FSDP2, 2 processes", r"replicas agree bit for bit",
+                    r"layeropt is bit-identical to FSDP2 \+ torch\.optim: max diff 0\b"):
+        assert re.search(pattern, out), f"no match for {pattern!r} in:\n{out}"
 
 
 def test_finetune_lm_gradual_unfreezing(tmp_path):
