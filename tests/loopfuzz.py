@@ -513,10 +513,16 @@ def on_ranks(job: Callable[[int], Any], world: int = 2, timeout_s: float = 300.0
     import torch.multiprocessing as mp
 
     def worker(rank: int, port: int, out: str) -> None:
+        # Nothing of the parent's process group may be touched here: its gloo threads
+        # are not copied by a fork, and whatever waits on them waits for good (seen: a
+        # DDP model's reducer collected as garbage, the group destroyed). The parent
+        # closes wrap()'s group and collects before forking; what is left is frozen.
+        gc.freeze()
         torch.set_num_threads(1)  # the ranks share the cores, as under torchrun
         warnings.simplefilter("ignore")  # (DDP's find_unused_parameters notes, verify's)
-        if dist.is_initialized():  # (the one-process group wrap() started in the parent:
-            dist.destroy_process_group()  # the child's copy goes, the parent's stays)
+        if dist.is_initialized():
+            raise RuntimeError("on_ranks: a process group is open in the parent; "
+                               "destroy it before (wrap()'s own is closed here)")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=60))
         result = job(rank)
@@ -528,6 +534,9 @@ def on_ranks(job: Callable[[int], Any], world: int = 2, timeout_s: float = 300.0
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    while _GROUP:  # (see worker; wrap() starts another where one is needed next)
+        _end_group(_GROUP.pop())
+    gc.collect()
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(worker, args=(port, out), nprocs=world, join=False,
                                  start_method="fork")
