@@ -20,12 +20,12 @@ from harness import FSDP2_ON_CPU, SOAK
 
 # (mix, programs): what each mix draws is in ampfuzz.BODIES; about 20 s on one core
 BLOCKS = [
-    ("all", 400),  # every body below, one after another in a program
-    ("amp", 240),  # layeropt.backward(scaler=) against torch's recipe, after no_step() or not
-    ("loop", 240),  # LoopAccumulator(max_norm=, scaler=) against docs/loops.md's torch loop
+    ("all", 300),  # every body below, one after another in a program
+    ("amp", 180),  # layeropt.backward(scaler=) against torch's recipe, after no_step() or not
+    ("loop", 180),  # LoopAccumulator(max_norm=, scaler=) against docs/loops.md's torch loop
     ("hold", 120),  # torch's own recipe, scaler.scale(loss).backward(), held by layeropt
     ("clip", 150),  # layeropt.backward(max_norm=, norm_type=, error_if_nonfinite=), no scaler
-    ("offload", 150),  # all's, the state offloaded in any mode on simulated streams
+    ("offload", 100),  # all's, the state offloaded in any mode on simulated streams
     ("verify", 150),  # all's, verified over every step: a VerifyError is a false alarm
     ("resume", 150),  # model, optimizer and GradScaler saved and resumed between the others
 ]

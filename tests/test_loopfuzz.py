@@ -20,11 +20,11 @@ from loopfuzz import (assert_block, batch_seed, draw_program, on_ranks, programs
 
 # (mix, programs): what each mix draws is in loopfuzz.draw_program
 BLOCKS = [
-    ("all", 1000),  # every operation, settings between iterations, re-attach
-    ("clip", 600),  # layeropt.backward(max_norm=) against clip_grad_norm_, with accumulation
-    ("clipattach", 400),  # attach(clip_value=, bucket_max_norm=), the strict schedule
-    ("chaos", 1000),  # the loops shuffled, cut and padded with random operations
-    ("resume", 300),  # checkpoints saved and resumed into a new model and optimizer
+    ("all", 750),  # every operation, settings between iterations, re-attach
+    ("clip", 450),  # layeropt.backward(max_norm=) against clip_grad_norm_, with accumulation
+    ("clipattach", 300),  # attach(clip_value=, bucket_max_norm=), the strict schedule
+    ("chaos", 750),  # the loops shuffled, cut and padded with random operations
+    ("resume", 200),  # checkpoints saved and resumed into a new model and optimizer
 ]
 
 

@@ -23,12 +23,12 @@ from multifuzz import draw_program, run_block, run_program
 
 # (mix, programs): what each mix draws is in multifuzz.draw_program
 BLOCKS = [
-    ("multi", 500),  # two layeropt optimizers, one beside a plain one, four attach styles
-    ("gan", 350),  # a discriminator's step, then the generator's loss through it
-    ("handover", 350),  # an optimizer replaced by a new one (removed, or deleted)
+    ("multi", 375),  # two layeropt optimizers, one beside a plain one, four attach styles
+    ("gan", 260),  # a discriminator's step, then the generator's loss through it
+    ("handover", 260),  # an optimizer replaced by a new one (removed, or deleted)
     ("checkpoint", 150),  # torch's and layeropt's checkpoints, a block reused, a weight read twice
-    ("offload", 150),  # multi's, every layeropt optimizer's state offloaded (simulated streams)
-    ("ckoffload", 100),  # checkpoint's, offloaded: gradients in pieces moved as they land
+    ("offload", 110),  # multi's, every layeropt optimizer's state offloaded (simulated streams)
+    ("ckoffload", 70),  # checkpoint's, offloaded: gradients in pieces moved as they land
     ("verify", 150),  # multi's alone, then verified: verifyfuzz's outcomes
     ("vgan", 100),  # gan's alone, then verified
     ("vck", 100),  # checkpoint's alone, then verified

@@ -20,11 +20,11 @@ from offloadfuzz import run_block
 
 # (mix, programs): loopfuzz's mixes, offloaded in a mode drawn per program
 BLOCKS = [
-    ("all", 150),  # every operation, settings between iterations, re-attach
+    ("all", 120),  # every operation, settings between iterations, re-attach
     ("clip", 100),  # layeropt.backward(max_norm=) with accumulation: held sums brought back
     ("clipattach", 100),  # attach(clip_value=, bucket_max_norm=) of held sums brought back
-    ("chaos", 150),  # the loops shuffled, cut and padded with random operations
-    ("toggle", 100),  # offload stopped and started, checkpoints resumed into new optimizers
+    ("chaos", 120),  # the loops shuffled, cut and padded with random operations
+    ("toggle", 70),  # offload stopped and started, checkpoints resumed into new optimizers
 ]
 
 
@@ -39,7 +39,7 @@ def test_random_offloaded_loops_equal_torch_or_are_refused(mix, n):
 
 # The same on a DistributedDataParallel model (one process; FSDP2's DTensor shards are
 # refused by offload_state)
-WRAPPED = [("all", 150), ("clip", 100), ("toggle", 60)]
+WRAPPED = [("all", 100), ("clip", 70), ("toggle", 60)]
 
 
 @pytest.mark.parametrize("mix,n", WRAPPED, ids=[b[0] for b in WRAPPED])

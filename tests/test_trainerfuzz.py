@@ -20,8 +20,8 @@ from trainerfuzz import run_block
 # core (a program: Lightning ~0.04 s, accelerate ~0.35 s, Hugging Face ~0.5 s)
 BLOCKS = [
     ("lightning", 150, ["lightning"]),  # LayeroptCallback
-    ("accelerate", 25, ["accelerate"]),  # LayeroptAccelerator
-    ("hf", 15, ["transformers", "accelerate"]),  # LayeroptTrainer, LayeroptCallback
+    ("accelerate", 18, ["accelerate"]),  # LayeroptAccelerator
+    ("hf", 11, ["transformers", "accelerate"]),  # LayeroptTrainer, LayeroptCallback
 ]
 
 
