@@ -75,13 +75,13 @@ __all__ = [
 ]
 
 try:
-    from .optim import Adafactor  # torch >= 2.5
+    from .optim import Adafactor  # noqa: F401 - torch >= 2.5
 
     __all__.append("Adafactor")
 except ImportError:  # pragma: no cover - old torch
     pass
 try:
-    from .optim import Muon  # torch >= 2.9
+    from .optim import Muon  # noqa: F401 - torch >= 2.9
 
     __all__.append("Muon")
 except ImportError:  # pragma: no cover - old torch

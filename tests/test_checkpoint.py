@@ -723,27 +723,9 @@ def _options_id(options: dict[str, Any]) -> str:
                          ids=lambda c: c.__name__)
 def test_torch_options_train_as_torch_checkpoint_with_torch_optim(model_cls, mode, options):
     """docs/checkpointing.md: ``determinism_check``, ``debug`` and ``early_stop`` "all
-    work". The reference checkpoints the same segments with torch's non-reentrant
-    checkpoint and the same options, and steps torch.optim after backward."""
-    model, batch_fn, loss_fn = _custom(model_cls)()
-    ref = copy.deepcopy(model)
-    ref.ck = functools.partial(tc.checkpoint, use_reentrant=False, **options)
-    model.ck = functools.partial(checkpoint, use_reentrant=mode == "reentrant", **options)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
-    opt = layeropt.Adam(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(1)
-    with layeropt.attach(model, opt):
-        for step in range(3):
-            data = batch_fn(gen)
-            torch.manual_seed(100 + step)  # the same dropout masks for both
-            loss_fn(ref, data).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            torch.manual_seed(100 + step)
-            loss_fn(model, data).backward()
-            assert all(p.grad is None for p in model.parameters())  # stepped in backward
-            opt.step()
-            opt.zero_grad()
+    work": with each, training equals plain torch with torch.optim bit for bit."""
+    scenario = Scenario(model_cls.__name__, _custom(model_cls), options=options)
+    ref, ref_opt, model, opt = _train(scenario, mode, "Adam", dict(lr=0.1))
     assert_models_equal(ref, model)
     assert_same(ref_opt.state_dict(), opt.state_dict())
     assert not nesting._PINS
