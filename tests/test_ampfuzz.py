@@ -64,6 +64,15 @@ def test_random_amp_loops_on_two_processes(wrap, mix, n):
     assert_block(outcomes, f"ampfuzz.py --ranks 2 (LAYEROPT_FUZZ_WRAP={wrap})", mix, 1 / 2)
 
 
+# found there (--ranks 2; a seed, not shrunk: --minimize runs one process): torch's recipe
+# held by layeropt, zero_grad(set_to_none=False) after a skipped step, then a backward not
+# reaching the branch - torch's clip_grad_norm_ summed its kept zeros, layeropt's found
+# no .grad there (a DDP held backward did not give the kept zeros back at its end)
+def test_found_on_two_processes():
+    outcomes = programs_on_ranks(run_program, draw_program, "hold", 67, 1, "ddp")
+    assert outcomes[0]["status"] == "exact", outcomes[0]
+
+
 # programs the fuzzer found differing, shrunk (python tests/ampfuzz.py --minimize SEED):
 # each must end exact now
 FOUND = {

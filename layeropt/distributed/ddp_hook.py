@@ -99,6 +99,9 @@ class _HookState:
             optimizers = [o for o in (r() for r in refs.values()) if o is not None]
             for opt in optimizers:  # the engine's rules, as for a plain backward (may refuse
                 opt._lo_engine.begin_averaged()  # it: nothing ran yet)
+                if opt._lo_engine.averaged_route() is None:  # held for step(): at its end,
+                    Variable._execution_engine.queue_callback(  # the zeros torch keeps, in
+                        partial(_show_kept, weakref.ref(opt._lo_engine)))  # .grad (as _end)
             if not self.find_unused:  # (every trainable parameter gets a gradient)
                 self.check_zeroed([p for p in self.owner if p.requires_grad])
             self.fresh = False
@@ -171,6 +174,17 @@ class _HookState:
         if serial == self.flushes:  # the latest flush queued (an older one may go later)
             self.deferred = []
             self.flush_task = _NONE
+
+
+def _show_kept(engine_ref: weakref.ref) -> None:
+    """The end of a DDP backward held for ``step()``: a zero ``.grad`` for each layer
+    it did not reach whose gradient torch keeps (``zero_grad(set_to_none=False)``), as
+    a plain held backward's end gives them - a ``clip_grad_norm_`` before ``step()``
+    then sums the same terms as torch's (queued before the averaged gradients are
+    written back: those reached still hold their local gradient then)."""
+    engine = engine_ref()
+    if engine is not None:
+        engine.show_kept()
 
 
 def _applied_by_step(opt: Any, p: Tensor) -> bool:
