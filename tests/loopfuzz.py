@@ -756,6 +756,18 @@ def assert_block(outcomes: list[dict[str, Any]], script: str, mix: str, exact_sh
     return counts
 
 
+def assert_wrapped_block(block: Callable[..., list[dict[str, Any]]], script: str, mix: str,
+                         n: int, wrap: str, exact_share: float) -> collections.Counter[str]:
+    """:func:`assert_block` of a fuzzer's ``block`` (its ``run_block``) on a ``wrap``ped
+    model in one process, one thread, warnings not shown (DDP's find_unused_parameters
+    notes, verify's end-of-program notes)."""
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outcomes = block(mix, 0, n, wrap)
+    return assert_block(outcomes, f"{script} (LAYEROPT_FUZZ_WRAP={wrap})", mix, exact_share)
+
+
 # -- by hand: more programs, one program, a smaller program -----------------------------
 def drop_chunks(prog: dict[str, Any], key: str, still: Callable[[dict[str, Any]], bool]
                 ) -> dict[str, Any]:

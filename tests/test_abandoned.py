@@ -211,9 +211,11 @@ def test_an_optimizer_the_user_stopped_referencing_no_longer_acts():
     _equal(model, ref)
 
 
+@pytest.mark.parametrize("bucket_schedule", ["cap0", "default-cap"], indirect=True)
 @pytest.mark.parametrize("alone", [False, True], ids=["", "opt1-layer-alone-first"])
 @pytest.mark.parametrize("loop", ["step", "backward only"])
-def test_a_shared_attachment_stays_for_the_optimizer_still_referenced(loop, alone):
+def test_a_shared_attachment_stays_for_the_optimizer_still_referenced(loop, alone,
+                                                                      bucket_schedule):
     """``attach(model, [opt1, opt2])``, then ``del opt1``: opt1's layers keep their
     gradients from then on (one RuntimeWarning), opt2's are still updated in each
     backward and freed - as torch trains opt2 alone. Before, the whole attachment went:

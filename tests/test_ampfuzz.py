@@ -9,13 +9,12 @@ many programs.
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
 
 from ampfuzz import draw_program, run_block, run_program
-from loopfuzz import assert_block, programs_on_ranks
+from loopfuzz import assert_block, assert_wrapped_block, programs_on_ranks
 from harness import FSDP2_ON_CPU, SOAK
 
 # (mix, programs): what each mix draws is in ampfuzz.BODIES; about 20 s on one core
@@ -50,11 +49,7 @@ WRAPPED = [("ddp", "all", 150), ("ddp", "verify", 100), ("ddp", "offload", 60),
 def test_random_amp_loops_on_ddp_and_fsdp2(wrap, mix, n):
     if wrap == "fsdp2" and not FSDP2_ON_CPU:
         pytest.skip("FSDP2 runs on CPU from torch 2.8")
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():  # (DDP's find_unused_parameters notes)
-        warnings.simplefilter("ignore")
-        outcomes = run_block(mix, 0, n * SOAK, wrap)
-    assert_block(outcomes, f"ampfuzz.py (LAYEROPT_FUZZ_WRAP={wrap})", mix, 1 / 2)
+    assert_wrapped_block(run_block, "ampfuzz.py", mix, n * SOAK, wrap, 1 / 2)
 
 
 # ... and on two processes, each rank its own batches (loopfuzz.programs_on_ranks)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from harness import FSDP2_ON_CPU, SOAK
-from loopfuzz import (assert_block, batch_seed, draw_program, on_ranks, programs_on_ranks,
-                      run_block, run_program)
+from loopfuzz import (assert_block, assert_wrapped_block, batch_seed, draw_program, on_ranks,
+                      programs_on_ranks, run_block, run_program)
 
 # (mix, programs): what each mix draws is in loopfuzz.draw_program
 BLOCKS = [
@@ -45,11 +45,7 @@ WRAPPED = [("all", 200), ("chaos", 300), ("resume", 100)]
     not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8"))])
 @pytest.mark.parametrize("mix,n", WRAPPED, ids=[b[0] for b in WRAPPED])
 def test_random_loops_on_ddp_and_fsdp2(mix, n, wrap):
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():  # (DDP's find_unused_parameters notes)
-        warnings.simplefilter("ignore")
-        outcomes = run_block(mix, 0, n * SOAK, wrap)
-    assert_block(outcomes, f"loopfuzz.py (LAYEROPT_FUZZ_WRAP={wrap})", mix, 1 / 3)
+    assert_wrapped_block(run_block, "loopfuzz.py", mix, n * SOAK, wrap, 1 / 3)
 
 
 # The same on two processes, each rank its own batches (loopfuzz.programs_on_ranks): the

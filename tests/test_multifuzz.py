@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from harness import FSDP2_ON_CPU, SOAK
-from loopfuzz import assert_block, programs_on_ranks
+from loopfuzz import assert_block, assert_wrapped_block, programs_on_ranks
 from multifuzz import draw_program, run_block, run_program
 
 # (mix, programs): what each mix draws is in multifuzz.draw_program
@@ -53,11 +53,7 @@ DDP_BLOCKS = [("multi", 200), ("gan", 100), ("handover", 100), ("checkpoint", 10
 
 @pytest.mark.parametrize("mix,n", DDP_BLOCKS, ids=[b[0] for b in DDP_BLOCKS])
 def test_random_programs_on_ddp(mix, n):
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():  # (DDP's find_unused_parameters notes)
-        warnings.simplefilter("ignore")
-        outcomes = run_block(mix, 0, n * SOAK, "ddp")
-    assert_block(outcomes, "multifuzz.py (LAYEROPT_FUZZ_WRAP=ddp)", mix, 1 / 5)
+    assert_wrapped_block(run_block, "multifuzz.py", mix, n * SOAK, "ddp", 1 / 5)
 
 
 # ... and on two DDP processes, each rank its own batches (loopfuzz.programs_on_ranks)
@@ -77,11 +73,7 @@ FSDP2_BLOCKS = [("multi", 100), ("handover", 100), ("verify", 100), ("vgan", 100
 @pytest.mark.skipif(not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8")
 @pytest.mark.parametrize("mix,n", FSDP2_BLOCKS, ids=[b[0] for b in FSDP2_BLOCKS])
 def test_random_programs_on_fsdp2(mix, n):
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        outcomes = run_block(mix, 0, n * SOAK, "fsdp2")
-    assert_block(outcomes, "multifuzz.py (LAYEROPT_FUZZ_WRAP=fsdp2)", mix, 1 / 4)
+    assert_wrapped_block(run_block, "multifuzz.py", mix, n * SOAK, "fsdp2", 1 / 4)
 
 
 # Found with the programs on an FSDP2 model (LAYEROPT_FUZZ_WRAP=fsdp2), minimized: each

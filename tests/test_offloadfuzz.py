@@ -9,13 +9,12 @@ SEED`` shrinks it. ``LAYEROPT_SOAK=k`` runs k times as many programs.
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
 
 from harness import SOAK
-from loopfuzz import assert_block
+from loopfuzz import assert_block, assert_wrapped_block
 from offloadfuzz import run_block
 
 # (mix, programs): loopfuzz's mixes, offloaded in a mode drawn per program
@@ -44,8 +43,4 @@ WRAPPED = [("all", 100), ("clip", 70), ("toggle", 60)]
 
 @pytest.mark.parametrize("mix,n", WRAPPED, ids=[b[0] for b in WRAPPED])
 def test_random_offloaded_loops_on_ddp(mix, n):
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():  # (DDP's find_unused_parameters notes)
-        warnings.simplefilter("ignore")
-        outcomes = run_block(mix, 0, n * SOAK, "ddp")
-    assert_block(outcomes, "offloadfuzz.py (LAYEROPT_FUZZ_WRAP=ddp)", mix, 1 / 4)
+    assert_wrapped_block(run_block, "offloadfuzz.py", mix, n * SOAK, "ddp", 1 / 4)

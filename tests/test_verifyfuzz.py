@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness import FSDP2_ON_CPU, SOAK
-from loopfuzz import assert_block, programs_on_ranks
+from loopfuzz import assert_block, assert_wrapped_block, programs_on_ranks
 from verifyfuzz import draw_program, run_block, run_program
 
 # (mix, programs): loopfuzz's mixes, each program run alone, then verified
@@ -42,11 +42,7 @@ WRAPPED = [("all", 120), ("chaos", 120)]
     not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8"))])
 @pytest.mark.parametrize("mix,n", WRAPPED, ids=[b[0] for b in WRAPPED])
 def test_verify_on_ddp_and_fsdp2(mix, n, wrap):
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        outcomes = run_block(mix, 0, n * SOAK, wrap)
-    assert_block(outcomes, f"verifyfuzz.py (LAYEROPT_FUZZ_WRAP={wrap})", mix, 1 / 4)
+    assert_wrapped_block(run_block, "verifyfuzz.py", mix, n * SOAK, wrap, 1 / 4)
 
 
 # ... and on two processes, each rank its own batches (loopfuzz.programs_on_ranks)

@@ -53,6 +53,7 @@ class _HookState:
         self.settings: Any = None  # the attachment's Settings (layeropt/engine/landing.py)
         self.active = False
         self.attachment: weakref.ref | None = None  # the DDPAttachment that set owner
+        self.verifying = False  # this step: an optimizer's LAYEROPT_VERIFY checks it
         self.lock = threading.Lock()  # bucket steps may land on comm threads
         self.fresh = True  # DDP ran a forward since the last training step began
         self.deferred: list[tuple[_Landing, Any]] = []  # to land at the end, in bucket order
@@ -102,7 +103,8 @@ class _HookState:
                 if opt._lo_engine.averaged_route() is None:  # held for step(): at its end,
                     Variable._execution_engine.queue_callback(  # the zeros torch keeps, in
                         partial(_show_kept, weakref.ref(opt._lo_engine)))  # .grad (as _end)
-            if not self.find_unused:  # (every trainable parameter gets a gradient)
+            self.verifying = any(o._lo_engine.find(Verifier) is not None for o in optimizers)
+            if self.verifying and not self.find_unused:  # (every trainable one has a gradient)
                 self.check_zeroed([p for p in self.owner if p.requires_grad])
             self.fresh = False
 
@@ -235,7 +237,7 @@ def _allreduce_then_step(state, bucket):  # no annotations: DDP inspects them
     """DDP comm hook: sort the bucket's parameters (:class:`_Landing`), average the
     bucket as DDP's reducer does, bit for bit; step them once the average lands."""
     state.begin()
-    if state.find_unused:  # (the bucket's parameters with a gradient here: accumulated now)
+    if state.find_unused and state.verifying:  # (those with a gradient here: added now)
         state.check_zeroed([p for p in bucket.parameters() if id(p) in state.fired])
     buffer = bucket.buffer()
     landing = _Landing(state, bucket, buffer)  # sorted now: frees the local gradients at once
@@ -296,7 +298,7 @@ class _Landing:
             elif type(mode) is list:
                 mode.append((p, view))
                 if (state.find_unused and p.grad is not None and id(p) not in state.fired
-                        and not _applied_by_step(ref(), p)):
+                        and not (state.verifying and _applied_by_step(ref(), p))):
                     self.held[p] = p.grad
                 p.grad = None  # the bucket holds it now
             else:
