@@ -559,10 +559,10 @@ def programs_on_ranks(run: Callable[[dict[str, Any]], dict[str, Any]],
     them all): each program's outcome, rank 0's where every rank's status is the same (a
     failure on any rank is rank 0's), else ``rank-mismatch`` with each rank's."""
     per_rank = on_ranks(lambda rank: programs(run, draw, mix, start, n, wrap), world)
-    return [_merged(outs) for outs in zip(*per_rank)]
+    return [merged(outs) for outs in zip(*per_rank)]
 
 
-def _merged(outs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+def merged(outs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
     """One program's outcome from its ranks' (:func:`programs_on_ranks`)."""
     if len({o["status"] for o in outs}) > 1:
         return {**outs[0], "status": "rank-mismatch", "ranks": list(outs)}
@@ -815,10 +815,13 @@ def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
 def cli(doc: str, mixes: list[str], draw: Callable[[int, str], dict[str, Any]],
         run: Callable[[dict[str, Any]], dict[str, Any]],
         shrink: Callable[[dict[str, Any], str], dict[str, Any]], steps: str = "ops",
-        tally: str | None = None) -> None:
+        tally: str | None = None,
+        ranked: Callable[[str, int, int, int], list[dict[str, Any]]] | None = None) -> None:
     """The fuzzers' command line: a block of programs (the failing ones printed, then the
     outcome counts and, with ``tally``, the counts of that field), or one program
-    replayed or shrunk (``steps``: its list of steps)."""
+    replayed or shrunk (``steps``: its list of steps). ``--ranks N`` runs them by
+    ``ranked(mix, start, n, N)`` where given, else by :func:`programs_on_ranks` on a
+    ``LAYEROPT_FUZZ_WRAP``ped model."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--mix", default=mixes[0], choices=mixes)
     ap.add_argument("--start", type=int, default=0)
@@ -827,14 +830,16 @@ def cli(doc: str, mixes: list[str], draw: Callable[[int, str], dict[str, Any]],
     ap.add_argument("--minimize", type=int, help="shrink one program keeping its outcome")
     ap.add_argument("--ranks", type=int, default=1,
                     help="run on this many processes, each its own batches (a block or "
-                         "--replay; needs LAYEROPT_FUZZ_WRAP=ddp or fsdp2)")
+                         "--replay; loopfuzz and the like: with LAYEROPT_FUZZ_WRAP=ddp or "
+                         "fsdp2; trainerfuzz: under torchrun)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.ranks > 1:
-        if WRAP == "plain" or args.minimize is not None:
+        if (WRAP == "plain" and ranked is None) or args.minimize is not None:
             ap.error("--ranks: with LAYEROPT_FUZZ_WRAP=ddp or fsdp2, and not with --minimize")
         first, n = (args.replay, 1) if args.replay is not None else (args.start, args.n)
-        block = programs_on_ranks(run, draw, args.mix, first, n, WRAP, args.ranks)
+        block = (ranked(args.mix, first, n, args.ranks) if ranked is not None
+                 else programs_on_ranks(run, draw, args.mix, first, n, WRAP, args.ranks))
 
         def run(prog: dict[str, Any]) -> dict[str, Any]:  # (already run, on the ranks)
             return block[prog["seed"] - first]

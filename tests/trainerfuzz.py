@@ -39,10 +39,16 @@ tool reports - the norms ``clip_grad_norm_`` returned (accelerate), the logged
 * ``loopfuzz.FAILURES``: ``diff``, ``crash`` (layeropt's run raised something else),
   ``torch-error-only`` (the torch.optim run raised, layeropt's trained).
 
-``tests/test_trainerfuzz.py`` runs a few dozen in CI. By hand (from the tests/ folder),
-to run more, replay or shrink a failing one (its settings, then its optimizer options)::
+On two processes (``--ranks 2``: the block under torchrun, gloo on the CPU), each tool
+trains the DistributedDataParallel model it builds, each rank its own batches, and each
+rank compares its own two runs (:func:`programs_on_ranks`).
+
+``tests/test_trainerfuzz.py`` runs a few dozen in CI, in one process and on two. By hand
+(from the tests/ folder), to run more, replay or shrink a failing one (its settings, then
+its optimizer options; in one process)::
 
     python trainerfuzz.py --mix lightning --start 0 --n 150
+    python trainerfuzz.py --mix hf --start 0 --n 50 --ranks 2
     python trainerfuzz.py --mix accelerate --replay 36
     python trainerfuzz.py --mix hf --minimize 36
 """
@@ -52,8 +58,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 import logging
+import os
 import random
+import subprocess
+import sys
 import tempfile
 import traceback
 import warnings
@@ -61,7 +71,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from loopfuzz import _diff, cli, draw_optimizer, drop_chunks
+from loopfuzz import _diff, cli, draw_optimizer, drop_chunks, merged
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -175,8 +185,36 @@ def data(rows: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(rows, 6, generator=g) * 2, torch.randn(rows, 3, generator=g)
 
 
-def loader(batches: int) -> DataLoader:
-    return DataLoader(TensorDataset(*data(4 * batches)), batch_size=4)
+def loader(batches: int, seed: int = 1) -> DataLoader:
+    return DataLoader(TensorDataset(*data(4 * batches, seed)), batch_size=4)
+
+
+# -- on several processes (``--ranks N``: the block under torchrun) ---------------------------
+def world() -> int:
+    """The number of processes training together (torchrun's ``WORLD_SIZE``; 1 alone)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+_SHARED = itertools.count()
+
+
+@contextlib.contextmanager
+def workdir() -> Iterator[str]:
+    """A temporary folder for checkpoints. Under ``--ranks``, one the ranks share (where
+    one rank saves and every rank loads): the n-th of each rank is the same folder, as the
+    ranks run the same programs in the same order; the launcher removes them all."""
+    shared = os.environ.get("TRAINERFUZZ_SHARED")
+    if shared is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            yield tmp
+        return
+    path = os.path.join(shared, f"work{next(_SHARED)}")
+    os.makedirs(path, exist_ok=True)
+    yield path
 
 
 def optimizer(prog: dict[str, Any], model: nn.Module, layer: bool) -> torch.optim.Optimizer:
@@ -233,6 +271,7 @@ def _lightning_module() -> type:
             self.automatic_optimization = not self.s["manual"]
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+            self.wrapper = type(self.trainer.strategy.model).__name__  # (DDP: unwrapped at the end)
             x, y = batch
             loss = nn.functional.mse_loss(self.net(x).float(), y)
             if self.s["none_step"] and batch_idx == 2:
@@ -273,10 +312,11 @@ def run_lightning(prog: dict[str, Any], layer: bool) -> Result:
     def fit(ckpt: str | None = None, **stop: Any) -> Any:
         callbacks = [LayeroptCallback(bucket_cap_mb=s["bucket"], log_grad_norm=s["log_grad_norm"],
                                       verify=VERIFY if s["verify"] else None)] if layer else []
+        ddp = {"devices": world(), "strategy": "ddp"} if world() > 1 else {}
         trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False,
                             num_sanity_val_steps=0, precision=s["precision"],
-                            callbacks=callbacks, **{**kw, **stop})
+                            callbacks=callbacks, **ddp, **{**kw, **stop})
         module = _lightning_module()(prog, layer)
         trainer.fit(module, loader(s["batches"]), ckpt_path=ckpt)
         return trainer, module
@@ -284,11 +324,12 @@ def run_lightning(prog: dict[str, Any], layer: bool) -> Result:
     if s["resume"] is None:
         trainer, module = fit()
     else:  # (resume: stopped after that many steps, saved, fit again from the checkpoint)
-        with tempfile.TemporaryDirectory() as tmp:
+        with workdir() as tmp:
             first, _ = fit(max_steps=s["resume"], max_epochs=None)
             first.save_checkpoint(f"{tmp}/stop.ckpt")
             trainer, module = fit(f"{tmp}/stop.ckpt")
-    return result(module, trainer.optimizers[0], step=trainer.global_step)
+    return result(module, trainer.optimizers[0], step=trainer.global_step,
+                  wrapper=getattr(module, "wrapper", None))
 
 
 # -- accelerate -----------------------------------------------------------------------------
@@ -332,14 +373,16 @@ def run_accelerate(prog: dict[str, Any], layer: bool) -> Result:
         model = mlp(s["frozen"])
         opt = optimizer(prog, model, layer)
         sched = scheduler(s["sched"], opt)
-        dl = loader(s["batches"])
+        # (a prepared loader gives each rank its part of the batches; one left alone, the
+        # same on every rank, gets each rank's own)
+        dl = loader(s["batches"], 1 if s["loader"] else 1 + rank())
         prepared = acc.prepare(model, opt, *([dl] if s["loader"] else []),
                                *([sched] if sched else []))
         model, opt = prepared[:2]
         dl = prepared[2] if s["loader"] else dl
         sched = prepared[-1] if sched else None
         norms = _accelerate_loop(s, acc, model, opt, sched, dl)
-        out = result(model, opt, norms=norms)
+        out = result(model, opt, norms=norms, wrapper=type(model).__name__)
         acc.free_memory()
         return out
 
@@ -431,7 +474,7 @@ def run_hf(prog: dict[str, Any], layer: bool) -> Result:
     ``LayeroptCallback`` (``layer``); the optimizer handed over or built from ``optim=``;
     with ``resume``, a new Trainer resumed from the first one's checkpoint at that step."""
     s = settings(prog)
-    with tempfile.TemporaryDirectory() as tmp:
+    with workdir() as tmp:
         trainer, model = _hf_train(prog, layer, s, tmp)
         if s["resume"] is not None:  # (a new Trainer, model and optimizer from a checkpoint)
             trainer, model = _hf_train(prog, layer, s, tmp, f"{tmp}/checkpoint-{s['resume']}")
@@ -441,7 +484,8 @@ def run_hf(prog: dict[str, Any], layer: bool) -> Result:
     clipped = s["kind"] == "trainer" and s["max_grad_norm"] > 0
     norms = [h["grad_norm"] for h in logged if "grad_norm" in h] if clipped else []
     return result(model, trainer.optimizer, step=trainer.state.global_step, norms=norms,
-                  evals=[h["eval_loss"] for h in logged if "eval_loss" in h])
+                  evals=[h["eval_loss"] for h in logged if "eval_loss" in h],
+                  wrapper=type(trainer.model_wrapped).__name__)
 
 
 def _hf_train(prog: dict[str, Any], layer: bool, s: dict[str, Any], tmp: str,
@@ -535,7 +579,8 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001 - classified below
                 results.append(None)
                 errors.append(e)
-    out: dict[str, Any] = {"seed": prog["seed"], "mix": prog["mix"], "status": "exact"}
+    out: dict[str, Any] = {"seed": prog["seed"], "mix": prog["mix"], "status": "exact",
+                           **({"wrapper": results[1]["wrapper"]} if results[1] else {})}
     ended = _error_status(*errors)
     if ended is not None:
         return {**out, **ended}
@@ -562,5 +607,45 @@ def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
     return prog
 
 
+def programs_on_ranks(mix: str, start: int, n: int, nproc: int = 2, timeout_s: float = 600.0
+                      ) -> list[dict[str, Any]]:
+    """Programs ``start`` to ``start + n`` of ``mix`` on ``nproc`` processes launched by
+    torchrun, as users launch these tools (gloo on the CPU): each tool trains the model in
+    DistributedDataParallel, each rank its own batches. Each program's outcome is rank 0's
+    where every rank's status is the same (a failure on any rank is rank 0's), else
+    ``rank-mismatch`` (``loopfuzz.merged``). The ranks compare their own runs, torch.optim
+    against layeropt: replicas that drifted apart leave some rank off torch's."""
+    with tempfile.TemporaryDirectory() as out:
+        env = dict(os.environ, OMP_NUM_THREADS="1", TRAINERFUZZ_SHARED=out,
+                   PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(__file__),
+                                                            os.environ.get("PYTHONPATH")])))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", __file__, "--worker", out, mix, str(start), str(n)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"trainerfuzz's ranks failed ({done.returncode}):\n"
+                               f"{done.stdout[-2000:]}{done.stderr[-4000:]}")
+        per_rank = [torch.load(f"{out}/rank{r}.pt", weights_only=False) for r in range(nproc)]
+    return [merged(outs) for outs in zip(*per_rank)]
+
+
+def _worker(out: str, mix: str, start: int, n: int) -> None:
+    """One rank of :func:`programs_on_ranks`: the block, saved for the launcher."""
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # (the tools find the group open; a rank left waiting on another raises in a minute)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    torch.save(run_block(mix, start, n), f"{out}/rank{rank()}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    cli(__doc__, MIXES, draw_program, run_program, minimize, "settings")
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    else:
+        cli(__doc__, MIXES, draw_program, run_program, minimize, "settings",
+            ranked=programs_on_ranks)
