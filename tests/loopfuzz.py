@@ -814,14 +814,15 @@ def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
 
 def cli(doc: str, mixes: list[str], draw: Callable[[int, str], dict[str, Any]],
         run: Callable[[dict[str, Any]], dict[str, Any]],
-        shrink: Callable[[dict[str, Any], str], dict[str, Any]], steps: str = "ops",
+        shrink: Callable[..., dict[str, Any]], steps: str = "ops",
         tally: str | None = None,
-        ranked: Callable[[str, int, int, int], list[dict[str, Any]]] | None = None) -> None:
+        ranked: Callable[[list[dict[str, Any]], int], list[dict[str, Any]]] | None = None
+        ) -> None:
     """The fuzzers' command line: a block of programs (the failing ones printed, then the
     outcome counts and, with ``tally``, the counts of that field), or one program
     replayed or shrunk (``steps``: its list of steps). ``--ranks N`` runs them by
-    ``ranked(mix, start, n, N)`` where given, else by :func:`programs_on_ranks` on a
-    ``LAYEROPT_FUZZ_WRAP``ped model."""
+    ``ranked(programs, N)`` where given (shrinking too: ``shrink(prog, status, run)``),
+    else by :func:`programs_on_ranks` on a ``LAYEROPT_FUZZ_WRAP``ped model."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--mix", default=mixes[0], choices=mixes)
     ap.add_argument("--start", type=int, default=0)
@@ -834,20 +835,24 @@ def cli(doc: str, mixes: list[str], draw: Callable[[int, str], dict[str, Any]],
                          "fsdp2; trainerfuzz: under torchrun)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    one = args.replay if args.replay is not None else args.minimize
     if args.ranks > 1:
-        if (WRAP == "plain" and ranked is None) or args.minimize is not None:
+        if ranked is None and (WRAP == "plain" or args.minimize is not None):
             ap.error("--ranks: with LAYEROPT_FUZZ_WRAP=ddp or fsdp2, and not with --minimize")
-        first, n = (args.replay, 1) if args.replay is not None else (args.start, args.n)
-        block = (ranked(args.mix, first, n, args.ranks) if ranked is not None
+        first, n = (one, 1) if one is not None else (args.start, args.n)
+        progs = [draw(s, args.mix) for s in range(first, first + n)]
+        block = (ranked(progs, args.ranks) if ranked is not None
                  else programs_on_ranks(run, draw, args.mix, first, n, WRAP, args.ranks))
 
-        def run(prog: dict[str, Any]) -> dict[str, Any]:  # (already run, on the ranks)
-            return block[prog["seed"] - first]
-    one = args.replay if args.replay is not None else args.minimize
+        def run(prog: dict[str, Any]) -> dict[str, Any]:  # (run on the ranks)
+            if prog == progs[prog["seed"] - first]:  # (already)
+                return block[prog["seed"] - first]
+            return ranked([prog], args.ranks)[0]  # (a shrunk one)
     if one is not None:
         prog = draw(one, args.mix)
         if args.minimize is not None:
-            prog = shrink(prog, run(prog)["status"])
+            status = run(prog)["status"]
+            prog = shrink(prog, status, run) if args.ranks > 1 else shrink(prog, status)
         print(json.dumps({k: v for k, v in prog.items() if k != steps}))
         for step in prog[steps]:
             print("  ", step)

@@ -9,6 +9,7 @@ parameters, optimizer state and the returned norms are compared bit for bit.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -468,3 +469,93 @@ def test_free_memory_forgets_the_clipping_learned():
 
     for p, q in zip(two_phases(True).parameters(), two_phases(False).parameters()):
         assert_same(p.detach(), q.detach())
+
+
+def _by_hand(lo: bool, backwards: int, window: int | None, clip: str | None, given: dict
+             ) -> tuple[Any, list[str]]:
+    """Accumulation by hand (``gradient_accumulation_steps=1``: every backward syncs):
+    ``backwards`` micro-batches, ``opt.step()`` and ``zero_grad()`` after every ``window``
+    of them (``None``: never, as when an epoch ends before its first window does),
+    clipping by norm and value before each step (``window``) or after every backward
+    (``every``). The model, and what raised at which micro-batch."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    acc = LayeroptAccelerator(cpu=True, **given) if lo else accelerate.Accelerator(cpu=True)
+    cls = layeropt.AdamW if lo else torch.optim.AdamW
+    prepared, opt = acc.prepare(model, cls(model.parameters(), lr=1e-2))
+    gen = torch.Generator().manual_seed(1)
+    for i in range(backwards):
+        x, y = torch.randn(4, 8, generator=gen) * 3, torch.randn(4, 1, generator=gen)
+        try:
+            acc.backward(torch.nn.functional.mse_loss(prepared(x), y) / 4)
+            ends = bool(window) and (i + 1) % window == 0
+            if clip == "every" or (clip == "window" and ends):
+                acc.clip_grad_norm_(prepared.parameters(), 0.3)
+                acc.clip_grad_value_(prepared.parameters(), 0.02)
+            if ends:
+                opt.step()
+                opt.zero_grad()
+        except layeropt.LayeroptError as e:
+            return model, [f"micro-batch {i}", str(e)]
+    return model, []
+
+
+# (micro-batches, step() every, clipping, LayeroptAccelerator's arguments) -> where it is
+# refused (None: exact). An accelerate loop calls optimizer.step(): a second backward
+# before it (accumulation by hand) is refused at that backward, before it is applied -
+# on the learning step (clipping not given: it holds its backwards until step()) and
+# from the first step on without one. Before, the learning step ended at the second
+# backward, by-hand windows were refused only at step(), after their backwards had been
+# applied, and a loop whose data ran out before that step() (an epoch shorter than a
+# window: trainerfuzz on two processes) trained where accelerate + torch.optim did not.
+# (Clipping given that a loop does not ask for is refused at the second backward too:
+# offload_state= learns none.)
+BY_HAND = {
+    (3, None, None, "learned"): "micro-batch 1",
+    (3, None, None, "offload"): "micro-batch 1",
+    (4, 4, None, "learned"): "micro-batch 1",
+    (4, 4, "window", "learned"): "micro-batch 1",
+    (4, 4, "every", "learned"): "micro-batch 1",
+    (8, 4, None, "offload"): "micro-batch 1",
+    (4, 1, None, "learned"): None,  # (one backward a step: exact)
+    (4, 1, None, "offload"): None,
+    (4, 1, "window", "learned"): None,
+}
+_BY_HAND_GIVEN = {"learned": {}, "offload": dict(offload_state=True)}
+
+
+@pytest.mark.parametrize("backwards,window,clip,given", list(BY_HAND),
+                         ids=["-".join(map(str, k)) for k in BY_HAND])
+def test_accumulation_by_hand_is_exact_or_refused_before_it_is_applied(backwards, window, clip,
+                                                                       given):
+    ref, _ = _by_hand(False, backwards, window, clip, {})
+    got, raised = _by_hand(True, backwards, window, clip, _BY_HAND_GIVEN[given])
+    expected = BY_HAND[backwards, window, clip, given]
+    if expected is None:
+        assert raised == []
+        for p, q in zip(got.parameters(), ref.parameters()):
+            assert_same(p.detach(), q.detach())
+    else:
+        assert raised and raised[0] == expected, raised
+        assert re.search("Nothing of this second backward was applied|Nothing was updated yet",
+                         raised[1]), raised
+        if given == "learned":  # (the learning step: nothing applied at all)
+            untrained = _by_hand(False, 0, None, None, {})[0]
+            for p, q in zip(got.parameters(), untrained.parameters()):
+                assert_same(p.detach(), q.detach())
+
+
+def test_clip_grad_norm_twice_in_one_step_is_refused():
+    """torch's second call returns the norm of the gradients the first one clipped; the
+    norm LayeroptAccelerator measured in backward is the first's (returned twice, before)."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    model, batch_fn, loss_fn = make_model("mlp")
+    acc = LayeroptAccelerator(cpu=True, max_grad_norm=0.01)
+    model, opt = acc.prepare(model, layeropt.AdamW(model.parameters(), lr=1e-2))
+    acc.backward(loss_fn(model, batch_fn(torch.Generator().manual_seed(0))))
+    acc.clip_grad_norm_(model.parameters(), 0.01)
+    with pytest.raises(AccelerateSetupError, match="clip_grad_norm_ twice in one step"):
+        acc.clip_grad_norm_(model.parameters(), 0.01)

@@ -593,11 +593,12 @@ def run_block(mix: str, start: int, n: int) -> list[dict[str, Any]]:
 
 
 # -- by hand: more programs, one program, a smaller program -----------------------------------
-def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
+def minimize(prog: dict[str, Any], status: str,
+             run: Callable[[dict[str, Any]], dict[str, Any]] = run_program) -> dict[str, Any]:
     """The fewest settings still ending in ``status`` (delta debugging: a dropped setting
-    takes its default), then the fewest optimizer options."""
+    takes its default), then the fewest optimizer options; each candidate run by ``run``."""
     def still(p: dict[str, Any]) -> bool:
-        return run_program(p)["status"] == status
+        return run(p)["status"] == status
 
     prog = drop_chunks(prog, "settings", still)
     for key in [k for k in prog["okw"] if k != "lr"]:
@@ -607,20 +608,27 @@ def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
     return prog
 
 
-def programs_on_ranks(mix: str, start: int, n: int, nproc: int = 2, timeout_s: float = 600.0
-                      ) -> list[dict[str, Any]]:
-    """Programs ``start`` to ``start + n`` of ``mix`` on ``nproc`` processes launched by
-    torchrun, as users launch these tools (gloo on the CPU): each tool trains the model in
-    DistributedDataParallel, each rank its own batches. Each program's outcome is rank 0's
-    where every rank's status is the same (a failure on any rank is rank 0's), else
-    ``rank-mismatch`` (``loopfuzz.merged``). The ranks compare their own runs, torch.optim
-    against layeropt: replicas that drifted apart leave some rank off torch's."""
+def programs_on_ranks(mix: str, start: int, n: int, nproc: int = 2) -> list[dict[str, Any]]:
+    """Programs ``start`` to ``start + n`` of ``mix`` on ``nproc`` processes
+    (:func:`run_on_ranks`)."""
+    return run_on_ranks([draw_program(seed, mix) for seed in range(start, start + n)], nproc)
+
+
+def run_on_ranks(progs: list[dict[str, Any]], nproc: int = 2, timeout_s: float = 600.0
+                 ) -> list[dict[str, Any]]:
+    """Each program on ``nproc`` processes launched by torchrun, as users launch these
+    tools (gloo on the CPU): each tool trains the model in DistributedDataParallel, each
+    rank its own batches. Each program's outcome is rank 0's where every rank's status is
+    the same (a failure on any rank is rank 0's), else ``rank-mismatch``
+    (``loopfuzz.merged``). The ranks compare their own runs, torch.optim against
+    layeropt: replicas that drifted apart leave some rank off torch's."""
     with tempfile.TemporaryDirectory() as out:
+        torch.save(progs, f"{out}/programs.pt")
         env = dict(os.environ, OMP_NUM_THREADS="1", TRAINERFUZZ_SHARED=out,
                    PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(__file__),
                                                             os.environ.get("PYTHONPATH")])))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", __file__, "--worker", out, mix, str(start), str(n)]
+               f"--nproc_per_node={nproc}", __file__, "--worker", out]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0:
             raise RuntimeError(f"trainerfuzz's ranks failed ({done.returncode}):\n"
@@ -629,8 +637,9 @@ def programs_on_ranks(mix: str, start: int, n: int, nproc: int = 2, timeout_s: f
     return [merged(outs) for outs in zip(*per_rank)]
 
 
-def _worker(out: str, mix: str, start: int, n: int) -> None:
-    """One rank of :func:`programs_on_ranks`: the block, saved for the launcher."""
+def _worker(out: str) -> None:
+    """One rank of :func:`run_on_ranks`: the programs, their outcomes saved for the
+    launcher."""
     import datetime
 
     import torch.distributed as dist
@@ -638,14 +647,15 @@ def _worker(out: str, mix: str, start: int, n: int) -> None:
     torch.set_num_threads(1)
     # (the tools find the group open; a rank left waiting on another raises in a minute)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    torch.save(run_block(mix, start, n), f"{out}/rank{rank()}.pt")
+    progs = torch.load(f"{out}/programs.pt", weights_only=False)
+    torch.save([run_program(p) for p in progs], f"{out}/rank{rank()}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        _worker(sys.argv[2])
     else:
         cli(__doc__, MIXES, draw_program, run_program, minimize, "settings",
-            ranked=programs_on_ranks)
+            ranked=run_on_ranks)

@@ -50,6 +50,7 @@ __all__ = ["StepRecord", "StepRules", "Group", "take_over", "refuse_open_updates
 _EARLY_DISCARD = "discarded before the first step()"
 _STEP_TRIED = "step() called"  # (its first may be refused: a loop that calls step())
 DETACHED = "detached"  # its last attachment left: its step()/zero_grad() are still the loop's
+_STEP_EXPECTED = "step() expected"  # (expect_step(): the loop is known to call step())
 REMOVE_WARNED = "remove() warned"  # (REMOVE_OPEN_WARNING, said once per optimizer)
 SAVE_WARNED = "state_dict() warned"  # (a checkpoint ahead of torch's, said once)
 
@@ -414,8 +415,17 @@ class StepRules:
 
     @property
     def bounded(self) -> bool:
-        """Whether the loop has called ``step()`` or ``zero_grad()`` (its steps are known)."""
-        return "step()" in self.calls or "zero_grad()" in self.calls
+        """Whether the loop's steps are known: it has called ``step()`` or ``zero_grad()``,
+        or is known to call ``step()`` (:meth:`expect_step`)."""
+        return bool({"step()", "zero_grad()", _STEP_EXPECTED} & self.calls)
+
+    def expect_step(self) -> None:
+        """The loop is known to call ``step()`` (a trainer integration's contract, such as
+        accelerate's): from its first training step on, a second stepping backward
+        before ``step()`` is refused at that backward, before anything of it is applied
+        (rule 6), as it is once any loop has called ``step()`` - not taken for a loop
+        where each backward is a step."""
+        self.calls.add(_STEP_EXPECTED)
 
     @property
     def stepped_since_boundary(self) -> bool:

@@ -27,6 +27,9 @@ and updates each layer during backward, with the parameters ``Accelerator`` +
   the layeropt optimizers' parameters, raise). Pass ``max_grad_norm=`` (or
   ``clip_value=``) to skip the learning step; a later call with other values
   raises;
+* accelerate's loops call ``optimizer.step()``: a second syncing backward before it
+  (accumulation by hand) is refused at that backward, before it is applied, from the
+  first step on (the engine's ``expect_step``; on the learning step, here);
 * ``offload_state=True`` keeps the prepared layeropt optimizers' state in
   host memory (:func:`layeropt.offload.offload_state`), so ``load_state``
   (``map_location="cpu"``, its default in one process) loads it there. The
@@ -150,7 +153,9 @@ class LayeroptAccelerator(Accelerator):
         self._lo_norm: Any = unset if max_grad_norm is None else (
             float(max_grad_norm), norm_type, None)
         self._lo_value: Any = unset if clip_value is None else float(clip_value)
-        self._lo_learning: int | None = None  # engine txn of the learning step, while it runs
+        # the engine's training step (its StepRecord) the learning step runs in, until a
+        # step() or zero_grad() ends it
+        self._lo_learning: Any = None
         # what the latest syncing backward clipped that the loop has not asked for since
         self._lo_unasked: set[str] = set()
         self._lo_measured = -1  # the engine transaction of the latest clipping backward
@@ -195,6 +200,8 @@ class LayeroptAccelerator(Accelerator):
                 handle.release = ("Call free_memory() on the LayeroptAccelerator that "
                                   "prepared the model (it removes its attachments)")
                 self._lo_handles[key] = handle
+                for opt in owners:  # (accelerate's loops call optimizer.step())
+                    opt._lo_engine.expect_step()
         for opt in opts:
             offload_state_once(opt, self.layeropt_offload_state, self.offloads)
         self._apply_clip_value()
@@ -221,6 +228,15 @@ class LayeroptAccelerator(Accelerator):
                 f"backward got {sorted(unknown)}, which LayeroptAccelerator does not support."
             )
         self._end_learning(opts)
+        if self._learning_now() and self.sync_gradients:
+            raise AccelerateSetupError(
+                "a second accelerator.backward that syncs before optimizer.step() "
+                "(accumulation by hand, each backward syncing): accelerate + torch.optim "
+                "sums these gradients into one step, but from the next step on "
+                "LayeroptAccelerator would apply each backward as it runs. Nothing was "
+                "updated yet (the first step holds its gradients until optimizer.step()). "
+                "Accumulate through accelerator.accumulate(model) and "
+                "gradient_accumulation_steps=.")
         if self._lo_unasked:
             what, self._lo_unasked = " and ".join(sorted(self._lo_unasked)), set()
             raise AccelerateSetupError(
@@ -235,7 +251,7 @@ class LayeroptAccelerator(Accelerator):
         learning = self._lo_norm is _UNSET or self._lo_value is _UNSET
         if not self.sync_gradients or learning:
             if self.sync_gradients:  # the learning step: plain accelerate, held until step()
-                self._lo_learning = opts[0]._lo_engine.txn
+                self._lo_learning = opts[0]._lo_engine.train_step
             with no_step_all(opts):
                 layeropt_backward(loss, opts, **kwargs)
             return
@@ -252,8 +268,9 @@ class LayeroptAccelerator(Accelerator):
         self._lo_measured = opts[0]._lo_engine.txn  # (the norm the next clip call returns)
 
     def _end_learning(self, opts: list[InBackwardOptimizer]) -> None:
-        """After the learning step's optimizer.step(): what it did not clip, it never clips."""
-        if self._lo_learning is None or opts[0]._lo_engine.txn == self._lo_learning:
+        """After the learning step's optimizer.step() (or zero_grad()): what it did not
+        clip, it never clips."""
+        if self._lo_learning is None or opts[0]._lo_engine.train_step is self._lo_learning:
             return
         self._lo_learning = None
         if self._lo_norm is _UNSET:
@@ -407,6 +424,11 @@ class LayeroptAccelerator(Accelerator):
         if self._lo_calls[0] != txn:
             self._lo_calls = (txn, [])
         calls = self._lo_calls[1]
+        if call == "clip_grad_norm_" and call in calls:
+            raise AccelerateSetupError(
+                "clip_grad_norm_ twice in one step: torch's second call measures the "
+                "gradients the first one clipped, but LayeroptAccelerator measured once, "
+                f"during backward ({self._applied()}). Clip once per step.")
         if call == "clip_grad_norm_" and "clip_grad_value_" in calls:
             raise AccelerateSetupError(
                 "clip_grad_norm_ after clip_grad_value_ in the same step: torch measures and "
