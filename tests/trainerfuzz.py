@@ -40,8 +40,10 @@ tool reports - the norms ``clip_grad_norm_`` returned (accelerate), the logged
   ``torch-error-only`` (the torch.optim run raised, layeropt's trained).
 
 On two processes (``--ranks 2``: the block under torchrun, gloo on the CPU), each tool
-trains the DistributedDataParallel model it builds, each rank its own batches, and each
-rank compares its own two runs (:func:`programs_on_ranks`).
+trains the DistributedDataParallel model it builds, with DDP's options drawn
+(``find_unused_parameters``, ``gradient_as_bucket_view``, ``static_graph``, a bucket per
+parameter), each rank its own batches, and each rank compares its own two runs
+(:func:`programs_on_ranks`).
 
 ``tests/test_trainerfuzz.py`` runs a few dozen in CI, in one process and on two. By hand
 (from the tests/ folder), to run more, replay or shrink a failing one (its settings, then
@@ -86,18 +88,38 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "lightning": {"groups": False, "frozen": None, "batches": 5, "precision": "32-true",
                   "acc": 1, "clip": None, "sched": None, "freq": 1, "stop": ("steps", 3),
                   "log_grad_norm": False, "manual": False, "none_step": False,
-                  "bucket": None, "resume": None, "verify": False},
+                  "bucket": None, "resume": None, "verify": False, "ddp": None},
     "accelerate": {"groups": False, "frozen": None, "batches": 5, "mp": "no", "ga": 1,
                    "by_hand": False, "clip": None, "max_norm": 0.5, "clip_value": 0.1,
                    "given": False, "clip_order": "model", "clip_every": False,
                    "sched": None, "loader": True, "epochs": 1, "max_steps": None,
-                   "bucket": None, "verify": False, "offload": False},
+                   "bucket": None, "verify": False, "offload": False, "ddp": None},
     "hf": {"groups": False, "frozen": None, "rows": 9, "bf16": False, "ga": 1,
            "kind": "trainer", "built": None, "max_grad_norm": 0.0, "weight_decay": 0.0,
            "sched": "linear", "warmup": 0, "eval": False, "stop": ("steps", 3),
            "resume": None, "loss_kwargs": False, "verify": False, "offload": False,
-           "lm": None},
+           "lm": None, "ddp": None},
 }
+
+
+# DDP's own options, under --ranks (drawn last: the draws before are those of a program
+# without them; one process ignores them): find_unused_parameters, gradient_as_bucket_view,
+# static_graph, and a bucket cap so small that each parameter is a bucket of its own. The
+# Trainer offers the first and the cap; its default finds unused parameters (of a
+# PreTrainedModel: unless it checkpoints), so "keep" sets find_unused_parameters=False.
+DDP_OPTIONS = [None, None, None, "find_unused", "view", "tiny", "find_unused+tiny",
+               "view+tiny", "static"]
+HF_DDP_OPTIONS = [None, None, "find_unused", "keep", "tiny", "keep+tiny"]
+
+
+def ddp_options(s: dict[str, Any]) -> dict[str, Any]:
+    """The DistributedDataParallel keyword arguments a program's ``ddp`` setting names."""
+    parts = set((s["ddp"] or "").split("+"))
+    return {k: v for k, v in {
+        "find_unused_parameters": True if "find_unused" in parts else
+        False if "keep" in parts else None,
+        "gradient_as_bucket_view": "view" in parts or None, "static_graph": "static" in parts or None,
+        "bucket_cap_mb": 1e-4 if "tiny" in parts else None}.items() if v is not None}
 
 
 # -- drawing a program ------------------------------------------------------------------
@@ -116,7 +138,7 @@ def _draw_lightning(r: random.Random) -> dict[str, Any]:
             "log_grad_norm": r.random() < 0.3, "manual": r.random() < 0.08,
             "none_step": r.random() < 0.1, "bucket": r.choice([None, 0]),
             "resume": r.choice([1, 2, 3]) if r.random() < 0.2 else None,
-            "verify": r.random() < 0.15}
+            "verify": r.random() < 0.15, "ddp": r.choice(DDP_OPTIONS)}
 
 
 def _draw_accelerate(r: random.Random) -> dict[str, Any]:
@@ -128,7 +150,8 @@ def _draw_accelerate(r: random.Random) -> dict[str, Any]:
             "clip_every": r.random() < 0.1, "sched": r.choice([None, "warmup", "linear", "cosine"]),
             "loader": r.random() < 0.8, "epochs": r.choice([1, 1, 2]),
             "max_steps": r.choice([None, None, 3]), "bucket": r.choice([None, 0]),
-            "verify": r.random() < 0.15, "offload": r.random() < 0.15}
+            "verify": r.random() < 0.15, "offload": r.random() < 0.15,
+            "ddp": r.choice(DDP_OPTIONS)}
 
 
 def _draw_hf(r: random.Random) -> dict[str, Any]:
@@ -147,7 +170,8 @@ def _draw_hf(r: random.Random) -> dict[str, Any]:
             "resume": r.choice([1, 2, 3]) if r.random() < 0.2 else None,
             "loss_kwargs": r.random() < 0.3, "verify": r.random() < 0.15,
             "offload": r.random() < 0.15,
-            "lm": r.choice(["plain", "ck", "ckre"]) if r.random() < 0.25 else None}
+            "lm": r.choice(["plain", "ck", "ckre"]) if r.random() < 0.25 else None,
+            "ddp": r.choice(HF_DDP_OPTIONS)}
 
 
 DRAWS: dict[str, Callable[[random.Random], dict[str, Any]]] = {
@@ -299,6 +323,7 @@ def _lightning_module() -> type:
 def run_lightning(prog: dict[str, Any], layer: bool) -> Result:
     """``Trainer.fit`` with ``LayeroptCallback`` (``layer``) or without."""
     import lightning.pytorch as L
+    from lightning.pytorch.strategies import DDPStrategy
 
     from layeropt.integrations.lightning import LayeroptCallback
 
@@ -312,7 +337,7 @@ def run_lightning(prog: dict[str, Any], layer: bool) -> Result:
     def fit(ckpt: str | None = None, **stop: Any) -> Any:
         callbacks = [LayeroptCallback(bucket_cap_mb=s["bucket"], log_grad_norm=s["log_grad_norm"],
                                       verify=VERIFY if s["verify"] else None)] if layer else []
-        ddp = {"devices": world(), "strategy": "ddp"} if world() > 1 else {}
+        ddp = {"devices": world(), "strategy": DDPStrategy(**ddp_options(s))} if world() > 1 else {}
         trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False,
                             num_sanity_val_steps=0, precision=s["precision"],
@@ -352,8 +377,11 @@ def _accelerator(s: dict[str, Any], layer: bool) -> Any:
 
     from layeropt.integrations.accelerate import LayeroptAccelerator
 
+    from accelerate.utils import DistributedDataParallelKwargs
+
     kw = {"cpu": True, "mixed_precision": s["mp"],
-          "gradient_accumulation_steps": 1 if s["by_hand"] else s["ga"]}
+          "gradient_accumulation_steps": 1 if s["by_hand"] else s["ga"],
+          "kwargs_handlers": [DistributedDataParallelKwargs(**ddp_options(s))]}
     if not layer:
         return accelerate.Accelerator(**kw)
     clip = s["clip"] or ""
@@ -512,7 +540,9 @@ def _hf_train(prog: dict[str, Any], layer: bool, s: dict[str, Any], tmp: str,
         **({"eval_strategy": "steps", "eval_steps": 2} if s["eval"] else {}),
         **({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {
             "use_reentrant": lm == "ckre"}} if lm in ("ck", "ckre") else {}),
-        **({"optim": s["built"]} if s["built"] else {}))
+        **({"optim": s["built"]} if s["built"] else {}),
+        **{{"find_unused_parameters": "ddp_find_unused_parameters",
+            "bucket_cap_mb": "ddp_bucket_cap_mb"}[k]: v for k, v in ddp_options(s).items()})
     common: dict[str, Any] = {
         "model": model, "args": args, "train_dataset": rows(s["rows"]),
         "eval_dataset": rows(4, 2) if s["eval"] else None,
