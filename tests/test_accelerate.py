@@ -559,3 +559,29 @@ def test_clip_grad_norm_twice_in_one_step_is_refused():
     acc.clip_grad_norm_(model.parameters(), 0.01)
     with pytest.raises(AccelerateSetupError, match="clip_grad_norm_ twice in one step"):
         acc.clip_grad_norm_(model.parameters(), 0.01)
+
+
+def test_free_memory_leaves_a_loop_without_step_to_the_optimizer():
+    """After free_memory(), the optimizer attached by hand to a loop that never calls
+    step() (each backward a step, docs/rules.md) trains as such a loop does: what
+    LayeroptAccelerator knew of accelerate's loops left with it."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    ref = copy.deepcopy(model)
+    acc = LayeroptAccelerator(cpu=True, max_grad_norm=1.0)
+    opt = layeropt.AdamW(model.parameters(), lr=1e-2)
+    acc.prepare(model, opt)
+    acc.free_memory()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    with layeropt.attach(model, opt):
+        for _ in range(3):
+            x, y = torch.randn(4, 8, generator=gen) * 3, torch.randn(4, 1, generator=gen)
+            torch.nn.functional.mse_loss(model(x), y).backward()  # (each backward a step)
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach())

@@ -419,13 +419,17 @@ class StepRules:
         or is known to call ``step()`` (:meth:`expect_step`)."""
         return bool({"step()", "zero_grad()", _STEP_EXPECTED} & self.calls)
 
-    def expect_step(self) -> None:
+    def expect_step(self, expected: bool = True) -> None:
         """The loop is known to call ``step()`` (a trainer integration's contract, such as
         accelerate's): from its first training step on, a second stepping backward
         before ``step()`` is refused at that backward, before anything of it is applied
         (rule 6), as it is once any loop has called ``step()`` - not taken for a loop
-        where each backward is a step."""
-        self.calls.add(_STEP_EXPECTED)
+        where each backward is a step. ``expected=False``: no longer known (the
+        integration let the optimizer go)."""
+        if expected:
+            self.calls.add(_STEP_EXPECTED)
+        else:
+            self.calls.discard(_STEP_EXPECTED)
 
     @property
     def stepped_since_boundary(self) -> bool:

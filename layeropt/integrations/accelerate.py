@@ -209,6 +209,8 @@ class LayeroptAccelerator(Accelerator):
 
     def free_memory(self, *objects: Any) -> Any:
         """``Accelerator.free_memory``; detaches the models first."""
+        for opt in self.layeropt_optimizers:  # (its loop may be another's now)
+            opt._lo_engine.expect_step(False)
         for handle in self._lo_handles.values():
             handle.remove()
         self._lo_handles.clear()
