@@ -25,7 +25,7 @@ import argparse
 import contextlib
 import gc
 import os
-import socket
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 
@@ -184,11 +184,9 @@ def _shut_down() -> None:
     dist.destroy_process_group()
 
 
-def _run(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+def _run(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as torchrun does
-    dist.init_process_group(
-        args.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    dist.init_process_group(args.backend, init_method=store, rank=rank, world_size=world)
     try:
         main(args)
     finally:
@@ -204,7 +202,6 @@ if __name__ == "__main__":
         finally:
             _shut_down()
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            free_port = s.getsockname()[1]
-        mp.spawn(_run, args=(arguments.nproc, free_port, arguments), nprocs=arguments.nproc)
+        with tempfile.TemporaryDirectory() as tmp:  # (the processes meet in a file)
+            mp.spawn(_run, args=(arguments.nproc, f"file://{tmp}/store", arguments),
+                     nprocs=arguments.nproc)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -262,11 +261,8 @@ def one_process_group(backend: str = "gloo") -> Any:
     if dist.is_initialized():
         yield
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
+    # (an in-memory store: no port, which another test's processes could take first)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:

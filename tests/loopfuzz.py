@@ -505,14 +505,13 @@ def on_ranks(job: Callable[[int], Any], world: int = 2, timeout_s: float = 300.0
     rank. A job that raises, or a run past ``timeout_s`` (ranks waiting on one another
     for good), raises here."""
     import datetime
-    import socket
     import tempfile
     import time
 
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    def worker(rank: int, port: int, out: str) -> None:
+    def worker(rank: int, out: str) -> None:
         # Nothing of the parent's process group may be touched here: its gloo threads
         # are not copied by a fork, and whatever waits on them waits for good (seen: a
         # DDP model's reducer collected as garbage, the group destroyed). The parent
@@ -523,7 +522,9 @@ def on_ranks(job: Callable[[int], Any], world: int = 2, timeout_s: float = 300.0
         if dist.is_initialized():
             raise RuntimeError("on_ranks: a process group is open in the parent; "
                                "destroy it before (wrap()'s own is closed here)")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        # (a file for the rendezvous, not a port picked free beforehand: another test's
+        # processes may take that port before the ranks bind it)
+        dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=60))
         result = job(rank)
         torch.save(result, f"{out}/rank{rank}.pt")
@@ -531,14 +532,11 @@ def on_ranks(job: Callable[[int], Any], world: int = 2, timeout_s: float = 300.0
         dist.barrier()
         dist.destroy_process_group()
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     while _GROUP:  # (see worker; wrap() starts another where one is needed next)
         _end_group(_GROUP.pop())
     gc.collect()
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(worker, args=(port, out), nprocs=world, join=False,
+        ctx = mp.start_processes(worker, args=(out,), nprocs=world, join=False,
                                  start_method="fork")
         deadline = time.monotonic() + timeout_s
         try:

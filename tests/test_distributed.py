@@ -20,7 +20,6 @@ import importlib
 import importlib.util
 import inspect
 import random
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -830,13 +829,15 @@ def _wire_check() -> None:
     landing.Engine.on_grad = checked
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks share the cores, as under torchrun
     # Inductor (torchao's optimizers compile their step) in a forked child must not
     # use the compile-worker pool the parent may have started: it would wait forever.
     torch._inductor.config.compile_threads = 1
+    # (a file for the rendezvous: a port picked free beforehand may be taken by then -
+    # other tests launch processes beside this one - and every test here would error)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        "gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=WORLD,
         timeout=datetime.timedelta(seconds=60),
     )
     _wire_check()
@@ -874,17 +875,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("dist")
     ctx = mp.start_processes(
-        _worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method="fork"
+        _worker, args=(str(out),), nprocs=WORLD, join=False, start_method="fork"
     )
     deadline = time.monotonic() + TIMEOUT_S
     try:

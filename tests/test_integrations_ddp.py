@@ -12,7 +12,6 @@ the tool really trained a DistributedDataParallel model.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,19 +31,13 @@ TIMEOUT_S = 240
 WORKER = Path(__file__).with_name("ddp_tools_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tool: str, out: Path) -> list[dict[str, Any]]:
     """``python -m torch.distributed.run --nproc_per_node=2 ddp_tools_worker.py TOOL OUT``."""
     pytest.importorskip({"hf": "transformers"}.get(tool, tool))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(WORKER.parent), *filter(None, [os.environ.get("PYTHONPATH")])]))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}",
-           f"--master_port={_free_port()}", str(WORKER), tool, str(out)]
+           "--standalone", str(WORKER), tool, str(out)]  # (it binds a free port itself)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return [torch.load(out / f"{tool}-rank{r}.pt", weights_only=False) for r in range(WORLD)]

@@ -115,11 +115,12 @@ HF_DDP_OPTIONS = [None, None, "find_unused", "keep", "tiny", "keep+tiny"]
 def ddp_options(s: dict[str, Any]) -> dict[str, Any]:
     """The DistributedDataParallel keyword arguments a program's ``ddp`` setting names."""
     parts = set((s["ddp"] or "").split("+"))
-    return {k: v for k, v in {
-        "find_unused_parameters": True if "find_unused" in parts else
-        False if "keep" in parts else None,
-        "gradient_as_bucket_view": "view" in parts or None, "static_graph": "static" in parts or None,
-        "bucket_cap_mb": 1e-4 if "tiny" in parts else None}.items() if v is not None}
+    options = {"find_unused_parameters": True if "find_unused" in parts
+               else False if "keep" in parts else None,
+               "gradient_as_bucket_view": True if "view" in parts else None,
+               "static_graph": True if "static" in parts else None,
+               "bucket_cap_mb": 1e-4 if "tiny" in parts else None}
+    return {k: v for k, v in options.items() if v is not None}
 
 
 # -- drawing a program ------------------------------------------------------------------
