@@ -803,3 +803,50 @@ def test_a_checkpoint_ahead_of_torchs_warns(process_group, case, kind):
         assert said == [] and same
     else:
         assert len(said) == 1 and said[0].startswith(warned) and not same
+
+
+def _shared_ddp_attachment(rank: int) -> list[Any]:
+    """One rank of the test below: attach(ddp, [opt1, opt2]), two steps, del opt1, three
+    more (each backward its step); opt2's parameters, and a reference trained by torch."""
+    torch.manual_seed(0)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    rddp = nn.parallel.DistributedDataParallel(ref)
+    ro1 = torch.optim.Adam(ref[0].parameters(), lr=1e-2)
+    ro2 = torch.optim.SGD([*ref[2].parameters(), *ref[4].parameters()], lr=0.1, momentum=0.9)
+    opt1 = layeropt.Adam(model[0].parameters(), lr=1e-2)
+    opt2 = layeropt.SGD([*model[2].parameters(), *model[4].parameters()], lr=0.1,
+                        momentum=0.9)
+    handle = layeropt.attach(ddp, [opt1, opt2])
+    g = torch.Generator().manual_seed(rank)  # (each rank its own batches)
+    xs = [torch.randn(5, 6, generator=g) for _ in range(5)]
+    for i, x in enumerate(xs):
+        if i == 2:
+            del opt1, ro1
+            gc.collect()
+        rddp(x).pow(2).mean().backward()
+        for o in [ro1, ro2] if i < 2 else [ro2]:
+            o.step()
+            o.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (opt1 deleted: its layer keeps its gradient)
+            ddp(x).pow(2).mean().backward()
+    pick = [*range(2, 6)]  # (model[2], model[4]: weight, bias each)
+    return [repr(handle), opt2.attached,
+            [p.detach().clone() for i, p in enumerate(model.parameters()) if i in pick],
+            [p.detach().clone() for i, p in enumerate(ref.parameters()) if i in pick],
+            opt2.state_dict(), ro2.state_dict()]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_a_shared_ddp_attachment_stays_for_the_optimizer_still_referenced():
+    """The test above on a DDP model, two processes: opt2's layers are still stepped on
+    the averaged gradient in each backward after ``del opt1``, as torch trains opt2."""
+    from loopfuzz import on_ranks
+
+    for handle, attached, got, ref, state, ref_state in on_ranks(_shared_ddp_attachment):
+        assert handle == "<layeropt.DDPAttachment 6 params>" and attached
+        for a, b in zip(got, ref):
+            assert_same(a, b)
+        assert_same(state, ref_state, "optimizer state")
