@@ -47,12 +47,13 @@ parameter), each rank its own batches, and each rank compares its own two runs
 
 ``tests/test_trainerfuzz.py`` runs a few dozen in CI, in one process and on two. By hand
 (from the tests/ folder), to run more, replay or shrink a failing one (its settings, then
-its optimizer options; in one process)::
+its optimizer options; ``--ranks 2`` runs each of them on two processes too)::
 
     python trainerfuzz.py --mix lightning --start 0 --n 150
     python trainerfuzz.py --mix hf --start 0 --n 50 --ranks 2
     python trainerfuzz.py --mix accelerate --replay 36
     python trainerfuzz.py --mix hf --minimize 36
+    python trainerfuzz.py --mix accelerate --minimize 253 --ranks 2
 """
 
 from __future__ import annotations
