@@ -22,6 +22,7 @@ import inspect
 import random
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -466,6 +467,42 @@ def _remove_and_reattach(rank: int) -> dict[str, Any]:
     return out
 
 
+def _shared_ddp_attachment(rank: int) -> list[Any]:
+    """attach(ddp, [opt1, opt2]), two steps, del opt1, three more (each backward its step):
+    opt2's parameters and state, and a reference trained by torch (tests/test_abandoned.py's
+    shared-attachment test, on DDP)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 1))
+    ref = copy.deepcopy(model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    rddp = nn.parallel.DistributedDataParallel(ref)
+    ro1 = torch.optim.Adam(ref[0].parameters(), lr=1e-2)
+    ro2 = torch.optim.SGD([*ref[2].parameters(), *ref[4].parameters()], lr=0.1, momentum=0.9)
+    opt1 = layeropt.Adam(model[0].parameters(), lr=1e-2)
+    opt2 = layeropt.SGD([*model[2].parameters(), *model[4].parameters()], lr=0.1,
+                        momentum=0.9)
+    handle = layeropt.attach(ddp, [opt1, opt2])
+    g = torch.Generator().manual_seed(rank)  # (each rank its own batches)
+    xs = [torch.randn(5, 6, generator=g) for _ in range(5)]
+    for i, x in enumerate(xs):
+        if i == 2:
+            del opt1, ro1
+            gc.collect()
+        rddp(x).pow(2).mean().backward()
+        for o in [ro1, ro2] if i < 2 else [ro2]:
+            o.step()
+            o.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (opt1 deleted: its layer keeps its gradient)
+            ddp(x).pow(2).mean().backward()
+    pick = [*range(2, 6)]  # (model[2], model[4]: weight, bias each)
+    return [repr(handle), opt2.attached,
+            [p.detach().clone() for i, p in enumerate(model.parameters()) if i in pick],
+            [p.detach().clone() for i, p in enumerate(ref.parameters()) if i in pick],
+            opt2.state_dict(), ro2.state_dict()]
+
+
 def _copies(rank: int) -> dict[str, Any]:
     """copy.deepcopy / torch.save of an attached DDP model: a plain DDP copy, attachable."""
     import io
@@ -849,6 +886,7 @@ def _worker(rank: int, out_dir: str) -> None:
         jobs[f"checkpoint/{engine}"] = lambda e=engine: _checkpoint(rank, e, f"{out_dir}/ckpt_{e}")
     jobs["remove"] = lambda: _remove_and_reattach(rank)
     jobs["copies"] = lambda: _copies(rank)
+    jobs["shared"] = lambda: _shared_ddp_attachment(rank)
     jobs["memory"] = lambda: _memory(rank)
     jobs["mixed"] = lambda: _mixed(rank)
     jobs["activation_checkpoint"] = lambda: _activation_checkpoint(rank)
@@ -1041,6 +1079,16 @@ def test_copy_of_attached_ddp_is_plain_ddp_and_attachable(ranks, how):
         assert_same(run[f"{how}/grads"], run[f"{how}/plain_grads"], "averaged .grad of the copy")
         stepped, freed = run[f"{how}/attached"]
         assert stepped == len(freed) and all(freed)
+
+
+def test_a_shared_ddp_attachment_stays_for_the_optimizer_still_referenced(ranks):
+    """After ``del opt1``, opt2's layers are still stepped on the averaged gradient in
+    each backward, as torch trains opt2 (it was tested with plain hooks only)."""
+    for handle, attached, got, ref, state, ref_state in _get(ranks, "shared"):
+        assert handle == "<layeropt.DDPAttachment 6 params>" and attached
+        for a, b in zip(got, ref):
+            assert_same(a, b)
+        assert_same(state, ref_state, "optimizer state")
 
 
 def test_remove_gives_plain_ddp_and_reattach_resumes(ranks):

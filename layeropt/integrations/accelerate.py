@@ -230,15 +230,16 @@ class LayeroptAccelerator(Accelerator):
                 f"backward got {sorted(unknown)}, which LayeroptAccelerator does not support."
             )
         self._end_learning(opts)
-        if self._learning_now() and self.sync_gradients:
+        held_by_loop = any(o._lo_engine.no_step_depth for o in opts)  # (its optimizer.no_step())
+        if self._learning_now() and (self.sync_gradients or held_by_loop):
             raise AccelerateSetupError(
-                "a second accelerator.backward that syncs before optimizer.step() "
-                "(accumulation by hand, each backward syncing): accelerate + torch.optim "
-                "sums these gradients into one step, but from the next step on "
-                "LayeroptAccelerator would apply each backward as it runs. Nothing was "
-                "updated yet (the first step holds its gradients until optimizer.step()). "
-                "Accumulate through accelerator.accumulate(model) and "
-                "gradient_accumulation_steps=.")
+                "a second accelerator.backward before optimizer.step(), after one that "
+                "syncs (accumulation by hand): accelerate + torch.optim sums these gradients "
+                "into one step, but from the next step on LayeroptAccelerator would apply "
+                "the first as it runs. Nothing was updated yet (the first step holds its "
+                "gradients until optimizer.step()). Accumulate through "
+                "accelerator.accumulate(model) and gradient_accumulation_steps=, or run "
+                "every backward of a step but its last inside `with optimizer.no_step():`.")
         if self._lo_unasked:
             what, self._lo_unasked = " and ".join(sorted(self._lo_unasked)), set()
             raise AccelerateSetupError(
@@ -251,9 +252,9 @@ class LayeroptAccelerator(Accelerator):
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         learning = self._lo_norm is _UNSET or self._lo_value is _UNSET
-        if not self.sync_gradients or learning:
-            if self.sync_gradients:  # the learning step: plain accelerate, held until step()
-                self._lo_learning = opts[0]._lo_engine.train_step
+        if not self.sync_gradients or learning or held_by_loop:
+            if self.sync_gradients and not held_by_loop:  # the learning step: plain
+                self._lo_learning = opts[0]._lo_engine.train_step  # accelerate, held
             with no_step_all(opts):
                 layeropt_backward(loss, opts, **kwargs)
             return
