@@ -16,7 +16,8 @@ settings (a mix names the tool):
   ``gradient_clip_val`` by norm or value, schedulers per step or epoch with a
   ``frequency``, ``log_grad_norm``, a ``training_step`` returning ``None``, manual
   optimization, a run stopped, saved and resumed by ``fit(ckpt_path=)`` (``resume``);
-* ``accelerate``: ``LayeroptAccelerator`` - ``accumulate()`` or accumulation by hand,
+* ``accelerate``: ``LayeroptAccelerator`` - ``accumulate()`` or accumulation by hand (all
+  but a window's last backward in layeropt's ``no_step()``, or not: refused),
   ``clip_grad_norm_`` / ``clip_grad_value_`` (learned, or given as ``max_grad_norm=`` /
   ``clip_value=``) over ``model.parameters()`` or the param groups' order, on the syncing
   micro-batch or every one, a prepared data loader or not;
@@ -94,7 +95,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                    "by_hand": False, "clip": None, "max_norm": 0.5, "clip_value": 0.1,
                    "given": False, "clip_order": "model", "clip_every": False,
                    "sched": None, "loader": True, "epochs": 1, "max_steps": None,
-                   "bucket": None, "verify": False, "offload": False, "ddp": None},
+                   "bucket": None, "verify": False, "offload": False, "ddp": None,
+                   "held": False},
     "hf": {"groups": False, "frozen": None, "rows": 9, "bf16": False, "ga": 1,
            "kind": "trainer", "built": None, "max_grad_norm": 0.0, "weight_decay": 0.0,
            "sched": "linear", "warmup": 0, "eval": False, "stop": ("steps", 3),
@@ -153,7 +155,7 @@ def _draw_accelerate(r: random.Random) -> dict[str, Any]:
             "loader": r.random() < 0.8, "epochs": r.choice([1, 1, 2]),
             "max_steps": r.choice([None, None, 3]), "bucket": r.choice([None, 0]),
             "verify": r.random() < 0.15, "offload": r.random() < 0.15,
-            "ddp": r.choice(DDP_OPTIONS)}
+            "ddp": r.choice(DDP_OPTIONS), "held": r.random() < 0.5}
 
 
 def _draw_hf(r: random.Random) -> dict[str, Any]:
@@ -431,8 +433,13 @@ def _accelerate_loop(s: dict[str, Any], acc: Any, model: nn.Module, opt: Any, sc
         for i, (x, y) in enumerate(dl):
             with contextlib.nullcontext() if s["by_hand"] else acc.accumulate(model):
                 loss = nn.functional.mse_loss(model(x).float(), y)
-                acc.backward(loss / s["ga"] if s["by_hand"] else loss)
                 sync = (i + 1) % s["ga"] == 0 if s["by_hand"] else acc.sync_gradients
+                # (by hand, "held": layeropt's loop holds all but a window's last backward
+                # in no_step(), as docs/integrations.md says; torch.optim's has none)
+                no_step = getattr(layeropt.optim.unwrap_optimizer(opt), "no_step", None)
+                held = s["by_hand"] and s["held"] and not sync and no_step is not None
+                with no_step() if held else contextlib.nullcontext():
+                    acc.backward(loss / s["ga"] if s["by_hand"] else loss)
                 if s["clip"] and (sync or s["clip_every"]):
                     if "norm" in s["clip"]:
                         norm = acc.clip_grad_norm_(clipped(), s["max_norm"])
