@@ -803,4 +803,3 @@ def test_a_checkpoint_ahead_of_torchs_warns(process_group, case, kind):
         assert said == [] and same
     else:
         assert len(said) == 1 and said[0].startswith(warned) and not same
-
