@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from harness import leave_rank
 
 import layeropt
 
@@ -253,9 +254,7 @@ def main() -> None:
                                              "trace": traceback.format_exc()}
     rank = int(os.environ["RANK"])
     torch.save(results, os.path.join(out_dir, f"{tool}-rank{rank}.pt"))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    leave_rank()
 
 
 if __name__ == "__main__":

@@ -62,7 +62,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import gc
 import itertools
 import logging
 import os
@@ -76,6 +75,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from harness import leave_rank
 from loopfuzz import _diff, cli, draw_optimizer, drop_chunks, merged
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -689,15 +689,7 @@ def _worker(out: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     progs = torch.load(f"{out}/programs.pt", weights_only=False)
     torch.save([run_program(p) for p in progs], f"{out}/rank{rank()}.pt")
-    dist.barrier()
-    gc.collect()  # (the tools' models and groups die while the interpreter still runs)
-    dist.destroy_process_group()
-    # The outcomes are saved: leave without the interpreter's teardown, where gloo's
-    # threads, still held by the tools' reference cycles, once aborted a rank of a CI run
-    # ("terminate called without an active exception", 2026-12-05).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_rank()
 
 
 if __name__ == "__main__":
