@@ -349,6 +349,9 @@ AFTER_REMOVE = {
     "scheduler.step(), step()": (lambda m, o, s, x: (s.step(), o.step()), "param_groups"),
     "a plain backward, step()": (lambda m, o, s, x: (m(x).pow(2).mean().backward(), o.step()),
                                  "already updated"),
+    # (the closure's gradient was applied as a second update)
+    "step(closure)": (lambda m, o, s, x: o.step(lambda: m(x).pow(2).mean().backward()),
+                      "already updated"),
     "zero_grad()": (lambda m, o, s, x: o.zero_grad(), "discards gradients"),
 }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import warnings
 from typing import Any
 
 import pytest
@@ -149,6 +150,88 @@ def test_schedulefree_group_counter_advances_once_per_step():
     cls = _cls("schedulefree.AdamWScheduleFree")
     ref, ref_opt, model, opt = _train(cls, dict(lr=1e-2), "gpt", cap=0.0, steps=4)
     assert [g["k"] for g in opt.param_groups] == [g["k"] for g in ref_opt.param_groups] == [4]
+    _same_training(ref, ref_opt, model, opt)
+
+
+class _Body(torch.nn.Module):
+    """Two layers and a third (``extra``) that a loop adds as a param group later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.extra = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l1(x))
+        return self.l2(h) + self.extra(h)
+
+
+def _run_ops(side: tuple[torch.nn.Module, Any, Any], ops: list[str]) -> None:
+    """A loop by name: ``fb`` a backward; ``fbx`` one with ``extra`` frozen; ``none`` one
+    that reaches no parameter of the optimizer (all frozen, the loss through a leaf of its
+    own); ``apg`` ``extra`` added as a param group; ``rm`` the attachment removed (if
+    any); ``step``; ``zg``."""
+    model, opt, handle = side
+    gen = torch.Generator().manual_seed(4)
+    for op in ops:
+        x = torch.randn(3, 4, generator=gen)
+        if op in ("fb", "fbx", "none"):
+            frozen = op == "none"
+            for name, p in model.named_parameters():
+                p.requires_grad_(not frozen and not (op == "fbx" and name.startswith("extra")))
+            leaf = torch.zeros((), requires_grad=frozen)
+            (model(x).square().mean() + leaf).backward()
+            for p in model.parameters():
+                p.requires_grad_(True)
+        elif op == "apg":
+            opt.add_param_group({"params": list(model.extra.parameters()), "lr": 5e-3})
+        elif op == "rm":
+            if handle is not None:
+                handle.remove()
+        else:
+            getattr(opt, {"step": "step", "zg": "zero_grad"}[op])()
+
+
+# (loop, where the cap applies): the steps in which no parameter of the optimizer has a
+# gradient still move its group values (schedule-free's k, weight_sum, lr_max) in
+# torch's step(); a group added between a backward and step() starts its values there
+GROUP_VALUES = {
+    "step before any backward": ["step", "fb", "step", "zg", "fb", "step", "zg"],
+    "a step after zero_grad, no backward between": ["fb", "step", "zg", "step", "fb", "step",
+                                                    "zg"],
+    "a backward reaching none of its parameters": ["fb", "step", "zg", "none", "step", "zg",
+                                                   "fb", "step", "zg"],
+    "a group added between backward and step": ["fb", "step", "zg", "fb", "apg", "step",
+                                                "zg", "fb", "step", "zg"],
+    "a group added after a backward that did not reach it": ["fb", "step", "zg", "fbx", "apg",
+                                                             "step", "zg", "fb", "step", "zg"],
+    "remove() between backward and step": ["fb", "step", "zg", "fb", "rm", "step", "zg",
+                                           "fb", "step", "zg"],
+    "remove() between backward and step, a group added": ["fb", "step", "zg", "fb", "rm",
+                                                          "apg", "step", "zg"],
+}
+
+
+@pytest.mark.parametrize("cap", [0.0, None], ids=["cap0", "default-cap"])
+@pytest.mark.parametrize("path", ["schedulefree.AdamWScheduleFree",
+                                  "schedulefree.SGDScheduleFree"])
+@pytest.mark.parametrize("case", list(GROUP_VALUES))
+def test_group_values_move_as_in_torchs_steps(case, path, cap):
+    cls, ops = _cls(path), GROUP_VALUES[case]
+    torch.manual_seed(0)
+    model = _Body()
+    ref = copy.deepcopy(model)
+    body = lambda m: [{"params": m.l1.parameters()}, {"params": m.l2.parameters()}]  # noqa: E731
+    ref_opt = cls(body(ref), lr=1e-2, warmup_steps=2)
+    opt = layeropt.in_backward(cls)(body(model), lr=1e-2, warmup_steps=2)
+    ref_opt.train()
+    opt.train()
+    handle = layeropt.attach(model, opt, **({} if cap is None else {"bucket_cap_mb": cap}))
+    _run_ops((ref, ref_opt, None), ops)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "remove\\(\\) inside a training step")
+        _run_ops((model, opt, handle), ops)
+    handle.remove()
+    assert [g["k"] for g in opt.param_groups] == [g["k"] for g in ref_opt.param_groups]
     _same_training(ref, ref_opt, model, opt)
 
 

@@ -256,6 +256,9 @@ class StepRules:
             rec.by_backward = len(rec.stepped)  # the backward's: torch still keeps zeros)
         self._step(self.placed(params))
         self._step_stored()
+        ended = getattr(optimizer._lo_stepper, "step_ended", None)  # (a test's stand-in: a
+        if ended is not None:  # function) - group values, which torch's step() moves
+            ended(optimizer, rec.steps != steps or self.train_step.stepped_backwards > 0)
         rec.steps = steps
         self.end_step(params)
         if params:  # gradients no hook took: layers unfrozen (or hooks lost) since
@@ -293,22 +296,34 @@ class StepRules:
             self.calls.add(SAVE_WARNED)
             warn(SAVE_OPEN_WARNING)
 
-    def detached_step(self, torch_step: Callable[[], Any]) -> Any:
-        """``step()`` once the last attachment left (``torch_step``: torch's own). A
-        training step ``remove()`` left open - a backward updated parameters, no
-        ``step()``/``zero_grad()`` since - ends here as an attached ``step()`` ends it:
-        refused, before torch's step, where torch's would differ (a hyperparameter set,
-        a backward since summed onto those gradients); a discard before the loop's
-        first ``step()`` is said after it."""
+    def detached_step(self, torch_step: Callable[[], Any],
+                      closure: Callable[[], Any] | None = None) -> Any:
+        """``step()`` once the last attachment left (``torch_step``: torch's own, which
+        runs ``closure``). A training step ``remove()`` left open - a backward updated
+        parameters, no ``step()``/``zero_grad()`` since - ends here as an attached
+        ``step()`` ends it: refused where torch's would differ (a hyperparameter set, a
+        gradient since - the closure's too - on a parameter that backward updated); the
+        other gradients stepped in that backward's transaction, so that group values
+        (schedule-free's ``k``) move once, as in torch's one ``step()``. A discard before
+        the loop's first ``step()`` is said after it."""
         if DETACHED not in self.calls:  # (never attached: torch.optim's, untouched)
             return torch_step()
-        if self.stepped_since_boundary:
+        if not self.stepped_since_boundary:
+            early = self.first_step()
+            loss = torch_step()
+        else:
             self.check_boundary("step()")
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
             optimizer = self._optimizer()
-            _between.refuse_second_update(self.last.stepped, [
-                p for g in optimizer.param_groups for p in g["params"] if p.grad is not None])
-        early = self.first_step()
-        loss = torch_step()
+            params = [p for g in optimizer.param_groups for p in g["params"]
+                      if p.grad is not None]
+            _between.refuse_second_update(self.last.stepped, params)
+            early = self.first_step()
+            if params:
+                optimizer._lo_stepper(optimizer, params, self.txn)
         self.boundary("step()")
         if early:
             raise BackwardStateError(EARLY_DISCARD_ERROR)

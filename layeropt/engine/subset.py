@@ -171,14 +171,14 @@ def _snapshot(optimizer: Any) -> list[dict[str, Any]]:
 
 def _diff(snapshot: list[dict[str, Any]], optimizer: Any) -> list[str]:
     """The keys whose values differ now from ``snapshot`` (``self.x`` for own values)."""
-    keys = {k for b, g in zip(snapshot, optimizer.param_groups) for k in _changed(b, g)}
+    keys = {k for b, g in zip(snapshot[:-2], optimizer.param_groups) for k in _changed(b, g)}
     keys.update(f"self.{k}" for k in _changed(snapshot[-2], _own(optimizer, copy=False)))
     keys.update(f"state[{k!r}]" for k in _changed(snapshot[-1], _state_own(optimizer, False)))
     return sorted(keys)
 
 
 def _restore(optimizer: Any, snapshot: list[dict[str, Any]]) -> None:
-    for g, values in zip(optimizer.param_groups, snapshot):
+    for g, values in zip(optimizer.param_groups, snapshot[:-2]):
         _restore_values(g, values, [k for k in g if k != "params"])
     # (an attribute a step call made since is deleted: ``self.t = getattr(...) + 1``)
     _restore_values(vars(optimizer), snapshot[-2], list(_own(optimizer, copy=False)))
@@ -296,11 +296,18 @@ class SubsetStepper:
         self._probing = False  # this transaction's first parameters go one at a time
         self._saved: list[_Saved] = []  # undo records of the probe calls
         self.fast: Any = _MISSING  # narrowed calls: torch's update on prepared lists, or None
+        self.settle: Callable[[], None] | None = None  # (wait_before_probes)
 
     def use_fast_path(self, on: bool) -> None:
         """Let narrowed calls take the fast path (learned afresh), or not: a feature that
         moves the state tensors it keeps lists of (``offload_state``) turns it off."""
         self.fast = _MISSING if on else None
+
+    def wait_before_probes(self, settle: Callable[[], None] | None) -> None:
+        """Call ``settle`` before a probe reads other parameters' state: a feature whose
+        writes to it may still be in flight (``offload_state``'s copies back) waits for
+        them there; ``None``: nothing to wait for."""
+        self.settle = settle
 
     # -- transactions ------------------------------------------------------
     def open(self, key: object) -> None:
@@ -325,6 +332,8 @@ class SubsetStepper:
             record = _Saved(optimizer, [p])
             self._saved.append(record)
             values = not (p.is_meta or is_fake(p))  # (layeropt plan's tensors hold none)
+            if self.settle is not None:
+                self.settle()
             witnesses = _witnesses(optimizer, [p])
             rng = _rng_states([p]) if values else []
             self._transact(optimizer, [p])
@@ -343,14 +352,35 @@ class SubsetStepper:
             if not self._moved:  # static group values this step: nothing to compare
                 self._end_probe()
             return
+        assert self._post is not None
+        added = optimizer.param_groups[len(self._pre) - 2:]  # (add_param_group since)
+        if added:  # their values now start the transaction; its next call ends them
+            self._pre[-2:-2] = [_values(g) for g in added]
         if self._moved:
             _restore(optimizer, self._pre)
         self._whole(optimizer, params)
-        assert self._post is not None
+        if added:
+            self._post[-2:-2] = [_values(g) for g in added]
         keys = _diff(self._post, optimizer)
         if keys:
             self._refuse(optimizer, keys, GLOBAL_ESTIMATE_ERROR if self._moved else LATE_MOVE_ERROR)
         self._end_probe()
+
+    def step_ended(self, optimizer: Any, stepped: bool) -> None:
+        """``step()`` ends a training step; ``stepped``: whether a call of it ran. torch's
+        ``step()`` moves every group's values once, gradients or not (schedule-free's
+        ``k``, ``weight_sum``): a group no call of the step moved - none ran, no parameter
+        having a gradient, or the group was added since - gets a call with no gradient
+        now. (torch's own classes change nothing without one.)"""
+        if self.narrow:
+            return
+        if not stepped:  # (a transaction of its own)
+            self._key, self._pre, self._post, self._saved = object(), None, None, []
+            self._probing = False
+        elif self._key is None or self._pre is None or len(
+                optimizer.param_groups) <= len(self._pre) - 2:
+            return
+        self._transact(optimizer, [])
 
     def _check_skipped(self, optimizer: Any, record: _Saved,
                        witnesses: list[_Witness]) -> None:

@@ -411,6 +411,10 @@ class StateOffload:
                 if self._writes.get(h) is f.event:
                     del self._writes[h]
 
+    def _landed(self) -> None:
+        """Make the host wait for every copy back still in flight (``overlap=True``)."""
+        self._retire(block_until=0)
+
     def synchronize(self) -> None:
         """Wait until every copy back has landed in host memory (``overlap=True``)."""
         self._retire(block_until=0)
@@ -465,6 +469,7 @@ class StateOffload:
         if opt._lo_engine.find(OffloadStepper) is self.stepper:
             opt._lo_engine.unwrap(self.stepper)
             opt._lo_stepper.use_fast_path(True)  # learned again from the device state
+            opt._lo_stepper.wait_before_probes(None)
 
     @property
     def host_bytes(self) -> int:
@@ -576,5 +581,6 @@ def _install(optimizer: Any, handle: StateOffload) -> StateOffload:
     """Make ``handle`` where ``optimizer``'s state lives (its state moved to the host now)."""
     handle._to_host_all()
     optimizer._lo_stepper.use_fast_path(False)  # it keeps lists of the state tensors
+    optimizer._lo_stepper.wait_before_probes(handle._landed)  # (copies back in flight)
     optimizer._lo_engine.wrap(handle.stepper)
     return handle
