@@ -1,7 +1,9 @@
 """Random training loops, run with torch.optim and with layeropt attached, compared bit for bit.
 
 Each program is drawn from ``random.Random(seed)`` (the seed alone reproduces it): an
-optimizer with random options, attach options, and a sequence of what loops do -
+optimizer with random options (torch.optim's but LBFGS, SparseAdam and Muon; the
+``thirdparty`` mix: schedule-free's and bitsandbytes', ``THIRD_PARTY``, through
+``layeropt.in_backward``), attach options, and a sequence of what loops do -
 forward and backward (plain, keeping the graph, a second backward), ``no_step()``
 micro-batches, ``layeropt.backward(max_norm=)`` against ``clip_grad_norm_``,
 ``step()``, ``zero_grad()`` of the optimizer or the model (either ``set_to_none``),
@@ -39,6 +41,7 @@ import collections
 import contextlib
 import copy
 import gc
+import importlib
 import json
 import os
 import random
@@ -54,8 +57,24 @@ import layeropt
 from layeropt.engine.boundaries import _EARLY_DISCARD
 
 LAYERS = ["l1", "l2", "head", "branch", "extra"]
-OPTIMIZERS = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "Adamax", "RAdam", "Adadelta"]
-MIXES = ["all", "clip", "clipattach", "chaos", "resume"]
+OPTIMIZERS = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "Adamax", "RAdam", "Adadelta",
+              "ASGD", "Rprop"] + (["Adafactor"] if hasattr(torch.optim, "Adafactor") else [])
+# third-party optimizers through layeropt.in_backward (the ``thirdparty`` mix, "all"'s
+# loops), each installed one: (class path, keyword choices). torchao's are left out: they
+# compile their step per shape, seconds a program (tests/test_third_party.py has them)
+THIRD_PARTY = [
+    ("schedulefree.AdamWScheduleFree", {"warmup_steps": [0, 2], "weight_decay": [0.0, 0.01],
+                                        "foreach": [True, False], "r": [0.0, 1.0]}),
+    ("schedulefree.SGDScheduleFree", {"warmup_steps": [0, 2], "momentum": [0.9, 0.5],
+                                      "weight_decay": [0.0, 0.01], "foreach": [True, False]}),
+    ("schedulefree.RAdamScheduleFree", {"weight_decay": [0.0, 0.01], "foreach": [True, False],
+                                        "silent_sgd_phase": [True, False]}),
+    ("bitsandbytes.optim.Adam", {"weight_decay": [0.0, 0.01], "amsgrad": [False]}),
+    ("bitsandbytes.optim.AdamW8bit", {"weight_decay": [0.0, 0.01]}),
+    ("bitsandbytes.optim.Lion", {"weight_decay": [0.0, 0.01], "betas": [(0.9, 0.99)]}),
+    ("bitsandbytes.optim.RMSprop", {"momentum": [0.0, 0.9]}),
+]
+MIXES = ["all", "clip", "clipattach", "chaos", "resume", "thirdparty"]
 # (race: an offloaded copy not ordered after what it depends on, tests/offloadfuzz.py)
 FAILURES = ("diff", "crash", "torch-error-only", "race",
             # (LAYEROPT_VERIFY silent, wrong, or alarmed on an exact loop: tests/verifyfuzz.py)
@@ -130,8 +149,21 @@ def draw_optimizer(r: random.Random) -> tuple[str, dict[str, Any]]:
         kw["centered"] = r.random() < 0.5
         kw["momentum"] = r.choice([0.0, 0.9])
         kw["weight_decay"] = r.choice([0.0, 0.01])
+    elif kind == "Rprop":  # (no weight decay)
+        kw["etas"] = r.choice([(0.5, 1.2), (0.3, 1.5)])
+        kw["step_sizes"] = r.choice([(1e-6, 50.0), (1e-3, 0.02)])
+    elif kind == "ASGD":  # (t0: the step from which the average moves)
+        kw.update(t0=r.choice([0.0, 2.0, 1e6]), lambd=r.choice([1e-4, 0.01]),
+                  weight_decay=r.choice([0.0, 0.01]))
+    elif kind == "Adafactor":
+        kw.update(beta2_decay=r.choice([-0.8, -0.5]), d=r.choice([1.0, 2.0]),
+                  weight_decay=r.choice([0.0, 0.01]))
     else:
         kw["weight_decay"] = r.choice([0.0, 0.01])
+        if kind in ("NAdam", "RAdam") and kw["weight_decay"] and r.random() < 0.5:
+            kw["decoupled_weight_decay"] = True
+    if kind not in ("SGD", "Adam", "AdamW") and r.random() < 0.15:
+        kw["maximize"] = True
     if impl == "foreach":
         kw["foreach"] = True
     elif impl == "forloop":
@@ -139,6 +171,35 @@ def draw_optimizer(r: random.Random) -> tuple[str, dict[str, Any]]:
     elif impl == "fused" and kind in ("SGD", "Adam", "AdamW", "Adagrad"):
         kw["fused"] = True
     return kind, kw
+
+
+def installed_third_party() -> list[tuple[str, dict[str, list[Any]]]]:
+    """The :data:`THIRD_PARTY` optimizers whose package imports here."""
+    found = []
+    for path, choices in THIRD_PARTY:
+        try:
+            importlib.import_module(path.rpartition(".")[0])
+        except ImportError:
+            continue
+        found.append((path, choices))
+    return found
+
+
+def draw_third_party(r: random.Random) -> tuple[str, dict[str, Any]]:
+    """A third-party optimizer (a class path) and its keywords."""
+    path, choices = r.choice(installed_third_party())
+    lr = r.choice([1e-3, 1e-2] if "Lion" in path else [0.01, 0.05])
+    return path, {"lr": lr, **{k: r.choice(v) for k, v in sorted(choices.items())}}
+
+
+def optimizer_class(kind: str, layer: bool) -> type:
+    """``kind``'s class: a ``torch.optim`` name or a third-party class path; on
+    layeropt's side layeropt's own class or ``in_backward`` of it."""
+    module, _, name = kind.rpartition(".")
+    cls = getattr(importlib.import_module(module) if module else torch.optim, name)
+    if not layer:
+        return cls
+    return (None if module else getattr(layeropt, name, None)) or layeropt.in_backward(cls)
 
 
 def draw_attach(r: random.Random, mix: str) -> dict[str, Any]:
@@ -245,9 +306,9 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     if mix not in MIXES:
         raise ValueError(f"mix={mix!r}: one of {MIXES}")
     r = random.Random(seed)
-    kind, okw = draw_optimizer(r)
+    kind, okw = draw_third_party(r) if mix == "thirdparty" else draw_optimizer(r)
     akw = draw_attach(r, mix)
-    gen = "all" if mix == "chaos" else mix
+    gen = "all" if mix in ("chaos", "thirdparty") else mix
     reattach = gen in ("all", "resume") and not akw
     ops: list[Op] = []
     for _ in range(r.randint(2, 4)):
@@ -278,13 +339,12 @@ class Side:
         m.load_state_dict(init)
         m.to(DEVICE)
         self.net, model = m, wrap(m, wrap_of(self.prog))
-        kind = self.prog["opt"]
-        cls = getattr(torch.optim, kind)
-        if self.layer:
-            cls = getattr(layeropt, kind, None) or layeropt.in_backward(cls)
+        cls = optimizer_class(self.prog["opt"], self.layer)
         params = [p for n, p in m.named_parameters() if not n.startswith("extra.")]
         opt = cls([{"params": params[:2]}, {"params": params[2:]}],
                   **wrapped_kwargs(self.prog["okw"], self.prog))
+        if hasattr(opt, "train"):
+            opt.train()  # (schedule-free: its training mode)
         if self.added:
             opt.add_param_group({"params": list(m.extra.parameters())})
         return model, opt
@@ -703,6 +763,9 @@ def run_program(prog: dict[str, Any], side: type[Side] = Side, classify: bool = 
     torch.manual_seed(prog["seed"])
     init = Net(prog["tied"]).state_dict()
     out: dict[str, Any] = {"seed": prog["seed"], "mix": prog["mix"], "status": "exact"}
+    if wrap_of(prog) == "fsdp2" and prog["opt"].startswith("bitsandbytes."):
+        return {**out, "status": "torch-error",  # (torch's step() too, on FSDP2's shards)
+                "error": "bitsandbytes' update kernels have no DTensor sharding rule"}
     t = side(prog, False, init)
     try:
         lo = side(prog, True, init)

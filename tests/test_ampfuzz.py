@@ -75,7 +75,7 @@ FOUND = {
     # of a LoopAccumulator's iterations reaches came back bias first, and clip_grad_norm_
     # summed the two norms in that order (a last bit off): now in the module's order
     "per-module clip of a held sum from host memory": (379, "offload", {
-        "okw": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+        "opt": "SGD", "okw": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
         "akw": {"bucket_max_norm": 0.1, "bucket_cap_mb": 0},
         "iters": [
             {"body": "loop", "seed": 162926, "branch": False, "max_norm": None,

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from harness import FSDP2_ON_CPU, SOAK
-from loopfuzz import (assert_block, assert_wrapped_block, batch_seed, draw_program, on_ranks,
-                      programs_on_ranks, run_block, run_program)
+from loopfuzz import (assert_block, assert_wrapped_block, batch_seed, draw_program,
+                      installed_third_party, on_ranks, programs_on_ranks, run_block,
+                      run_program)
 
 # (mix, programs): what each mix draws is in loopfuzz.draw_program
 BLOCKS = [
@@ -25,11 +26,14 @@ BLOCKS = [
     ("clipattach", 300),  # attach(clip_value=, bucket_max_norm=), the strict schedule
     ("chaos", 750),  # the loops shuffled, cut and padded with random operations
     ("resume", 200),  # checkpoints saved and resumed into a new model and optimizer
+    ("thirdparty", 300),  # "all"'s loops with schedule-free and bitsandbytes optimizers
 ]
 
 
 @pytest.mark.parametrize("mix,n", BLOCKS, ids=[b[0] for b in BLOCKS])
 def test_random_loops_equal_torch_or_are_refused(mix, n):
+    if mix == "thirdparty" and not installed_third_party():
+        pytest.skip("needs schedulefree or bitsandbytes (the optimizers extra)")
     torch.set_num_threads(1)
     outcomes = run_block(mix, 0, n * SOAK)
     # the programs train: most end exact, not refused (a mix that only refused would pass)

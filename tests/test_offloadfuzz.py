@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harness import SOAK
-from loopfuzz import assert_block, assert_wrapped_block
+from loopfuzz import assert_block, assert_wrapped_block, installed_third_party
 from offloadfuzz import run_block
 
 # (mix, programs): loopfuzz's mixes, offloaded in a mode drawn per program
@@ -24,11 +24,14 @@ BLOCKS = [
     ("clipattach", 100),  # attach(clip_value=, bucket_max_norm=) of held sums brought back
     ("chaos", 120),  # the loops shuffled, cut and padded with random operations
     ("toggle", 70),  # offload stopped and started, checkpoints resumed into new optimizers
+    ("thirdparty", 100),  # "all"'s loops with schedule-free and bitsandbytes optimizers
 ]
 
 
 @pytest.mark.parametrize("mix,n", BLOCKS, ids=[b[0] for b in BLOCKS])
 def test_random_offloaded_loops_equal_torch_or_are_refused(mix, n):
+    if mix == "thirdparty" and not installed_third_party():
+        pytest.skip("needs schedulefree or bitsandbytes (the optimizers extra)")
     torch.set_num_threads(1)
     outcomes = run_block(mix, 0, n * SOAK)
     # the programs train: many end exact, not refused (a mix that only refused would pass;

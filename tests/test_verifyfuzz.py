@@ -15,15 +15,19 @@ import pytest
 import torch
 
 from harness import FSDP2_ON_CPU, SOAK
-from loopfuzz import assert_block, assert_wrapped_block, programs_on_ranks
+from loopfuzz import (assert_block, assert_wrapped_block, installed_third_party,
+                      programs_on_ranks)
 from verifyfuzz import draw_program, run_block, run_program
 
 # (mix, programs): loopfuzz's mixes, each program run alone, then verified
-BLOCKS = [("all", 200), ("clip", 150), ("clipattach", 100), ("chaos", 200)]
+BLOCKS = [("all", 200), ("clip", 150), ("clipattach", 100), ("chaos", 200),
+          ("thirdparty", 150)]  # ("all"'s loops with schedule-free and bitsandbytes)
 
 
 @pytest.mark.parametrize("mix,n", BLOCKS, ids=[b[0] for b in BLOCKS])
 def test_verify_is_never_silent_and_never_a_false_alarm(mix, n):
+    if mix == "thirdparty" and not installed_third_party():
+        pytest.skip("needs schedulefree or bitsandbytes (the optimizers extra)")
     torch.set_num_threads(1)
     with warnings.catch_warnings():  # (verify's "ended after n steps" at a program's end)
         warnings.simplefilter("ignore")
