@@ -35,6 +35,7 @@ from torch import nn
 
 import layeropt
 from harness import FSDP2_ON_CPU, SOAK, TORCH, OtherReentrant, assert_same, needs_fsdp2
+from loopfuzz import close_wrap_group
 from layeropt.errors import AttachError
 
 import test_properties
@@ -503,6 +504,36 @@ def _shared_ddp_attachment(rank: int) -> list[Any]:
             opt2.state_dict(), ro2.state_dict()]
 
 
+class _Detach(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+
+def _two_passes_with_plain_hooks(rank: int) -> list[Any]:
+    """A layeropt optimizer attached by plain hooks to a submodule of a DDP model (the
+    trunk), the head trained by a plain optimizer, a loss the trunk does not reach (its
+    output detached) through ``layeropt.backward(max_norm=)``: the two passes left DDP's
+    reducer unarmed for the second, and the head's gradient this rank's own - the
+    replicas drifted apart without an error. Refused now, before anything: the error,
+    and whether the parameters are as they were."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _Detach(), nn.Linear(8, 3))
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    trunk = layeropt.SGD(model[0].parameters(), lr=0.1)
+    handle = layeropt.attach(model[0], trunk)
+    g = torch.Generator().manual_seed(10 + rank)  # (each rank its own batch)
+    x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
+    try:
+        layeropt.backward(((ddp(x) - y) ** 2).mean(), trunk, max_norm=0.1)
+        said = "not refused"
+    except AttachError as e:
+        said = str(e)
+    finally:
+        handle.remove()
+    return [said, all(map(torch.equal, before, model.parameters()))]
+
+
 def _copies(rank: int) -> dict[str, Any]:
     """copy.deepcopy / torch.save of an attached DDP model: a plain DDP copy, attachable."""
     import io
@@ -887,6 +918,7 @@ def _worker(rank: int, out_dir: str) -> None:
     jobs["remove"] = lambda: _remove_and_reattach(rank)
     jobs["copies"] = lambda: _copies(rank)
     jobs["shared"] = lambda: _shared_ddp_attachment(rank)
+    jobs["two_passes_plain"] = lambda: _two_passes_with_plain_hooks(rank)
     jobs["memory"] = lambda: _memory(rank)
     jobs["mixed"] = lambda: _mixed(rank)
     jobs["activation_checkpoint"] = lambda: _activation_checkpoint(rank)
@@ -916,6 +948,7 @@ def _worker(rank: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("dist")
+    close_wrap_group()  # (a fuzzer's one-process group, if this worker ran one before)
     ctx = mp.start_processes(
         _worker, args=(str(out),), nprocs=WORLD, join=False, start_method="fork"
     )
@@ -1079,6 +1112,12 @@ def test_copy_of_attached_ddp_is_plain_ddp_and_attachable(ranks, how):
         assert_same(run[f"{how}/grads"], run[f"{how}/plain_grads"], "averaged .grad of the copy")
         stepped, freed = run[f"{how}/attached"]
         assert stepped == len(freed) and all(freed)
+
+
+def test_two_passes_with_plain_hooks_on_a_ddp_model_are_refused(ranks):
+    for said, unchanged in (r["two_passes_plain"] for r in ranks):
+        assert "two backward passes go through DDP's reducer" in said, said
+        assert unchanged
 
 
 def test_a_shared_ddp_attachment_stays_for_the_optimizer_still_referenced(ranks):

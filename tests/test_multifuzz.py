@@ -152,6 +152,19 @@ _DDP_FOUND = {
          ("step", {"o": "o2"}), ("step", {"o": "o1"}),
          ("clip", {"seed": 434557, "kind": "full", "aux": False, "max_norm": 0.01, "sub": None,
                    "opt": None})], "refused"),
+    # ... and where the backward leaves such a parameter out (frozen): DDP leaves its
+    # .grad, torch's next step() applies it again; verify's hook dropped it and said
+    # nothing (verify-diff; found 2026-12-05 when the fuzzers drew more optimizers)
+    "verify: a gradient never zeroed on a parameter frozen since": (
+        {"mix": "verify", "verify": True, "style": "model",
+         "opts": {"o1": ["SGD", {"lr": 0.01, "momentum": 0.9, "nesterov": True}],
+                  "o2": ["Adadelta", {"lr": 0.05, "weight_decay": 0.01, "maximize": True}]},
+         "layer": {"o1": True, "o2": True, "o3": False},
+         "owned": {"o1": ["trunk"], "o2": ["head", "aux"]}},
+        [("fb", {"seed": 852493, "kind": "headonly", "aux": False, "ns": [], "freeze": None}),
+         ("step", {"o": "o2"}),
+         ("fb", {"seed": 146196, "kind": "full", "aux": True, "ns": [], "freeze": "head"})],
+        "refused"),
     # an optimizer deleted while attached to the DDP model: its attachment stayed, and
     # attaching the model to the new optimizer was refused ("already attached")
     "an optimizer deleted, then a new one attached to the DDP model": (

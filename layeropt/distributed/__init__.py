@@ -26,7 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..engine.registry import allow_local_updates, check_local_hooks_allowed
+from ..engine.registry import (allow_local_updates, check_local_hooks_allowed,
+                               local_gradient_allowed, world_size)
+from ..errors import AttachError
 from ..attaching import DDPAttachment, attach_ddp
 from .fsdp2 import fsdp_params as _fsdp_params
 
@@ -69,6 +71,17 @@ class _Kept:
         return self.grad
 
 
+TWO_PASSES_PLAIN_ERROR = (
+    "layeropt.backward(max_norm=/clip_value=/scaler=) on {world} processes with a model "
+    "attached by plain hooks (not its DistributedDataParallel wrapper): its two backward "
+    "passes go through DDP's reducer, which averages only the first, so the parameters "
+    "DDP wraps outside layeropt's attachments (another optimizer's) would keep this "
+    "process's local gradient, and the attached ones would step it. Attach the wrapper "
+    "after wrapping (layeropt.attach(ddp_model, opt)), or, where every process trains its "
+    "own model, call layeropt.distributed.allow_local_updates(model). Nothing was updated."
+)
+
+
 class TwoPasses:
     """``layeropt.backward``'s two passes on DDP models (clipping, GradScaler).
 
@@ -85,12 +98,19 @@ class TwoPasses:
     def __init__(self, engines: list[Any]) -> None:
         self.states = []
         self.fsdp_params: list[Any] = []  # FSDP2's, of the attached models
+        world = world_size()
         for e in engines:
             for a in list(e.attachments):
-                if isinstance(a, DDPAttachment) and a._state not in self.states:
-                    self.states.append(a._state)
-                elif a.model is not None:
+                if isinstance(a, DDPAttachment):
+                    if a._state not in self.states:
+                        self.states.append(a._state)
+                    continue
+                if a.model is not None:
                     self.fsdp_params += _fsdp_params(a.model)
+                local = next((p for _, p in a.named if not local_gradient_allowed(p, world)),
+                             None)
+                if local is not None:  # (its hooks would refuse it, if reached)
+                    raise AttachError(TWO_PASSES_PLAIN_ERROR.format(world=world))
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:

@@ -263,7 +263,8 @@ class _Landing:
     bucket's all-reduce has landed.
     """
 
-    __slots__ = ("device", "held", "measures", "params", "state", "steps", "write_back")
+    __slots__ = ("device", "held", "measures", "params", "stale", "state", "steps",
+                 "write_back")
 
     def __init__(self, state: _HookState, bucket: Any, buffer: Tensor) -> None:
         self.state = state
@@ -275,6 +276,9 @@ class _Landing:
         # find_unused_parameters: gradients not produced since the last sync
         # (held by no_step()); stepped as they are if no process used them.
         self.held: dict[Tensor, Tensor] = {}
+        # LAYEROPT_VERIFY: gradients torch's step() applied and nothing zeroed since; DDP
+        # leaves them in .grad if no process used the parameter, for the next step() again
+        self.stale: dict[Tensor, Tensor] = {}
         owner = state.owner if state.active else {}
         modes: dict[int, Any] = {}  # id(owner ref) -> what its parameters get, this bucket
         for p, g in zip(params, bucket.gradients()):
@@ -297,9 +301,10 @@ class _Landing:
                 raise AttachError(DDP_UNUSED_ERROR)
             elif type(mode) is list:
                 mode.append((p, view))
-                if (state.find_unused and p.grad is not None and id(p) not in state.fired
-                        and not (state.verifying and _applied_by_step(ref(), p))):
-                    self.held[p] = p.grad
+                if state.find_unused and p.grad is not None and id(p) not in state.fired:
+                    kept = self.stale if state.verifying and _applied_by_step(ref(), p) \
+                        else self.held
+                    kept[p] = p.grad
                 p.grad = None  # the bucket holds it now
             else:
                 self.measures.append((mode, p, view))
@@ -332,6 +337,9 @@ class _Landing:
         todo = {}
         for opt, owned in self.steps.items():
             if used is not None:  # no process used it: its held gradient, if any
+                for p, _ in owned:  # (or its stale one back in .grad, not stepped)
+                    if id(p) not in used and p in self.stale:
+                        p.grad = self.stale[p]
                 owned = [(p, view if id(p) in used else self.held.get(p))
                          for p, view in owned]
                 owned = [(p, g) for p, g in owned if g is not None]

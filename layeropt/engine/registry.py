@@ -95,6 +95,12 @@ def is_dtensor(t: Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
+def local_gradient_allowed(param: Tensor, world: int) -> bool:
+    """Whether a plain hook may step ``param`` on its gradient as it lands, in a
+    ``world`` of processes (see :func:`check_local_hooks_allowed`)."""
+    return world <= 1 or is_dtensor(param) or param.__dict__.get(_LOCAL_OK, False)
+
+
 def check_local_hooks_allowed(param: Tensor) -> None:
     """Refuse to step ``param`` from a plain hook when that would use a local gradient.
 
@@ -119,7 +125,7 @@ def check_local_hooks_allowed(param: Tensor) -> None:
         >>> check_local_hooks_allowed(p)  # no process group: nothing to check
     """
     world = world_size()
-    if world <= 1 or is_dtensor(param) or param.__dict__.get(_LOCAL_OK, False):
+    if local_gradient_allowed(param, world):
         return
     raise AttachError(
         f"a layeropt hook was about to step a parameter of shape {tuple(param.shape)} "
