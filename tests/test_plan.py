@@ -12,6 +12,7 @@ plan models.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -20,6 +21,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -419,6 +421,29 @@ def test_factory_needs_inputs_and_loss():
 
 # -- the command line as a newcomer meets it -----------------------------------
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+# The command line's plans, each computed once per argument set in this process: the CLI
+# tests repeat the same plan (the short table, --all's, --json's) and check the CLI, not
+# the numbers, which the tests above compare with real runs; the planner is
+# deterministic (fake tensors). Tests that call plan() itself are not cached.
+_PLANS: dict[str, Any] = {}
+
+
+@pytest.fixture(autouse=True)
+def _cli_plans_once(monkeypatch):
+    real = layeropt.plan.plan
+
+    def cached(model: Any, **kw: Any) -> Any:
+        if not isinstance(model, (str, pathlib.Path)):
+            return real(model, **kw)
+        key = repr((str(model), sorted((k, v) for k, v in kw.items()
+                                       if k not in ("progress", "jobs"))))
+        if key not in _PLANS:
+            _PLANS[key] = real(model, **kw)
+        return copy.deepcopy(_PLANS[key])
+
+    monkeypatch.setattr(layeropt.plan, "plan", cached)
 
 
 @pytest.fixture(scope="module")
