@@ -19,7 +19,7 @@ from harness import FSDP2_ON_CPU, SOAK
 
 # (mix, programs): what each mix draws is in ampfuzz.BODIES; about 20 s on one core
 BLOCKS = [
-    ("all", 300),  # every body below, one after another in a program
+    ("all", 250),  # every body below, one after another in a program
     ("amp", 180),  # layeropt.backward(scaler=) against torch's recipe, after no_step() or not
     ("loop", 180),  # LoopAccumulator(max_norm=, scaler=) against docs/loops.md's torch loop
     ("hold", 120),  # torch's own recipe, scaler.scale(loss).backward(), held by layeropt

@@ -21,10 +21,10 @@ from loopfuzz import (assert_block, assert_wrapped_block, batch_seed, draw_progr
 
 # (mix, programs): what each mix draws is in loopfuzz.draw_program
 BLOCKS = [
-    ("all", 750),  # every operation, settings between iterations, re-attach
+    ("all", 600),  # every operation, settings between iterations, re-attach
     ("clip", 450),  # layeropt.backward(max_norm=) against clip_grad_norm_, with accumulation
     ("clipattach", 300),  # attach(clip_value=, bucket_max_norm=), the strict schedule
-    ("chaos", 750),  # the loops shuffled, cut and padded with random operations
+    ("chaos", 600),  # the loops shuffled, cut and padded with random operations
     ("resume", 200),  # checkpoints saved and resumed into a new model and optimizer
     ("thirdparty", 300),  # "all"'s loops with schedule-free and bitsandbytes optimizers
 ]

@@ -23,9 +23,9 @@ from multifuzz import draw_program, run_block, run_program
 
 # (mix, programs): what each mix draws is in multifuzz.draw_program
 BLOCKS = [
-    ("multi", 375),  # two layeropt optimizers, one beside a plain one, four attach styles
-    ("gan", 260),  # a discriminator's step, then the generator's loss through it
-    ("handover", 260),  # an optimizer replaced by a new one (removed, or deleted)
+    ("multi", 300),  # two layeropt optimizers, one beside a plain one, four attach styles
+    ("gan", 200),  # a discriminator's step, then the generator's loss through it
+    ("handover", 200),  # an optimizer replaced by a new one (removed, or deleted)
     ("checkpoint", 150),  # torch's and layeropt's checkpoints, a block reused, a weight read twice
     ("offload", 110),  # multi's, every layeropt optimizer's state offloaded (simulated streams)
     ("ckoffload", 70),  # checkpoint's, offloaded: gradients in pieces moved as they land
