@@ -24,7 +24,7 @@ BLOCKS = [
     ("loop", 180),  # LoopAccumulator(max_norm=, scaler=) against docs/loops.md's torch loop
     ("hold", 120),  # torch's own recipe, scaler.scale(loss).backward(), held by layeropt
     ("clip", 150),  # layeropt.backward(max_norm=, norm_type=, error_if_nonfinite=), no scaler
-    ("offload", 100),  # all's, the state offloaded in any mode on simulated streams
+    ("offload", 70),  # all's, the state offloaded in any mode on simulated streams
     ("verify", 150),  # all's, verified over every step: a VerifyError is a false alarm
     ("resume", 150),  # model, optimizer and GradScaler saved and resumed between the others
 ]

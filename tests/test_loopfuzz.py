@@ -25,7 +25,7 @@ BLOCKS = [
     ("clip", 450),  # layeropt.backward(max_norm=) against clip_grad_norm_, with accumulation
     ("clipattach", 300),  # attach(clip_value=, bucket_max_norm=), the strict schedule
     ("chaos", 600),  # the loops shuffled, cut and padded with random operations
-    ("resume", 200),  # checkpoints saved and resumed into a new model and optimizer
+    ("resume", 150),  # checkpoints saved and resumed into a new model and optimizer
     ("thirdparty", 300),  # "all"'s loops with schedule-free and bitsandbytes optimizers
 ]
 
@@ -55,7 +55,7 @@ def test_random_loops_on_ddp_and_fsdp2(mix, n, wrap):
 # The same on two processes, each rank its own batches (loopfuzz.programs_on_ranks): the
 # gradients reduced over the ranks are neither rank's own, as in one process they are;
 # every rank must end the same way
-RANKED = [("ddp", "all", 200), ("ddp", "clip", 150), ("fsdp2", "clip", 100)]
+RANKED = [("ddp", "all", 200), ("ddp", "clip", 150), ("fsdp2", "clip", 70)]
 
 
 @pytest.mark.parametrize("wrap,mix,n", RANKED, ids=[f"{w}-{m}" for w, m, _ in RANKED])

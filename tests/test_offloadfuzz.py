@@ -23,7 +23,7 @@ BLOCKS = [
     ("clip", 100),  # layeropt.backward(max_norm=) with accumulation: held sums brought back
     ("clipattach", 100),  # attach(clip_value=, bucket_max_norm=) of held sums brought back
     ("chaos", 120),  # the loops shuffled, cut and padded with random operations
-    ("toggle", 70),  # offload stopped and started, checkpoints resumed into new optimizers
+    ("toggle", 50),  # offload stopped and started, checkpoints resumed into new optimizers
     ("thirdparty", 100),  # "all"'s loops with schedule-free and bitsandbytes optimizers
 ]
 

@@ -41,8 +41,8 @@ def test_random_trainer_setups_equal_torch_or_are_refused(mix, n, packages):
 # block: a rank steps the DDP model each tool builds on the gradient averaged over both
 # ranks' batches, never its own. (Hugging Face: a third of its programs use the callback,
 # which refuses DDP - it cannot reach the model the Trainer wraps.)
-RANKED = [("lightning", 30, ["lightning"]), ("accelerate", 14, ["accelerate"]),
-          ("hf", 10, ["transformers", "accelerate"])]
+RANKED = [("lightning", 22, ["lightning"]), ("accelerate", 11, ["accelerate"]),
+          ("hf", 8, ["transformers", "accelerate"])]
 
 
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
