@@ -107,9 +107,8 @@ class TwoPasses:
                     continue
                 if a.model is not None:
                     self.fsdp_params += _fsdp_params(a.model)
-                local = next((p for _, p in a.named if not local_gradient_allowed(p, world)),
-                             None)
-                if local is not None:  # (its hooks would refuse it, if reached)
+                if not all(local_gradient_allowed(p, world) for _, p in a.named):
+                    # (as its hooks would, if the backward reached them)
                     raise AttachError(TWO_PASSES_PLAIN_ERROR.format(world=world))
 
     @contextlib.contextmanager

@@ -296,7 +296,7 @@ class SubsetStepper:
         self._probing = False  # this transaction's first parameters go one at a time
         self._saved: list[_Saved] = []  # undo records of the probe calls
         self.fast: Any = _MISSING  # narrowed calls: torch's update on prepared lists, or None
-        self.settle: Callable[[], None] | None = None  # (wait_before_probes)
+        self._settle: Callable[[], None] | None = None  # (wait_before_probes)
 
     def use_fast_path(self, on: bool) -> None:
         """Let narrowed calls take the fast path (learned afresh), or not: a feature that
@@ -307,7 +307,7 @@ class SubsetStepper:
         """Call ``settle`` before a probe reads other parameters' state: a feature whose
         writes to it may still be in flight (``offload_state``'s copies back) waits for
         them there; ``None``: nothing to wait for."""
-        self.settle = settle
+        self._settle = settle
 
     # -- transactions ------------------------------------------------------
     def open(self, key: object) -> None:
@@ -332,8 +332,8 @@ class SubsetStepper:
             record = _Saved(optimizer, [p])
             self._saved.append(record)
             values = not (p.is_meta or is_fake(p))  # (layeropt plan's tensors hold none)
-            if self.settle is not None:
-                self.settle()
+            if self._settle is not None:
+                self._settle()
             witnesses = _witnesses(optimizer, [p])
             rng = _rng_states([p]) if values else []
             self._transact(optimizer, [p])
