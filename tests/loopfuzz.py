@@ -1,13 +1,15 @@
 """Random training loops, run with torch.optim and with layeropt attached, compared bit for bit.
 
 Each program is drawn from ``random.Random(seed)`` (the seed alone reproduces it): an
-optimizer with random options (torch.optim's but LBFGS, SparseAdam and Muon; the
+optimizer with random options (torch.optim's but LBFGS and SparseAdam - Muon over
+the 2D weights alone - now and then with a learning rate given as a tensor; the
 ``thirdparty`` mix: schedule-free's and bitsandbytes', ``THIRD_PARTY``, through
 ``layeropt.in_backward``), attach options, and a sequence of what loops do -
 forward and backward (plain, keeping the graph, a second backward), ``no_step()``
 micro-batches, ``layeropt.backward(max_norm=)`` against ``clip_grad_norm_``,
 ``step()``, ``zero_grad()`` of the optimizer or the model (either ``set_to_none``),
-freezing layers, hyperparameters set by hand, schedulers, ``load_state_dict``,
+freezing layers, hyperparameters set by hand, schedulers (``OneCycleLR`` and
+``CyclicLR`` move momentum or Adam's beta1 too), ``load_state_dict``,
 ``add_param_group``, ``remove()`` and a new ``attach`` - then shuffled, dropped,
 repeated: orders no hand-written test tries. Every program ends exact (parameters and
 ``state_dict()`` equal torch's bit for bit), refused by a layeropt error, or in a
@@ -47,7 +49,7 @@ import os
 import random
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -316,8 +318,33 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     times = r.randint(2, 6) if mix == "chaos" else r.choice([0, 0, 1, 1, 2, 3])
     mutate(r, ops, times, (0.4, 0.7),
            (lambda r: _any_op(r, reattach)) if mix == "chaos" else None)
-    return {"seed": seed, "mix": mix, "tied": r.random() < 0.7, "opt": kind, "okw": okw,
+    prog = {"seed": seed, "mix": mix, "tied": r.random() < 0.7, "opt": kind, "okw": okw,
             "akw": akw, "sched": r.choice(["exp", "step", "lambda"]), "ops": ops[:15]}
+    # (drawn last: the draws before stay those of a program without them) torch's Muon
+    # over the 2D weights alone, and a learning rate given as a tensor
+    if mix in ("all", "chaos", "resume") and hasattr(torch.optim, "Muon") and r.random() < 0.1:
+        prog["opt"], prog["okw"] = "Muon", draw_muon(r)
+    if mix != "thirdparty" and r.random() < 0.1 and not (  # (torch refuses this one)
+            prog["opt"] in ("Adam", "AdamW") and prog["okw"].get("foreach")):
+        prog["tensor_lr"] = True
+    if mix != "thirdparty" and r.random() < 0.25:  # (schedulers that move momentum too)
+        prog["sched"] = r.choice(["onecycle", "cyclic"])
+    return prog
+
+
+def draw_muon(r: random.Random) -> dict[str, Any]:
+    """torch's Muon's options (it has no foreach or fused)."""
+    return {"lr": r.choice([0.01, 0.05]), "momentum": r.choice([0.95, 0.5]),
+            "nesterov": r.random() < 0.6, "weight_decay": r.choice([0.0, 0.1]),
+            "ns_steps": r.choice([5, 2]),
+            "adjust_lr_fn": r.choice([None, "original", "match_rms_adamw"])}
+
+
+def trained(prog: dict[str, Any], named: Iterable[tuple[str, nn.Parameter]]
+            ) -> list[nn.Parameter]:
+    """The parameters of ``named`` that ``prog``'s optimizer takes: all of them, or the
+    2D weights alone for Muon (the biases train with no one, on both sides)."""
+    return [p for _, p in named if prog["opt"] != "Muon" or p.ndim == 2]
 
 
 # -- running it -----------------------------------------------------------------------
@@ -340,13 +367,14 @@ class Side:
         m.to(DEVICE)
         self.net, model = m, wrap(m, wrap_of(self.prog))
         cls = optimizer_class(self.prog["opt"], self.layer)
-        params = [p for n, p in m.named_parameters() if not n.startswith("extra.")]
+        params = trained(self.prog, [(n, p) for n, p in m.named_parameters()
+                                     if not n.startswith("extra.")])
         opt = cls([{"params": params[:2]}, {"params": params[2:]}],
                   **wrapped_kwargs(self.prog["okw"], self.prog))
         if hasattr(opt, "train"):
             opt.train()  # (schedule-free: its training mode)
         if self.added:
-            opt.add_param_group({"params": list(m.extra.parameters())})
+            opt.add_param_group({"params": trained(self.prog, m.extra.named_parameters())})
         return model, opt
 
     def attach(self) -> Any:
@@ -451,16 +479,23 @@ class Side:
         elif name in ("sched", "sched-new"):
             if self.sched is None:
                 S = torch.optim.lr_scheduler
+                momentum = "momentum" in opt.defaults or "betas" in opt.defaults
                 self.sched = {"exp": lambda: S.ExponentialLR(opt, 0.5),
                               "step": lambda: S.StepLR(opt, 1, 0.5),
                               "lambda": lambda: S.LambdaLR(opt, lambda e: 1 / (e + 1)),
+                              # (momentum or Adam's beta1 cycled, where the optimizer has one)
+                              "onecycle": lambda: S.OneCycleLR(
+                                  opt, 0.1, total_steps=50, cycle_momentum=momentum),
+                              "cyclic": lambda: S.CyclicLR(
+                                  opt, 0.01, 0.1, step_size_up=2, cycle_momentum=momentum),
                               }[self.sched_kind]()
             if name == "sched":
                 self.sched.step()
         elif name == "apg":
             if not self.added:
                 self.added = True
-                opt.add_param_group({"params": list(self.net.extra.parameters()), "lr": a["lr"]})
+                opt.add_param_group({"params": trained(self.prog, self.net.extra.named_parameters()),
+                                     "lr": a["lr"]})
         elif name == "sd":
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
         elif name == "remove":
@@ -498,7 +533,9 @@ def no_dtensor_rule(kinds: list[str]) -> str | None:
 def wrapped_kwargs(kw: dict[str, Any], prog: dict[str, Any]) -> dict[str, Any]:
     """An optimizer's options for ``prog``'s wrap: under FSDP2 without ``fused`` (torch's
     fused kernels have no DTensor rule: plain kernels on both sides)."""
-    return {k: v for k, v in kw.items() if k != "fused"} if wrap_of(prog) == "fsdp2" else kw
+    kw = {k: v for k, v in kw.items() if k != "fused"} if wrap_of(prog) == "fsdp2" else kw
+    # (a program's "tensor_lr": its learning rate a tensor, each side its own)
+    return {**kw, "lr": torch.tensor(kw["lr"])} if prog.get("tensor_lr") else kw
 
 
 def refused_at_attach(out: dict[str, Any], e: Exception) -> dict[str, Any]:

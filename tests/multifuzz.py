@@ -332,8 +332,13 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     prog = _draw_blocks(r) if base == "checkpoint" else _draw_heads(r, base)
     mode = offloadfuzz.draw_mode(random.Random(seed + 10**7)) if mix in OFFLOADED else None
     ops = mutate(r, prog["ops"], r.choice([0, 0, 1, 1, 2, 3]), (0.45, 0.75))
+    # (drawn last: the draws before stay those of a program without it) learning rates
+    # given as tensors (loopfuzz.wrapped_kwargs), where torch takes them
+    made = [*prog["opts"].values(), *(a["new"] for _, a in ops if "new" in a)]
+    tensor_lr = r.random() < 0.1 and not any(
+        k in ("Adam", "AdamW") and kw.get("foreach") for k, kw in made)
     return {"seed": seed, "mix": mix, **prog, "ops": ops[:22],
-            "mode": mode, "verify": mix in VERIFIED}
+            "mode": mode, "verify": mix in VERIFIED, **({"tensor_lr": True} if tensor_lr else {})}
 
 
 # -- running it -------------------------------------------------------------------------

@@ -76,7 +76,16 @@ from typing import Any
 
 import torch
 from harness import leave_rank
-from loopfuzz import _diff, cli, draw_optimizer, drop_chunks, merged
+from loopfuzz import (
+    _diff,
+    cli,
+    draw_optimizer,
+    draw_third_party,
+    drop_chunks,
+    installed_third_party,
+    merged,
+    optimizer_class,
+)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -179,6 +188,11 @@ def _draw_hf(r: random.Random) -> dict[str, Any]:
             "ddp": r.choice(HF_DDP_OPTIONS)}
 
 
+# more optimizers the Trainer builds from ``optim=``: its Adafactor (transformers' own),
+# torch's, schedule-free's (the Trainer calls their train() / eval()), bitsandbytes'
+HF_MORE_BUILT = ["adafactor", "rmsprop", "adagrad", "schedule_free_adamw", "schedule_free_sgd",
+                 "schedule_free_radam", "adamw_bnb_8bit", "lion_8bit", "rmsprop_bnb", "ademamix"]
+
 DRAWS: dict[str, Callable[[random.Random], dict[str, Any]]] = {
     "lightning": _draw_lightning, "accelerate": _draw_accelerate, "hf": _draw_hf}
 
@@ -191,6 +205,12 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     r = random.Random(seed)
     kind, okw = draw_optimizer(r)
     drawn = {**_draw_common(r), **DRAWS[mix](r)}
+    # (drawn after the rest, which stay those of a program without them) now and then a
+    # third-party optimizer handed to the tool, or one the Trainer builds from ``optim=``
+    if r.random() < 0.15 and installed_third_party():
+        kind, okw = draw_third_party(r)
+    if mix == "hf" and drawn["kind"] == "trainer" and drawn["built"] and r.random() < 0.4:
+        drawn["built"] = r.choice(HF_MORE_BUILT)
     settings = [[k, v] for k, v in drawn.items() if v != DEFAULTS[mix][k]]
     return {"seed": seed, "mix": mix, "opt": kind, "okw": okw, "settings": settings}
 
@@ -250,9 +270,7 @@ def optimizer(prog: dict[str, Any], model: nn.Module, layer: bool) -> torch.opti
     """``torch.optim.<opt>`` or its layeropt class over ``model``: one group, or decay and
     no decay (biases) - another order than ``model.parameters()``; a frozen layer's
     parameters held or left out."""
-    s, cls = settings(prog), getattr(torch.optim, prog["opt"])
-    if layer:
-        cls = getattr(layeropt, prog["opt"], None) or layeropt.in_backward(cls)
+    s, cls = settings(prog), optimizer_class(prog["opt"], layer)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad or s["frozen"] == "owned"]
     params: Any = [p for _, p in named]
     if s["groups"]:
@@ -260,7 +278,10 @@ def optimizer(prog: dict[str, Any], model: nn.Module, layer: bool) -> torch.opti
         no = [n.endswith("bias") or "norm" in n for n, _ in named]  # (biases, norms: no decay)
         params = [{"params": [p for (_, p), x in zip(named, no) if not x], "weight_decay": decay},
                   {"params": [p for (_, p), x in zip(named, no) if x], "weight_decay": 0.0}]
-    return cls(params, **prog["okw"])
+    opt = cls(params, **prog["okw"])
+    if hasattr(opt, "train"):
+        opt.train()  # (schedule-free: its training mode, as the tools leave it to the user)
+    return opt
 
 
 def result(model: nn.Module, opt: Any, **extra: Any) -> Result:
