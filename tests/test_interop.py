@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import io
@@ -556,3 +557,48 @@ def test_backward_with_create_graph_is_held_for_step_as_torch_uses_it(process_gr
         params, state = run(layeropt)
     assert_same(ref_params, params)
     assert_same(ref_state, state)
+
+
+# torch.nn.utils' reparametrizations: the trained tensors are the parametrization's
+# originals (weight_norm's g and v, orthogonal's base), which backward reads to compute
+# each other's gradients; spectral_norm's power iteration updates buffers in forward;
+# ``parametrize.cached()`` computes the weight once for two uses; the old hook-based
+# weight_norm keeps weight_g / weight_v
+def _reparametrized(kind: str) -> torch.nn.Module:
+    from torch.nn.utils import parametrizations as P
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    {"weight_norm": lambda: P.weight_norm(m[0]), "spectral_norm": lambda: P.spectral_norm(m[2]),
+     "orthogonal": lambda: P.orthogonal(m[2]), "cached": lambda: P.weight_norm(m[0]),
+     "old_weight_norm": lambda: torch.nn.utils.weight_norm(m[0])}[kind]()
+    return m
+
+
+@pytest.mark.parametrize("opt_name", ["Adam", "SGD"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal", "cached",
+                                  "old_weight_norm"])
+def test_reparametrized_weights_are_exact(kind, opt_name):
+    from torch.nn.utils import parametrize
+
+    results = []
+    for layer in (False, True):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the old weight_norm is deprecated)
+            model = _reparametrized(kind)
+        cls = getattr(layeropt if layer else torch.optim, opt_name)
+        opt = cls(model.parameters(), **_kw(opt_name))
+        handle = layeropt.attach(model, opt) if layer else None
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(5, 4, generator=gen)
+            with parametrize.cached() if kind == "cached" else contextlib.nullcontext():
+                out = model(x) + model(x) if kind == "cached" else model(x)
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if handle is not None:
+            assert all(p.grad is None for p in model.parameters())
+            handle.remove()
+        results.append((model.state_dict(), opt.state_dict()))
+    assert_same(results[1], results[0])
