@@ -776,9 +776,13 @@ def _differences(t: Side, lo: Side) -> list[str]:
                  "param") + _diff(t.snapshot()["state"], lo.snapshot()["state"], "state_dict")
 
 
-def play_both(t: Any, lo: Any, name: str, a: dict[str, Any]) -> dict[str, Any] | None:
+def play_both(t: Any, lo: Any, name: str, a: dict[str, Any],
+              torch_steps: Callable[[], None] | None = None) -> dict[str, Any] | None:
     """One operation on both sides (torch's, then layeropt's: anything with ``do``); the
-    outcome if either raised: torch's error, a refusal, or a crash."""
+    outcome if either raised: torch's error, a refusal, or a crash. Where layeropt's
+    backward raised something torch's did not, ``torch_steps`` (torch's side taking the
+    step() the backward's updates stand for) tells whether torch's own step() raises the
+    same there: torch's limit (its RMSprop after a scheduler set momentum, say)."""
     errors: list[Exception | None] = []
     for side in (t, lo):
         try:
@@ -795,6 +799,12 @@ def play_both(t: Any, lo: Any, name: str, a: dict[str, Any]) -> dict[str, Any] |
     if TORCH_LIMIT in str(lerr) or DDP_LIMIT in str(lerr):
         return {"status": "torch-error", "error": repr(lerr)[:200]}
     ok = isinstance(lerr, layeropt.LayeroptError)
+    if not ok and name in ("fb", "clip") and torch_steps is not None:
+        try:
+            torch_steps()
+        except Exception as e:  # noqa: BLE001 - compared below
+            if type(e) is type(lerr) and str(e) == str(lerr):
+                return {"status": "torch-error", "error": f"at torch's step(): {e!r}"[:200]}
     return {"status": "refused" if ok else "crash", "error": f"{type(lerr).__name__}: {lerr}"[:300],
             **({} if ok else {"traceback": traceback.format_exception(lerr)[-4:]})}
 
@@ -813,7 +823,8 @@ def run_program(prog: dict[str, Any], side: type[Side] = Side, classify: bool = 
     """Both sides (``side``'s) op by op, then a closing ``step()`` if a backward is
     pending; the outcome: ``exact``, ``refused``, ``undetectable`` (not with ``classify``
     off: the program runs on), ``torch-error`` (torch raised, or layeropt reached
-    ``TORCH_LIMIT`` before a refusal), or one of ``FAILURES``."""
+    ``TORCH_LIMIT`` before a refusal, or its backward raised what torch's own step() then
+    raises: :func:`play_both`), or one of ``FAILURES``."""
     torch.manual_seed(prog["seed"])
     init = Net(prog["tied"]).state_dict()
     out: dict[str, Any] = {"seed": prog["seed"], "mix": prog["mix"], "status": "exact"}
@@ -842,7 +853,7 @@ def run_program(prog: dict[str, Any], side: type[Side] = Side, classify: bool = 
                     or _saved_ahead(lo, name) and "saved-ahead")
                 if why:
                     return {**out, "status": "undetectable", "at": i, "why": why}
-                ended = play_both(t, lo, name, a)
+                ended = play_both(t, lo, name, a, lambda: t.do("step", {}))
                 if ended is not None:
                     return {**out, **ended, "at": i, "op": name}
                 never_zeroed.after(name, a)

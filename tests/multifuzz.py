@@ -689,7 +689,8 @@ def _run(prog: dict[str, Any]) -> dict[str, Any]:
             warnings.simplefilter("ignore")
             for i, (name, a) in enumerate(_ops(prog, watch)):
                 why = watch.before(name, a)
-                ended = play_both(t, lo, name, a)
+                ended = play_both(t, lo, name, a,
+                                  lambda: [t.do("step", {"o": n}) for n in t.opts])
                 if ended is not None:
                     return {**out, **ended, "at": i, "op": name}
                 watch.after(name, a)
