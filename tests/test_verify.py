@@ -555,6 +555,21 @@ def _reattached(verify: int) -> Callable[..., None]:
     return loop
 
 
+def _kept_zeros_then_reattached(m, opt, x, step, lo):
+    """``zero_grad(set_to_none=False)``, ``remove()``, the model's ``zero_grad()`` (to
+    None, unwatched: detached), attached again: the next ``step()`` finds no gradient
+    (verify had left torch's zeros in ``.grad`` and kept counting them as zeros)."""
+    m(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    if lo:
+        layeropt.attach(m, opt, verify=3).remove()
+    m.zero_grad()
+    if lo:
+        layeropt.attach(m, opt, verify=3)
+    opt.step()
+
+
 # loop -> the kinds it runs on (DDP: not the layers one by one, which bypass DDP's
 # forward, nor a second attach, which a DDP model refuses; FSDP2: its sharded gradients
 # are written by FSDP, where no tensor hook sees a zeroing in place - docs/rules.md,
@@ -566,6 +581,8 @@ EXACT_BY_HAND: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
     "gradients zeroed in place, torch.compile'd model": (_zeroed_compiled, ("plain",)),
     "re-attached with verify=0 between backward and step()": (_reattached(0), ("plain",)),
     "re-attached with verify=2 between backward and step()": (_reattached(2), ("plain",)),
+    "kept zeros, removed, the model's zero_grad(), attached again": (
+        _kept_zeros_then_reattached, ("plain",)),
 }
 
 

@@ -367,10 +367,11 @@ class StepRules:
             return
         waiting = {id(p) for p in self._this_step()} if self.stepped_since_boundary else ()
         held = self.stepper.held
-        given = [p for i, p in kept.items() if p.grad is None and i not in waiting
+        given = [p for i, p in kept.items() if i not in waiting
                  and (owned is None or i in owned) and p not in held]
-        for p in given:
-            p.grad = torch.zeros_like(p)
+        for p in given:  # (one with a .grad has it from torch's own step(), verify's: as is)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
             del kept[id(p)]
 
     def module_zero_grad(self, params: list[Tensor], set_to_none: bool) -> None:
