@@ -233,8 +233,9 @@ class InBackwardOptimizer(Optimizer):
         working unchanged.
         """
         if not self.attached:
-            return self._lo_engine.detached_step(lambda: type(self)._torch_step(self, closure),
-                                                 closure)
+            engine = self._lo_engine
+            return engine.stepper.detached_step_call(
+                engine, lambda: type(self)._torch_step(self, closure), closure)
         set_eval_frame = _dynamo_switches()[0]  # (this frame is skipped by dynamo: below)
         prior = set_eval_frame(None)
         set_eval_frame(prior)

@@ -570,6 +570,16 @@ def _kept_zeros_then_reattached(m, opt, x, step, lo):
     opt.step()
 
 
+def _removed_before_step(m, opt, x, step, lo):
+    """``remove()`` between a verified backward and its ``step()``: that step() verifies
+    it and steps torch's gradients (it was refused as a second update)."""
+    m(x).pow(2).mean().backward()
+    if lo and step == 1:
+        layeropt.attach(m, opt).remove()  # (the handle attach() gave; detached from here)
+    opt.step()
+    opt.zero_grad()
+
+
 # loop -> the kinds it runs on (DDP: not the layers one by one, which bypass DDP's
 # forward, nor a second attach, which a DDP model refuses; FSDP2: its sharded gradients
 # are written by FSDP, where no tensor hook sees a zeroing in place - docs/rules.md,
@@ -583,6 +593,7 @@ EXACT_BY_HAND: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
     "re-attached with verify=2 between backward and step()": (_reattached(2), ("plain",)),
     "kept zeros, removed, the model's zero_grad(), attached again": (
         _kept_zeros_then_reattached, ("plain",)),
+    "removed between a verified backward and its step()": (_removed_before_step, ("plain",)),
 }
 
 
@@ -821,3 +832,32 @@ def test_a_gradient_not_zeroed_is_found_through_a_checkpoint_and_a_clip(process_
     with pytest.raises(layeropt.VerifyError, match="not zeroed"):
         layeropt.backward(loss(), max_norm=1.0)
         opt.step()
+
+
+@pytest.mark.parametrize("cap", [0.0, 1.0], ids=["cap0", "default-cap"])
+@pytest.mark.parametrize("opt_name", ["SGD", "Adam", "Rprop"])
+def test_a_tensor_learning_rate_passes_verification(opt_name, cap):
+    """``lr=torch.tensor(...)``, which a scheduler updates in place: verify's shadow
+    restored the groups' values by copying them in place even where unchanged, and the
+    loop's check of hyperparameters set after backward (a tensor by its version) then
+    refused step() (cap 0: every layer's shadow bumped it)."""
+    results = []
+    for layer in (False, True):
+        model = _model()
+        cls = (getattr(layeropt, opt_name, None) or layeropt.in_backward(
+            getattr(torch.optim, opt_name))) if layer else getattr(torch.optim, opt_name)
+        opt = cls(model.parameters(), lr=torch.tensor(0.01))
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.5)
+        handle = layeropt.attach(model, opt, verify=3, bucket_cap_mb=cap) if layer else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (LAYEROPT_VERIFY: ... equal)
+            for step in range(4):
+                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+                model(x).pow(2).mean().backward()
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        results.append(([p.detach().clone() for p in model.parameters()], opt.state_dict()))
+    test_rules.assert_same(results[1], results[0])

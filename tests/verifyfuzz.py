@@ -14,7 +14,8 @@ for bit, or raise; and:
   zeros applied again - taken for a gradient zeroed in place);
 * ``verify-false-alarm`` (a failure): layeropt alone ends exact without reaching a
   documented undetectable case (a loop that never zeroes can end exact by chance - at
-  lr 0, say - and verify names its bug), and the verified run raised ``VerifyError``;
+  lr 0, say - and verify names its bug), and the verified run raised ``VerifyError``,
+  or refused what layeropt alone ran (a tensor ``lr`` taken for one set after backward);
 * ``verify-diff`` (a failure): the verified run differs from torch without an error.
 
 Otherwise the outcome is the verified run's (``exact``, ``refused``: ``VerifyError`` or
@@ -64,8 +65,9 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
     undetectable cases; ``why``: the first undetectable case it reached, if one."""
     first = loopfuzz.run_program(prog)
     why = first.get("why")
-    if why in ("never-zeroed", "zeros-again", "held-onto") and _detached(prog, first["at"]):
-        why = "detached"
+    if why in ("never-zeroed", "zeros-again", "held-onto") and (
+            _detached(prog, first["at"]) or _unzeroed_while_detached(prog)):
+        why = "detached"  # (the first such case, or a later one: verify watches neither)
     elif why == "held-onto" and _removed_before_step(prog, first["at"]):
         why = "detached"  # (found at the next step(), which came after remove())
     plain = loopfuzz.run_program(prog, classify=False)["status"]
@@ -73,7 +75,7 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
     out = {**verified, "plain": plain, **({"why": why} if why else {})}
     if verified["status"] == "diff":
         return {**out, "status": "verify-diff"}
-    said = verified["status"] == "refused" and "VerifyError" in verified.get("error", "")
+    said = verified["status"] == "refused"  # (VerifyError, or another refusal)
     if plain == "diff" and verified["status"] == "exact":
         return {**out, "status": "undetectable" if why in BLIND else "verify-silent"}
     if plain == "exact" and said and not why:  # (a loop that reached a case layeropt
@@ -87,6 +89,19 @@ def _detached(prog: dict[str, Any], at: int) -> bool:
     for name, _ in prog["ops"][:at]:
         detached = name == "remove" or (detached and name != "attach")
     return detached
+
+
+def _unzeroed_while_detached(prog: dict[str, Any]) -> bool:
+    """Whether a backward after ``remove()`` (not attached again) adds onto gradients no
+    ``zero_grad()`` cleared since a ``step()``: torch's kept gradient, which layeropt had
+    freed - a never-zeroed loop verify, detached, does not watch."""
+    detached = unzeroed = False
+    for name, _ in prog["ops"]:
+        if name in ("fb", "clip") and detached and unzeroed:
+            return True
+        detached = name == "remove" or (detached and name != "attach")
+        unzeroed = name == "step" or (unzeroed and name != "zg")
+    return False
 
 
 def _removed_before_step(prog: dict[str, Any], at: int) -> bool:

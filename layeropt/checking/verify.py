@@ -415,6 +415,15 @@ class Verifier(Wrapper):
             self._end()
         return loss
 
+    def detached_step_call(self, engine: Any, torch_step: Callable[[], Any],
+                           closure: Callable[[], Any] | None) -> Any:
+        """``step()`` after ``remove()`` ended the attachment of a verified backward:
+        its gradients in ``.grad`` are torch's, not applied yet, so this ``step()`` is
+        verified as an attached one (torch's own step, then the comparison)."""
+        if self.shadows:
+            return self.step_call(engine, closure)
+        return self.inner.detached_step_call(engine, torch_step, closure)
+
     def settle(self, where: str, discards: bool = True) -> None:
         """The loop went on (``where``: a ``zero_grad()``, its next forward) after a
         backward whose updates wait for a ``step()``, and has never called ``step()``:

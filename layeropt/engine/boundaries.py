@@ -369,7 +369,7 @@ class StepRules:
         held = self.stepper.held
         given = [p for i, p in kept.items() if i not in waiting
                  and (owned is None or i in owned) and p not in held]
-        for p in given:  # (one with a .grad has it from torch's own step(), verify's: as is)
+        for p in given:  # (one with a .grad already: torch's own step() left it there)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             del kept[id(p)]

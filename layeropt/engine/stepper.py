@@ -146,6 +146,12 @@ class Stepper:
         """``optimizer.step(closure)`` once attached."""
         return engine.step_call(closure)
 
+    def detached_step_call(self, engine: Any, torch_step: Callable[[], Any],
+                           closure: Callable[[], Any] | None) -> Any:
+        """``optimizer.step(closure)`` once its last attachment left (``torch_step``:
+        torch's own step)."""
+        return engine.detached_step(torch_step, closure)
+
     def zero_grad(self, engine: Any, set_to_none: bool,
                   torch_zero_grad: Callable[[bool], None]) -> None:
         """``optimizer.zero_grad(set_to_none)`` once made."""
@@ -179,6 +185,10 @@ class Wrapper(Stepper):
 
     def step_call(self, engine: Any, closure: Callable[[], Any] | None) -> Any:
         return self.inner.step_call(engine, closure)
+
+    def detached_step_call(self, engine: Any, torch_step: Callable[[], Any],
+                           closure: Callable[[], Any] | None) -> Any:
+        return self.inner.detached_step_call(engine, torch_step, closure)
 
     def zero_grad(self, engine: Any, set_to_none: bool,
                   torch_zero_grad: Callable[[bool], None]) -> None:

@@ -111,6 +111,13 @@ def _changed(before: dict[str, Any], group: dict[str, Any]) -> list[str]:
     return sorted(k for k in keys if not _same(before.get(k, _MISSING), group.get(k, _MISSING)))
 
 
+def _identical(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` holds ``b``'s values bit for bit (the sign of a zero too)."""
+    if a.dtype != b.dtype or a.device != b.device or not torch.equal(a, b):
+        return False
+    return not a.is_floating_point() or torch.equal(a.signbit(), b.signbit())
+
+
 def _restore_values(target: dict[str, Any], values: dict[str, Any], now: Any) -> None:
     """Put ``values`` back into ``target`` (a param group, or the optimizer's ``vars``);
     keys of ``now`` (what the snapshot covers) that it lacks were made since: deleted."""
@@ -119,8 +126,9 @@ def _restore_values(target: dict[str, Any], values: dict[str, Any], now: Any) ->
     for k, v in values.items():
         old = target.get(k)
         if isinstance(v, Tensor) and isinstance(old, Tensor) and old.shape == v.shape:
-            with torch.no_grad():
-                old.copy_(v)  # the same tensor object, as torch code may hold it
+            if not _identical(old, v):  # (unchanged: left alone, its version too - a
+                with torch.no_grad():  # tensor lr's, which the loop's own check reads)
+                    old.copy_(v)  # the same tensor object, as torch code may hold it
         else:  # (a container: a copy, the snapshot stays as it was for the next call)
             target[k] = v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)
 
