@@ -660,7 +660,7 @@ def _verified(prog: dict[str, Any]) -> dict[str, Any]:
         return ({**out, "status": "undetectable", "why": plain["why"]} if blind  # step()
                 else {**out, "status": "verify-diff"})  # at the forward, as layeropt
         # alone does, and says so)
-    said = out["status"] == "refused" and "VerifyError" in out.get("error", "")
+    said = out["status"] == "refused"  # (VerifyError, or a refusal it alone made)
     if plain.get("differs") and plain["status"] in ("exact", "undetectable") and not ended:
         return {**out, "status": "undetectable", "why": plain["why"]} if blind else {
             **out, "status": "verify-silent"}

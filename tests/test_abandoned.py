@@ -427,6 +427,77 @@ def test_a_plain_step_is_refused_while_torch_would_hold_the_gradients(zeroed):
     _equal(model, ref)
 
 
+@pytest.mark.parametrize("verify", [None, 3], ids=["plain", "verify"])
+@pytest.mark.parametrize("zero", ["opt.zero_grad()", "opt.zero_grad(set_to_none=False)",
+                                  "model.zero_grad()", "model.zero_grad(set_to_none=False)"])
+def test_a_plain_optimizer_sharing_parameters_steps_as_torchs_after_a_zero_grad(zero, verify):
+    """An attached optimizer's backward and step(), a zero_grad(), then a plain optimizer
+    sharing the first layer steps (weight decay: zeros move it). torch's step() skips
+    gradients set to None and updates on kept zeros; layeropt's is the same (it refused
+    after the optimizer's zero_grad(), and skipped the zeros a module's zero_grad(
+    set_to_none=False) keeps: silently different)."""
+    x = _batches(1, 1)[0]
+    results = []
+    for layer in (False, True):
+        model = _mlp()
+        opt = (layeropt.SGD if layer else torch.optim.SGD)(model.parameters(), lr=0.1)
+        plain = torch.optim.SGD(model[0].parameters(), lr=0.1, weight_decay=0.1, momentum=0.9)
+        handle = layeropt.attach(model, opt, verify=verify) if layer else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (LAYEROPT_VERIFY: ... equal)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            who, _, arg = zero.partition(".")
+            (opt if who == "opt" else model).zero_grad(set_to_none="False" not in arg)
+            plain.step()
+            results.append(([p.detach().clone() for p in model.parameters()],
+                            plain.state_dict()))
+        if handle is not None:
+            handle.remove()
+    assert_same(results[1], results[0])
+
+
+@pytest.mark.parametrize("verify", [None, 3], ids=["plain", "verify"])
+def test_a_deleted_optimizers_backward_no_longer_refuses_its_successors_step(verify):
+    """An optimizer's backward, step() and zero_grad(), then the optimizer deleted (its
+    handle too) and a new one attached in its place, beside a plain one: their step()s
+    are torch's. Its engine may outlive it for a while (a reference cycle of its
+    verifier's that gc has not collected yet: held here); its backward's record refused
+    the new optimizer's step() then."""
+    x = _batches(2, 3)
+    results = []
+    for layer in (False, True):
+        model = _mlp()
+
+        def loss(x: torch.Tensor) -> torch.Tensor:  # (the layers called one by one)
+            return model[4](torch.tanh(model[2](torch.tanh(model[0](x))))).pow(2).mean()
+
+        head = torch.optim.Adam(model[4].parameters(), lr=0.01)
+        trunk = [*model[0].parameters(), *model[2].parameters()]
+        opt = (layeropt.RMSprop if layer else torch.optim.RMSprop)(trunk, lr=0.01)
+        handle = layeropt.attach(model, opt, verify=verify) if layer else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (LAYEROPT_VERIFY: ... equal)
+            loss(x[0]).backward()
+            opt.step()
+            opt.zero_grad()
+            engine = getattr(opt, "_lo_engine", None)  # (alive, as in an uncollected cycle)
+            del handle, opt
+            gc.collect()
+            opt = (layeropt.SGD if layer else torch.optim.SGD)(trunk, lr=0.1, momentum=0.9)
+            handle = layeropt.attach(model, opt, verify=verify) if layer else None
+            head.step()
+            opt.step()
+            loss(x[1]).backward()
+            head.step()
+            opt.step()
+            results.append([p.detach().clone() for p in model.parameters()])
+            del engine
+        if handle is not None:
+            handle.remove()
+    assert_same(results[1], results[0])
+
+
 # -- Hugging Face Trainer: transformers' own two tests -------------------------------
 def _hf() -> Any:
     pytest.importorskip("transformers")

@@ -372,8 +372,9 @@ class Verifier(Wrapper):
         detached: its optimizer is torch's again."""
         if not self.engine.attachments:
             return set()
-        record, params = self.applied
-        return {id(p) for p in [*self.shadows, *(params if record is self.engine.last else ())]}
+        record, params = self.applied  # (a zero_grad() since: torch's are gone too)
+        applied = record is self.engine.last and not record.zeroed
+        return {id(p) for p in [*self.shadows, *(params if applied else ())]}
 
     def transform_real(self, params: list[Tensor], transform: Any) -> None:
         """After ``layeropt.backward``'s step pass: its unscaling and clipping applied to
@@ -387,8 +388,12 @@ class Verifier(Wrapper):
         if params is None:
             self.unzeroed.clear()
         else:
+            gone = set()
             for p in params():
                 self.unzeroed.pop(id(p), None)
+                gone.add(id(p))
+            record, applied = self.applied  # (not freed by the step any more: zeroed)
+            self.applied = (record, [p for p in applied if id(p) not in gone])
 
     # -- the real side ----------------------------------------------------------
     def step_call(self, engine: Any, closure: Callable[[], Any] | None) -> Any:

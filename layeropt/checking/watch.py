@@ -184,12 +184,20 @@ def _before_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
             getattr(inner, "optimizer", None), torch.optim.Optimizer):
         inner = inner.optimizer
     own = getattr(inner, "_lo_engine", None)
+    ids: set[int] | None = None
     for engine in list(ENGINES):
-        verifier = engine.find(Verifier) if engine is not own else None
-        freed = verifier.freed() if verifier is not None else ()
-        if engine is own or not engine.last.stepped and not freed:
+        if engine is own or engine._optimizer() is None:  # (deleted: its records are done)
             continue
-        stepped = {id(p) for p in engine.last.stepped}
+        if engine.kept_grads:  # zeros torch keeps for them (zero_grad(set_to_none=False)):
+            if ids is None:  # this step updates on them, as torch's
+                ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            engine.give_back_kept(ids)
+        verifier = engine.find(Verifier)
+        freed = verifier.freed() if verifier is not None else ()
+        rec = engine.last  # (a zero_grad() since: torch's gradients are gone too)
+        stepped = {id(p) for p in rec.stepped} if not rec.zeroed else ()
+        if not stepped and not freed:
+            continue
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None and id(p) in stepped or id(p) in freed:

@@ -276,8 +276,9 @@ class _Landing:
         # find_unused_parameters: gradients not produced since the last sync
         # (held by no_step()); stepped as they are if no process used them.
         self.held: dict[Tensor, Tensor] = {}
-        # LAYEROPT_VERIFY: gradients torch's step() applied and nothing zeroed since; DDP
-        # leaves them in .grad if no process used the parameter, for the next step() again
+        # LAYEROPT_VERIFY: gradients torch's step() applied and nothing zeroed since, and the
+        # zeros zero_grad(set_to_none=False) left; DDP leaves them in .grad if no process
+        # used the parameter, for the next step()
         self.stale: dict[Tensor, Tensor] = {}
         owner = state.owner if state.active else {}
         modes: dict[int, Any] = {}  # id(owner ref) -> what its parameters get, this bucket
@@ -302,8 +303,8 @@ class _Landing:
             elif type(mode) is list:
                 mode.append((p, view))
                 if state.find_unused and p.grad is not None and id(p) not in state.fired:
-                    kept = self.stale if state.verifying and _applied_by_step(ref(), p) \
-                        else self.held
+                    kept = self.stale if state.verifying and (  # (or torch's kept zeros)
+                        _applied_by_step(ref(), p) or not p.grad.any()) else self.held
                     kept[p] = p.grad
                 p.grad = None  # the bucket holds it now
             else:
