@@ -1,7 +1,9 @@
 """Random training loops under ``LAYEROPT_VERIFY``: never silent, never a false alarm.
 
 tests/loopfuzz.py's programs run three ways: torch.optim; layeropt attached (loopfuzz's
-outcome); layeropt attached with ``verify=`` covering every step of the program. While
+outcome); layeropt attached with ``verify=`` covering every step of the program (a
+quarter of them: the first 1-3 steps, then updating in backward - where layeropt alone
+ends exact, so must that run, with no refusal). While
 it verifies, layeropt runs the loop with torch's semantics for real and checks at each
 ``step()`` that the update in backward would have been the same (docs/rules.md, "How to
 check your loop"). So the verified run must end with torch's parameters and state bit
@@ -27,6 +29,7 @@ another refusal, ``torch-error``), with ``plain``: loopfuzz's outcome.
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import loopfuzz
@@ -44,20 +47,28 @@ BLIND = ("remove-discard", "remove-unkept", "saved-ahead", "detached", "zeros-ag
 
 
 class VerifySide(Side):
-    """loopfuzz's side; layeropt's attached with ``verify=STEPS``."""
+    """loopfuzz's side; layeropt's attached with ``verify=`` the program's
+    ``verify_steps``, else ``STEPS``."""
 
     def attach(self) -> Any:
         if not self.layer:
             return None
         import layeropt
 
-        return layeropt.attach(self.model, self.opt, verify=STEPS, **self.akw)
+        steps = self.prog.get("verify_steps", STEPS)
+        return layeropt.attach(self.model, self.opt, verify=steps, **self.akw)
 
 
 def draw_program(seed: int, mix: str) -> dict[str, Any]:
+    """loopfuzz's program; a quarter of them verify 1-3 steps only (``verify_steps``): the
+    loop goes on updating in backward after that, as a user's run does."""
     if mix not in MIXES:
         raise ValueError(f"mix={mix!r}: one of {MIXES}")
-    return loopfuzz.draw_program(seed, mix)
+    prog = loopfuzz.draw_program(seed, mix)
+    r = random.Random(seed + 7 * 10**6)  # (the program's own draws unchanged)
+    if r.random() < 0.25:
+        prog["verify_steps"] = r.randint(1, 3)
+    return prog
 
 
 def run_program(prog: dict[str, Any]) -> dict[str, Any]:
@@ -73,6 +84,9 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
     plain = loopfuzz.run_program(prog, classify=False)["status"]
     verified = loopfuzz.run_program(prog, VerifySide, classify=False)
     out = {**verified, "plain": plain, **({"why": why} if why else {})}
+    if prog.get("verify_steps") and plain != "exact":  # (verify may have ended before
+        return {**out, "status": "undetectable" if verified["status"] == "diff"  # what
+                else verified["status"], "why": why or "verify-ended"}  # differs came)
     if verified["status"] == "diff":
         return {**out, "status": "verify-diff"}
     said = verified["status"] == "refused"  # (VerifyError, or another refusal)
