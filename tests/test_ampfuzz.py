@@ -19,14 +19,14 @@ from harness import FSDP2_ON_CPU, SOAK
 
 # (mix, programs): what each mix draws is in ampfuzz.BODIES; about 20 s on one core
 BLOCKS = [
-    ("all", 190),  # every body below, one after another in a program
-    ("amp", 135),  # layeropt.backward(scaler=) against torch's recipe, after no_step() or not
-    ("loop", 135),  # LoopAccumulator(max_norm=, scaler=) against docs/loops.md's torch loop
-    ("hold", 90),  # torch's own recipe, scaler.scale(loss).backward(), held by layeropt
-    ("clip", 110),  # layeropt.backward(max_norm=, norm_type=, error_if_nonfinite=), no scaler
-    ("offload", 50),  # all's, the state offloaded in any mode on simulated streams
-    ("verify", 110),  # all's, verified over every step: a VerifyError is a false alarm
-    ("resume", 110),  # model, optimizer and GradScaler saved and resumed between the others
+    ("all", 160),  # every body below, one after another in a program
+    ("amp", 115),  # layeropt.backward(scaler=) against torch's recipe, after no_step() or not
+    ("loop", 115),  # LoopAccumulator(max_norm=, scaler=) against docs/loops.md's torch loop
+    ("hold", 75),  # torch's own recipe, scaler.scale(loss).backward(), held by layeropt
+    ("clip", 95),  # layeropt.backward(max_norm=, norm_type=, error_if_nonfinite=), no scaler
+    ("offload", 40),  # all's, the state offloaded in any mode on simulated streams
+    ("verify", 95),  # all's, verified over every step: a VerifyError is a false alarm
+    ("resume", 95),  # model, optimizer and GradScaler saved and resumed between the others
 ]
 
 
@@ -41,8 +41,8 @@ def test_random_amp_loops_equal_torch_or_are_refused(mix, n):
 # The same on a DistributedDataParallel model and an FSDP2 one (one process; FSDP2: no
 # fused kernels - torch's have no DTensor rule - and mixed dtypes are FSDP2's error on both
 # sides; offloaded shards are refused)
-WRAPPED = [("ddp", "all", 110), ("ddp", "verify", 75), ("ddp", "offload", 45),
-           ("fsdp2", "all", 110), ("fsdp2", "verify", 75)]
+WRAPPED = [("ddp", "all", 95), ("ddp", "verify", 65), ("ddp", "offload", 40),
+           ("fsdp2", "all", 95), ("fsdp2", "verify", 65)]
 
 
 @pytest.mark.parametrize("wrap,mix,n", WRAPPED, ids=[f"{w}-{m}" for w, m, _ in WRAPPED])
