@@ -427,22 +427,28 @@ def test_a_plain_step_is_refused_while_torch_would_hold_the_gradients(zeroed):
     _equal(model, ref)
 
 
-@pytest.mark.parametrize("verify", [None, 3], ids=["plain", "verify"])
+@pytest.mark.parametrize("cap", [0.0, 1.0], ids=["cap0", "default-cap"])
+@pytest.mark.parametrize("kind", test_rules.KINDS)
+@pytest.mark.parametrize("verify", [None, 3], ids=["alone", "verify"])
 @pytest.mark.parametrize("zero", ["opt.zero_grad()", "opt.zero_grad(set_to_none=False)",
                                   "model.zero_grad()", "model.zero_grad(set_to_none=False)"])
-def test_a_plain_optimizer_sharing_parameters_steps_as_torchs_after_a_zero_grad(zero, verify):
+def test_a_plain_optimizer_sharing_parameters_steps_as_torchs_after_a_zero_grad(
+        process_group, zero, verify, kind, cap):
     """An attached optimizer's backward and step(), a zero_grad(), then a plain optimizer
     sharing the first layer steps (weight decay: zeros move it). torch's step() skips
     gradients set to None and updates on kept zeros; layeropt's is the same (it refused
     after the optimizer's zero_grad(), and skipped the zeros a module's zero_grad(
-    set_to_none=False) keeps: silently different)."""
+    set_to_none=False) keeps: silently different). On a plain model, under DDP and
+    under FSDP2 (one process)."""
     x = _batches(1, 1)[0]
     results = []
     for layer in (False, True):
-        model = _mlp()
+        model = test_rules._wrap(kind, _mlp())
+        first = (model.module if kind == "ddp" else model)[0]
         opt = (layeropt.SGD if layer else torch.optim.SGD)(model.parameters(), lr=0.1)
-        plain = torch.optim.SGD(model[0].parameters(), lr=0.1, weight_decay=0.1, momentum=0.9)
-        handle = layeropt.attach(model, opt, verify=verify) if layer else None
+        plain = torch.optim.SGD(first.parameters(), lr=0.1, weight_decay=0.1, momentum=0.9)
+        handle = layeropt.attach(model, opt, verify=verify, bucket_cap_mb=cap) \
+            if layer else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (LAYEROPT_VERIFY: ... equal)
             model(x).pow(2).mean().backward()
@@ -450,8 +456,8 @@ def test_a_plain_optimizer_sharing_parameters_steps_as_torchs_after_a_zero_grad(
             who, _, arg = zero.partition(".")
             (opt if who == "opt" else model).zero_grad(set_to_none="False" not in arg)
             plain.step()
-            results.append(([p.detach().clone() for p in model.parameters()],
-                            plain.state_dict()))
+            results.append(test_rules._local(([p.detach() for p in model.parameters()],
+                                              plain.state_dict()["state"])))
         if handle is not None:
             handle.remove()
     assert_same(results[1], results[0])

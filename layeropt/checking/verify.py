@@ -388,10 +388,9 @@ class Verifier(Wrapper):
         if params is None:
             self.unzeroed.clear()
         else:
-            gone = set()
-            for p in params():
-                self.unzeroed.pop(id(p), None)
-                gone.add(id(p))
+            gone = {id(p) for p in params()}
+            for i in gone:
+                self.unzeroed.pop(i, None)
             record, applied = self.applied  # (not freed by the step any more: zeroed)
             self.applied = (record, [p for p in applied if id(p) not in gone])
 
