@@ -393,6 +393,67 @@ def test_a_step_removed_while_open_ends_at_the_optimizers_next_call(then, first)
         act(model, opt, sched, z)
 
 
+# after remove() once step() ended the training step (torch still holds its gradients
+# until a zero_grad): what the loop does next, and the outcome - None: torch's result.
+# The first was loopfuzz chaos seed 111,322 (Adadelta): silently different before, as
+# were all but the refused ones (the module's zero_grad() is not watched once the last
+# attachment left; its gradients are now given back as zeros at remove())
+_AFTER_CLOSED_REMOVE = {
+    "model.zero_grad(), zero_grad(set_to_none=False), step()": (["mzg", "ozg0", "step"], None),
+    "model.zero_grad(set_to_none=False), step()": (["mzg0", "step"], None),
+    "zero_grad(set_to_none=False), step(), step()": (["ozg0", "step", "step"], None),
+    "model.zero_grad(), a backward, step()": (["mzg", "fb", "step"], None),
+    "zero_grad(), a backward, step()": (["ozg", "fb", "step"], None),
+    # torch would step on that step()'s gradients a second time; layeropt freed them
+    "step()": (["step"], "already applied"),
+    "attach again, step()": (["attach", "step"], "already applied"),
+}
+_AFTER_CLOSED_OPS = {
+    "mzg": lambda m, o, x: m.zero_grad(), "mzg0": lambda m, o, x: m.zero_grad(set_to_none=False),
+    "ozg": lambda m, o, x: o.zero_grad(), "ozg0": lambda m, o, x: o.zero_grad(set_to_none=False),
+    "step": lambda m, o, x: o.step(), "fb": lambda m, o, x: m(x).pow(2).mean().backward(),
+}
+
+
+@pytest.mark.parametrize("cap", [0, None], ids=["cap0", "default cap"])
+@pytest.mark.parametrize("kind", ["SGD", "Adam"])
+@pytest.mark.parametrize("zeroing", ["set_to_none", "zeros"])
+@pytest.mark.parametrize("then", list(_AFTER_CLOSED_REMOVE))
+def test_after_a_remove_between_step_and_zero_grad_the_loop_goes_on_as_torchs(
+        then, zeroing, kind, cap):
+    """Train two steps (zeroing with ``set_to_none`` or keeping zeros), backward,
+    ``step()``, ``remove()``; then what the loop does next, against torch.optim's loop:
+    parameters and state equal, or refused before anything changes."""
+    ops, refused = _AFTER_CLOSED_REMOVE[then]
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    kw = dict(lr=0.05, momentum=0.9, weight_decay=0.01) if kind == "SGD" else dict(lr=0.01)
+    opt, ref_opt = getattr(layeropt, kind)(model.parameters(), **kw), getattr(torch.optim, kind)(
+        ref.parameters(), **kw)
+    handle = layeropt.attach(model, opt, **({} if cap is None else {"bucket_cap_mb": cap}))
+    batches = _batches(4, 3)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for x in batches[:3]:
+            o.zero_grad(set_to_none=zeroing == "set_to_none")
+            m(x).pow(2).mean().backward()
+            o.step()
+    handle.remove()
+    for name in ops:
+        if name == "attach":
+            layeropt.attach(model, opt)
+            continue
+        if refused is not None and name == ops[-1]:
+            before = copy.deepcopy((model.state_dict(), opt.state_dict()))
+            with pytest.raises(layeropt.BackwardStateError, match=refused):
+                _AFTER_CLOSED_OPS[name](model, opt, batches[3])
+            assert_same((model.state_dict(), opt.state_dict()), before, "after the refusal")
+            return
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _AFTER_CLOSED_OPS[name](m, o, batches[3])
+    _equal(model, ref)
+    assert_same(opt.state_dict(), ref_opt.state_dict(), "optimizer state")
+
+
 @pytest.mark.parametrize("zeroed", [False, True], ids=["step", "step-zero_grad"])
 def test_a_plain_step_is_refused_while_torch_would_hold_the_gradients(zeroed):
     """opt1's backward updated a layer a plain optimizer shares, opt1.step(); then opt1's

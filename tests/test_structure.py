@@ -152,7 +152,7 @@ def test_the_engine_names_no_feature_and_the_top_stays_small():
     report = _engine_report()
     engine_cls = type(layeropt.Adam([torch.zeros(1, requires_grad=True)])._lo_engine)
     own = report.engine_modules(engine_cls)
-    assert {p.name for p in own} == {"landing.py", "rules.py", "boundaries.py"}, own
+    assert {p.name for p in own} == {"landing.py", "rules.py", "boundaries.py", "zeroing.py"}, own
     assert report.feature_lines(own) == []
     assert len(report.top_level_modules(ROOT)) <= 14, report.top_level_modules(ROOT)
 

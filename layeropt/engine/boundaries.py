@@ -16,7 +16,8 @@ update read them. Here also:
   ``zero_grad(set_to_none=False)`` keeps) and refuses a gradient set on a
   parameter backward already updated; ``step()``/``zero_grad()`` refuse what
   torch would take as one step of several, hyperparameters changed after
-  backward, and a ``zero_grad()`` that discards what a backward applied.
+  backward, and a ``zero_grad()`` that discards what a backward applied
+  (what torch keeps for ``zero_grad()``: its base, ``layeropt/engine/zeroing.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 from . import between as _between
 from .registry import ENGINES, hooked_by
 from .stepper import _autocast_on
+from .zeroing import DETACHED, Zeroing
 from ..errors import (
     ACCUMULATION_ERROR,
     AUTOCAST_STEP_ERROR,
@@ -49,7 +51,6 @@ __all__ = ["StepRecord", "StepRules", "Group", "take_over", "refuse_open_updates
 # in ``calls``: a zero_grad() discarded applied gradients before the loop's first step()
 _EARLY_DISCARD = "discarded before the first step()"
 _STEP_TRIED = "step() called"  # (its first may be refused: a loop that calls step())
-DETACHED = "detached"  # its last attachment left: its step()/zero_grad() are still the loop's
 _STEP_EXPECTED = "step() expected"  # (expect_step(): the loop is known to call step())
 REMOVE_WARNED = "remove() warned"  # (REMOVE_OPEN_WARNING, said once per optimizer)
 SAVE_WARNED = "state_dict() warned"  # (a checkpoint ahead of torch's, said once)
@@ -96,10 +97,14 @@ class StepRecord:
             ``zero_grad(set_to_none=False)`` keeps them as zeros.
         faulted: a backward of it raised after updating parameters: how many and the
             first one's name (:meth:`StepRules.check_boundary` refuses the step's end).
+        stale: zero ``.grad``s standing for gradients torch still holds that an
+            attached backward applied and freed (:meth:`StepRules.give_back_stepped`),
+            with their version then: a ``step()`` finding one untouched would be
+            torch's second step on that gradient.
     """
 
     __slots__ = ("stepped_backwards", "held_backwards", "held_after_step", "held", "hyper",
-                 "hyper_txn", "skipped", "scaler_skipped", "faulted")
+                 "hyper_txn", "skipped", "scaler_skipped", "faulted", "stale")
 
     def __init__(self) -> None:
         self.stepped_backwards = self.held_backwards = 0
@@ -108,11 +113,12 @@ class StepRecord:
         self.skipped: list[Tensor] = []
         self.scaler_skipped: list[Tensor] = []  # (what skip() added to skipped)
         self.faulted: tuple[int, str] | None = None
+        self.stale: list[tuple[Tensor, Tensor, int]] = []
         self.hyper: list[dict[str, Any]] | None = None
         self.hyper_txn = -1
 
 
-class StepRules:
+class StepRules(Zeroing):
     """The engine's training-step side (see the module docstring)."""
 
     # What it uses of the rest of the engine: its state (set in Rules.__init__ and
@@ -246,6 +252,7 @@ class StepRules:
             raise BackwardStateError(AUTOCAST_STEP_ERROR.format(name=type(optimizer).__name__))
         self.show_kept()  # (torch steps them on a zero gradient)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        _between.refuse_stale_step(self.train_step.stale)
         if params and self.train_step.stepped_backwards:  # set after backward (_between.py)
             _between.refuse_second_update(self.last.stepped, params)
         if params and getattr(optimizer, "grad_scale", None) is not None and self.clips:
@@ -309,6 +316,8 @@ class StepRules:
         if DETACHED not in self.calls:  # (never attached: torch.optim's, untouched)
             return torch_step()
         if not self.stepped_since_boundary:
+            if closure is None:  # (a closure's backward changes them first)
+                _between.refuse_stale_step(self.train_step.stale)
             early = self.first_step()
             loss = torch_step()
         else:
@@ -324,110 +333,15 @@ class StepRules:
             early = self.first_step()
             if params:
                 optimizer._lo_stepper(optimizer, params, self.txn)
+            self.end_step(params)
+            self.give_back_stepped()
+            if early:
+                raise BackwardStateError(EARLY_DISCARD_ERROR)
+            return loss
         self.boundary("step()")
         if early:
             raise BackwardStateError(EARLY_DISCARD_ERROR)
         return loss
-
-    def zero_grad(self, set_to_none: bool, torch_zero_grad: Callable[[bool], None]) -> None:
-        """``optimizer.zero_grad()``: torch's, after the boundary checks; held gradients go."""
-        attached = bool(self.attachments)
-        checked = attached or DETACHED in self.calls  # (the loop's, as detached_step)
-        if checked:
-            self.check_boundary("zero_grad()")
-            self.check_discard(None, "optimizer.zero_grad()")
-        # what torch holds a .grad for now, and keeps as zeros with set_to_none=False:
-        # the latest backward's, the held ones, any set by hand
-        optimizer = self._optimizer()
-        groups = optimizer.param_groups if optimizer is not None else []
-        had = [] if set_to_none else self._held_now([p for g in groups for p in g["params"]])
-        self.stepper.held.drop(set_to_none)  # (torch would zero or drop those in .grad)
-        torch_zero_grad(set_to_none)
-        self.train_step.held.clear()
-        self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, had, set_to_none)
-        self.last.zeroed = True
-        if checked:
-            self.boundary("zero_grad()")
-        if not attached:  # no hook steps these any more: torch's step() must find the kept zeros
-            self.give_back_kept()
-            if self.kept_grads:  # (in .grad now: torch's own, which a module's zero_grad,
-                self.kept_grads = {i: p for i, p in self.kept_grads.items()  # unwatched
-                                   if p.grad is None}  # while detached, may drop)
-
-    def give_back_kept(self, owned: set[int] | None = None) -> None:
-        """Torch's ``.grad`` carries the kept zero gradients from here (``owned``'s: an
-        attachment is removed; all: a ``zero_grad`` with none left): a zero ``.grad`` for
-        each kept parameter that has none. Not yet for those the latest backward stepped
-        when no ``step()`` came after it: torch still holds their gradient, for that
-        ``step()`` (this optimizer's ``zero_grad`` gives them back). Once a ``step()``
-        came, the next ``zero_grad`` - any optimizer's, or the model's - finds zeros, as
-        it finds torch's gradients."""
-        kept = self.kept_grads
-        if not kept:
-            return
-        waiting = {id(p) for p in self._this_step()} if self.stepped_since_boundary else ()
-        held = self.stepper.held
-        given = [p for i, p in kept.items() if i not in waiting
-                 and (owned is None or i in owned) and p not in held]
-        for p in given:  # (one with a .grad already: torch's own step() left it there)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            del kept[id(p)]
-
-    def module_zero_grad(self, params: list[Tensor], set_to_none: bool) -> None:
-        """``module.zero_grad(set_to_none)`` over ``params``, before torch's: held
-        gradients in a store go as torch's in ``.grad`` would, and the parameters torch
-        then keeps a zero ``.grad`` for (or no longer does) are followed as for the
-        optimizer's ``zero_grad``. Only this optimizer's: another model's parameters (a
-        plain optimizer's, an abandoned one's) were kept as its own, and given zeros when
-        it was deleted - a plain torch model's next step() then moved on them."""
-        optimizer = self._optimizer()
-        params = [p for p in params if optimizer is not None and optimizer.owns(p)]
-        if not params:
-            return
-        ids = {id(p) for p in params}
-        had = [] if set_to_none else [p for p in self._held_now(params) if id(p) in ids]
-        self.stepper.held.drop(set_to_none, params)
-        self.forget_stepped(ids)  # (torch's gradients of them are gone or zero now)
-        step = self.train_step
-        if step.skipped:
-            step.skipped = [p for p in step.skipped if id(p) not in ids]
-        if set_to_none:
-            for i in ids if self.kept_grads else ():
-                self.kept_grads.pop(i, None)
-            return
-        self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, had, False)
-
-    def _held_now(self, params: list[Tensor]) -> list[Tensor]:
-        """Of ``params``, those torch holds a gradient for now: the latest backward's (and
-        a skipped step's), and any with a ``.grad`` or held in a store."""
-        store, rec = self.stepper.held, self.last  # (step()'s updates too: torch keeps
-        return ([] if rec.zeroed else rec.stepped) + self.train_step.skipped + [  # their
-            p for p in params if p.grad is not None or p in store]  # .grad after step())
-
-    def unused_kept(self, optimizer: Any) -> list[Tensor]:
-        """Parameters torch would update on a kept zero gradient at this ``step()`` (not
-        those whose held gradient waits in a store: that one is their gradient)."""
-        held = self.stepper.held
-        return [p for p in _between.unused_kept(self.kept_grads, self._this_step(),
-                                                optimizer.param_groups) if p not in held]
-
-    def show_kept(self) -> None:
-        """The zeros torch keeps (``zero_grad(set_to_none=False)``) for the layers this
-        step did not reach, in ``.grad``: for ``step()`` to update them, and where a
-        backward held its gradients for ``step()``, for what the loop runs before it
-        (``clip_grad_norm_`` after ``scaler.unscale_``: a norm over them sums the same
-        terms as torch's)."""
-        optimizer = self._optimizer()
-        for p in self.unused_kept(optimizer) if optimizer is not None and self.kept_grads else ():
-            p.grad = torch.zeros_like(p)
-
-    def _this_step(self) -> list[Tensor]:
-        """What the latest backward stepped, unless a ``zero_grad()`` came after it."""
-        rec = self.last
-        if rec.zeroed:
-            return []
-        return rec.stepped if rec.by_backward is None else rec.stepped[:rec.by_backward]
 
     @property
     def bounded(self) -> bool:

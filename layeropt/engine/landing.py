@@ -173,7 +173,8 @@ class Engine(Rules):
     """One per layeropt optimizer: what lands, and how it is stepped.
 
     Its state, each changed only by its own methods (here, in
-    ``layeropt/engine/rules.py`` and in ``layeropt/engine/boundaries.py``):
+    ``layeropt/engine/rules.py``, ``layeropt/engine/boundaries.py`` and
+    ``layeropt/engine/zeroing.py``):
 
     * what it steps: the optimizer (weakly) and its ``attachments``, with the
       placement of their parameters (settings, bucket) derived from them;
@@ -376,7 +377,6 @@ class Engine(Rules):
         self._places = None
 
     def remove_attachment(self, attachment: Any) -> None:
-        self.give_back_kept({id(p) for p in attachment.owned})
         self.attachments.pop(attachment, None)
         self._places = None
         if not self.attachments:
@@ -385,6 +385,8 @@ class Engine(Rules):
                     and REMOVE_WARNED not in self.calls):  # loop; said once)
                 self.calls.add(REMOVE_WARNED)
                 warn(REMOVE_OPEN_WARNING)
+            self.give_back_stepped()  # (before the kept zeros: an applied gradient is torch's)
+        self.give_back_kept({id(p) for p in attachment.owned})
 
     @property
     def clips(self) -> bool:

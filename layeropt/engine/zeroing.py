@@ -1,0 +1,164 @@
+"""Gradients torch keeps after a training step, at one engine: ``zero_grad()``.
+
+A mixin of ``boundaries.StepRules`` (and so of ``landing.Engine``). torch keeps a
+``.grad`` until a ``zero_grad`` for every parameter a ``step()`` updated, as zeros
+after ``zero_grad(set_to_none=False)``; an attached backward has freed those
+gradients. What torch would hold is followed here: ``kept_grads`` (zeros torch
+keeps, shown to ``step()`` so that it updates on them), the latest step's
+updates (given back as zero ``.grad``s once no attachment is left, for the loop's
+own ``zero_grad`` and ``step()`` to find), and the optimizer's and a module's
+``zero_grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import between as _between
+
+__all__ = ["Zeroing", "DETACHED"]
+
+DETACHED = "detached"  # its last attachment left: its step()/zero_grad() are still the loop's
+
+
+class Zeroing:
+    """The engine's ``zero_grad`` side (see the module docstring)."""
+
+    # What it uses of the rest of the engine (boundaries.StepRules, rules.Rules,
+    # landing.Engine): their state and methods.
+    train_step: Any
+    last: Any
+    kept_grads: dict[int, Tensor] | None
+    attachments: dict[Any, None]
+    stepper: Any
+    calls: set[str]
+    _optimizer: Callable[[], Any]
+    stepped_since_boundary: bool
+    check_boundary: Callable[[str], None]
+    check_discard: Callable[..., None]
+    boundary: Callable[[str], None]
+    forget_stepped: Callable[[set[int]], None]
+
+    def zero_grad(self, set_to_none: bool, torch_zero_grad: Callable[[bool], None]) -> None:
+        """``optimizer.zero_grad()``: torch's, after the boundary checks; held gradients go."""
+        attached = bool(self.attachments)
+        checked = attached or DETACHED in self.calls  # (the loop's, as detached_step)
+        if checked:
+            self.check_boundary("zero_grad()")
+            self.check_discard(None, "optimizer.zero_grad()")
+        # what torch holds a .grad for now, and keeps as zeros with set_to_none=False:
+        # the latest backward's, the held ones, any set by hand
+        optimizer = self._optimizer()
+        groups = optimizer.param_groups if optimizer is not None else []
+        had = [] if set_to_none else self._held_now([p for g in groups for p in g["params"]])
+        self.stepper.held.drop(set_to_none)  # (torch would zero or drop those in .grad)
+        torch_zero_grad(set_to_none)
+        self.train_step.held.clear()
+        self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, had, set_to_none)
+        self.last.zeroed = True
+        if checked:
+            self.boundary("zero_grad()")
+        if not attached:  # no hook steps these any more: torch's step() must find the kept zeros
+            self.give_back_kept()
+            if self.kept_grads:  # (in .grad now: torch's own, which a module's zero_grad,
+                self.kept_grads = {i: p for i, p in self.kept_grads.items()  # unwatched
+                                   if p.grad is None}  # while detached, may drop)
+
+    def give_back_kept(self, owned: set[int] | None = None) -> None:
+        """Torch's ``.grad`` carries the kept zero gradients from here (``owned``'s: an
+        attachment is removed; all: a ``zero_grad`` with none left): a zero ``.grad`` for
+        each kept parameter that has none. Not yet for those the latest backward stepped
+        when no ``step()`` came after it: torch still holds their gradient, for that
+        ``step()`` (this optimizer's ``zero_grad`` gives them back). Once a ``step()``
+        came, the next ``zero_grad`` - any optimizer's, or the model's - finds zeros, as
+        it finds torch's gradients."""
+        kept = self.kept_grads
+        if not kept:
+            return
+        waiting = {id(p) for p in self._this_step()} if self.stepped_since_boundary else ()
+        held = self.stepper.held
+        given = [p for i, p in kept.items() if i not in waiting
+                 and (owned is None or i in owned) and p not in held]
+        for p in given:  # (one with a .grad already: torch's own step() left it there)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            del kept[id(p)]
+
+    def give_back_stepped(self) -> None:
+        """No attachment is left and the training step is closed: torch holds a ``.grad``
+        for each parameter the latest step updated until a ``zero_grad``, which a
+        module's may now do unwatched. So ``.grad`` carries them from here: a zero one
+        for each that has none (its value was applied and freed), which the records
+        forget. A ``step()`` that finds one of a backward's untouched (no backward or
+        zero_grad since) would be torch's second step on it: refused there."""
+        if self.attachments or self.stepped_since_boundary:
+            return
+        rec, step, store = self.last, self.train_step, self.stepper.held
+        applied = set() if rec.zeroed else set(map(id, self._this_step()))
+        held = {id(p): p for p in self._held_now([]) if p not in store}
+        for i, p in held.items():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+                if i in applied:
+                    step.stale.append((p, p.grad, p.grad._version))
+        self.forget_stepped(set(held))
+        step.skipped = [p for p in step.skipped if id(p) not in held]
+
+    def module_zero_grad(self, params: list[Tensor], set_to_none: bool) -> None:
+        """``module.zero_grad(set_to_none)`` over ``params``, before torch's: held
+        gradients in a store go as torch's in ``.grad`` would, and the parameters torch
+        then keeps a zero ``.grad`` for (or no longer does) are followed as for the
+        optimizer's ``zero_grad``. Only this optimizer's: another model's parameters (a
+        plain optimizer's, an abandoned one's) were kept as its own, and given zeros when
+        it was deleted - a plain torch model's next step() then moved on them."""
+        optimizer = self._optimizer()
+        params = [p for p in params if optimizer is not None and optimizer.owns(p)]
+        if not params:
+            return
+        ids = {id(p) for p in params}
+        had = [] if set_to_none else [p for p in self._held_now(params) if id(p) in ids]
+        self.stepper.held.drop(set_to_none, params)
+        self.forget_stepped(ids)  # (torch's gradients of them are gone or zero now)
+        step = self.train_step
+        if step.skipped:
+            step.skipped = [p for p in step.skipped if id(p) not in ids]
+        if set_to_none:
+            for i in ids if self.kept_grads else ():
+                self.kept_grads.pop(i, None)
+            return
+        self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, had, False)
+
+    def _held_now(self, params: list[Tensor]) -> list[Tensor]:
+        """Of ``params``, those torch holds a gradient for now: the latest backward's (and
+        a skipped step's), and any with a ``.grad`` or held in a store."""
+        store, rec = self.stepper.held, self.last  # (step()'s updates too: torch keeps
+        return ([] if rec.zeroed else rec.stepped) + self.train_step.skipped + [  # their
+            p for p in params if p.grad is not None or p in store]  # .grad after step())
+
+    def unused_kept(self, optimizer: Any) -> list[Tensor]:
+        """Parameters torch would update on a kept zero gradient at this ``step()`` (not
+        those whose held gradient waits in a store: that one is their gradient)."""
+        held = self.stepper.held
+        return [p for p in _between.unused_kept(self.kept_grads, self._this_step(),
+                                                optimizer.param_groups) if p not in held]
+
+    def show_kept(self) -> None:
+        """The zeros torch keeps (``zero_grad(set_to_none=False)``) for the layers this
+        step did not reach, in ``.grad``: for ``step()`` to update them, and where a
+        backward held its gradients for ``step()``, for what the loop runs before it
+        (``clip_grad_norm_`` after ``scaler.unscale_``: a norm over them sums the same
+        terms as torch's)."""
+        optimizer = self._optimizer()
+        for p in self.unused_kept(optimizer) if optimizer is not None and self.kept_grads else ():
+            p.grad = torch.zeros_like(p)
+
+    def _this_step(self) -> list[Tensor]:
+        """What the latest backward stepped, unless a ``zero_grad()`` came after it."""
+        rec = self.last
+        if rec.zeroed:
+            return []
+        return rec.stepped if rec.by_backward is None else rec.stepped[:rec.by_backward]
