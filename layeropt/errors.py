@@ -43,10 +43,11 @@ EARLY_DISCARD_ERROR = (
     "this loop's first step(): before it, a zero_grad() discarded gradients that an "
     "attached backward had already applied (a batch skipped before the first step, say): "
     "torch dropped them, layeropt updated the parameters with them, so the results "
-    "differ from there on. This step() itself was applied as torch's. Skip a batch before "
+    "differ from there on. {this} Skip a batch before "
     "its backward, or run that backward inside `with opt.no_step():` so that zero_grad() "
     "drops its gradients as torch does."
 )
+EARLY_DISCARD_APPLIED = "This step() itself was applied as torch's."
 
 REMOVE_OPEN_WARNING = (
     "remove() inside a training step: an attached backward since the last step() or "

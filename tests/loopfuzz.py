@@ -2,7 +2,8 @@
 
 Each program is drawn from ``random.Random(seed)`` (the seed alone reproduces it): an
 optimizer with random options (torch.optim's but LBFGS and SparseAdam - Muon over
-the 2D weights alone - now and then with a learning rate given as a tensor; the
+the 2D weights alone - now and then with a learning rate given as a tensor, or its
+second param group with options of its own, fused or foreach where the first is not; the
 ``thirdparty`` mix: schedule-free's and bitsandbytes', ``THIRD_PARTY``, through
 ``layeropt.in_backward``), attach options, and a sequence of what loops do -
 forward and backward (plain, keeping the graph, a second backward), ``no_step()``
@@ -129,6 +130,11 @@ class Net(nn.Module):
 # -- drawing a program ----------------------------------------------------------------
 def draw_optimizer(r: random.Random) -> tuple[str, dict[str, Any]]:
     kind = r.choice(OPTIMIZERS)
+    return kind, draw_options(r, kind)
+
+
+def draw_options(r: random.Random, kind: str) -> dict[str, Any]:
+    """Options of a torch.optim ``kind``: its own, and its implementation (foreach, fused)."""
     kw: dict[str, Any] = {"lr": r.choice([0.1, 0.01, 0.05])}
     impl = r.choice([None, "foreach", "forloop", "fused"])
     if kind == "SGD":
@@ -172,7 +178,7 @@ def draw_optimizer(r: random.Random) -> tuple[str, dict[str, Any]]:
         kw["foreach"] = False
     elif impl == "fused" and kind in ("SGD", "Adam", "AdamW", "Adagrad"):
         kw["fused"] = True
-    return kind, kw
+    return kw
 
 
 def installed_third_party() -> list[tuple[str, dict[str, list[Any]]]]:
@@ -329,7 +335,19 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
         prog["tensor_lr"] = True
     if mix != "thirdparty" and r.random() < 0.25:  # (schedulers that move momentum too)
         prog["sched"] = r.choice(["onecycle", "cyclic"])
+    if mix != "thirdparty" and prog["opt"] != "Muon" and r.random() < 0.2:
+        prog["gkw"] = draw_group_options(r, prog)
     return prog
+
+
+def draw_group_options(r: random.Random, prog: dict[str, Any]) -> dict[str, Any]:
+    """The second param group's own options, drawn as the optimizer's (its implementation
+    too: one group fused or foreach, the other not); torch refuses a tensor learning rate
+    with Adam's foreach."""
+    kw = draw_options(r, prog["opt"])
+    if prog.get("tensor_lr") and prog["opt"] in ("Adam", "AdamW") and kw.get("foreach"):
+        del kw["foreach"]
+    return kw
 
 
 def draw_muon(r: random.Random) -> dict[str, Any]:
@@ -369,7 +387,9 @@ class Side:
         cls = optimizer_class(self.prog["opt"], self.layer)
         params = trained(self.prog, [(n, p) for n, p in m.named_parameters()
                                      if not n.startswith("extra.")])
-        opt = cls([{"params": params[:2]}, {"params": params[2:]}],
+        gkw = self.prog.get("gkw")  # (the second group's own options)
+        opt = cls([{"params": params[:2]},
+                   {"params": params[2:], **(wrapped_kwargs(gkw, self.prog) if gkw else {})}],
                   **wrapped_kwargs(self.prog["okw"], self.prog))
         if hasattr(opt, "train"):
             opt.train()  # (schedule-free: its training mode)
@@ -937,6 +957,9 @@ def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
         cand = {**prog, k: v}
         if prog[k] != v and still(cand):
             prog = cand
+    cand = {k: v for k, v in prog.items() if k != "gkw"}  # (the groups' options alike)
+    if cand != prog and still(cand):
+        prog = cand
     return prog
 
 

@@ -139,6 +139,29 @@ def test_held_backward_after_a_stepping_one_before_the_first_step_is_refused(hel
     assert_same(state, opt.state_dict())
 
 
+@pytest.mark.parametrize("attached", [True, False], ids=["attached", "removed"])
+def test_a_first_step_refused_for_a_discard_says_so_where_torchs_step_trips(attached):
+    """A discard before the loop's first step() is said at that step(). If that step
+    raises on the way - RMSprop's momentum set above 0 since the discarded backward's
+    update made momentum-less state, which torch's never made - the refusal is raised
+    (from torch's KeyError), not the KeyError alone (loopfuzz with per-group options:
+    a crash before)."""
+    model, batch_fn, loss_fn = make_model("mlp")
+    opt = layeropt.RMSprop(model.parameters(), lr=0.01, momentum=0.0)
+    handle = layeropt.attach(model, opt)
+    gen = torch.Generator().manual_seed(0)
+    loss_fn(model, batch_fn(gen)).backward()  # applied at once, then discarded
+    opt.zero_grad()
+    opt.param_groups[0]["momentum"] = 0.9
+    with opt.no_step():
+        loss_fn(model, batch_fn(gen)).backward()
+    if not attached:
+        handle.remove()
+    with pytest.raises(layeropt.BackwardStateError, match="first step.*raised KeyError") as info:
+        opt.step()
+    assert isinstance(info.value.__cause__, KeyError)
+
+
 def test_param_with_grad_only_in_early_micro_batch_is_stepped():
     """A held gradient whose parameter gets no gradient in the last backward."""
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ update read them. Here also:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -38,6 +38,7 @@ from ..errors import (
     AUTOCAST_STEP_ERROR,
     AttachError,
     DISCARD_ERROR,
+    EARLY_DISCARD_APPLIED,
     EARLY_DISCARD_ERROR,
     FAULT_ERROR,
     SAVE_OPEN_WARNING,
@@ -261,8 +262,9 @@ class StepRules(Zeroing):
         steps = rec.steps  # (stepped_in_backward counts the backward's updates only)
         if rec.by_backward is None:  # (step()'s updates - kept zeros among them - are not
             rec.by_backward = len(rec.stepped)  # the backward's: torch still keeps zeros)
-        self._step(self.placed(params))
-        self._step_stored()
+        with _refused_first(early):
+            self._step(self.placed(params))
+            self._step_stored()
         ended = getattr(optimizer._lo_stepper, "step_ended", None)  # (a test's stand-in: a
         if ended is not None:  # function) - group values, which torch's step() moves
             ended(optimizer, rec.steps != steps or self.train_step.stepped_backwards > 0)
@@ -272,7 +274,7 @@ class StepRules(Zeroing):
             for attachment in list(self.attachments):
                 attachment.sync()
         if early:  # (this step() was torch's; the discarded batch's update was not)
-            raise BackwardStateError(EARLY_DISCARD_ERROR)
+            raise BackwardStateError(EARLY_DISCARD_ERROR.format(this=EARLY_DISCARD_APPLIED))
         return loss
 
     def end_step(self, stepped: list[Tensor]) -> None:
@@ -319,7 +321,8 @@ class StepRules(Zeroing):
             if closure is None:  # (a closure's backward changes them first)
                 _between.refuse_stale_step(self.train_step.stale)
             early = self.first_step()
-            loss = torch_step()
+            with _refused_first(early):
+                loss = torch_step()
         else:
             self.check_boundary("step()")
             loss = None
@@ -332,15 +335,16 @@ class StepRules(Zeroing):
             _between.refuse_second_update(self.last.stepped, params)
             early = self.first_step()
             if params:
-                optimizer._lo_stepper(optimizer, params, self.txn)
+                with _refused_first(early):
+                    optimizer._lo_stepper(optimizer, params, self.txn)
             self.end_step(params)
             self.give_back_stepped()
             if early:
-                raise BackwardStateError(EARLY_DISCARD_ERROR)
+                raise BackwardStateError(EARLY_DISCARD_ERROR.format(this=EARLY_DISCARD_APPLIED))
             return loss
         self.boundary("step()")
         if early:
-            raise BackwardStateError(EARLY_DISCARD_ERROR)
+            raise BackwardStateError(EARLY_DISCARD_ERROR.format(this=EARLY_DISCARD_APPLIED))
         return loss
 
     @property
@@ -422,6 +426,22 @@ class StepRules(Zeroing):
         step.stepped_backwards = 0  # said once: the loop may go on
         raise BackwardStateError(DISCARD_ERROR.format(
             where=where, n=len(stepped), name=self.name_of(stepped[0])))
+
+
+@contextlib.contextmanager
+def _refused_first(early: bool) -> Iterator[None]:
+    """The loop's first ``step()``, refused after it for a discard before it (``early``):
+    should that step raise on the way (torch's RMSprop finding no momentum buffer in state
+    the discarded backward's update made, which torch's never did), the refusal, not
+    what it tripped on."""
+    try:
+        yield
+    except Exception as e:
+        if early and not isinstance(e, BackwardStateError):
+            raise BackwardStateError(EARLY_DISCARD_ERROR.format(
+                this=f"This step() then raised {type(e).__name__}: {e} (on state that update "
+                "made).")) from e
+        raise
 
 
 def _fused_skip_state(optimizer: Any, params: list[Tensor]) -> None:
