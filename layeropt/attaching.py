@@ -187,6 +187,8 @@ class Attachment:
                     if not other.optimizers:  # its optimizers are gone: nothing to keep
                         other.remove()
                         continue
+                    if not any(o.owns(p) for o in other.optimizers):  # (the one of them
+                        continue  # that owned it is gone: its hook too, below)
                     name = names.get(id(p), b.name)
                     if any(o is owner for o in other.optimizers):  # (the same optimizer)
                         raise AttachError(ATTACHED_TWICE.format(name=name,

@@ -15,8 +15,8 @@ freezing layers, hyperparameters set by hand, schedulers (``OneCycleLR`` and
 repeated: orders no hand-written test tries. Every program ends exact (parameters and
 ``state_dict()`` equal torch's bit for bit), refused by a layeropt error, or in a
 documented undetectable case it reaches (docs/rules.md, "What cannot be detected":
-a loop that never zeroes its gradients; a module's ``zero_grad()`` after ``remove()``
-inside a training step, or with ``set_to_none=False``). Anything else is a bug:
+a loop that never zeroes its gradients; a module's ``zero_grad()``, either
+``set_to_none``, after a ``remove()`` inside a training step). Anything else is a bug:
 
 * ``diff``: the results differ without an error;
 * ``crash``: layeropt raised something other than a ``LayeroptError``;
@@ -762,8 +762,10 @@ def _saved_ahead(lo: Side, name: str) -> bool:
 
 def _unkept_after_remove(t: Side, lo: Side, name: str, a: dict[str, Any]) -> bool:
     """docs/rules.md's undetectable "``zero_grad(set_to_none=False)`` of a module after
-    ``remove()``": torch zeroes gradients it still holds (its next step updates those
-    parameters on zeros), which layeropt had freed before the attachment left."""
+    ``remove()``" inside a training step: torch zeroes gradients it still holds (its next
+    step updates those parameters on zeros), which layeropt had freed before the
+    attachment left. (Once a ``step()`` ended the training step, layeropt gives them back
+    as zero ``.grad``s: then none is found here, and the program goes on.)"""
     return (name == "zg" and a["who"] == "model" and not a["stn"] and not lo.attached
             and any(p.grad is not None and not lo.holds(q)
                     for p, q in zip(t.model.parameters(), lo.model.parameters())))

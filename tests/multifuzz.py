@@ -95,9 +95,9 @@ WHY = {
     "step-less": "Gradient accumulation: a loop that never calls step() takes each "
                  "backward as a step (here its optimizer handed over before its first "
                  "step(), the backward's update kept)",
-    "unkept": "What cannot be detected: a module's zero_grad(set_to_none=False) after "
-              "remove() finds no gradient of the last step to keep as zeros (torch's next "
-              "step() updates on zeros)",
+    "unkept": "What cannot be detected: remove() inside a training step - a module's "
+              "zero_grad(set_to_none=False) there finds no gradient of that step to keep "
+              "as zeros (torch's next step() updates on zeros)",
     "deleted": "A model another optimizer trained: an open training step is refused at "
                "attach, or the earlier optimizer deleted to train on from the parameters "
                "as they are",
@@ -323,6 +323,16 @@ def _draw_blocks(r: random.Random) -> dict[str, Any]:
             "ops": ops}
 
 
+def _muon_recipe(r: random.Random) -> dict[str, Any]:
+    """torch's Muon recipe over the whole model: ``o1`` Muon over every 2D weight, ``o2``
+    another optimizer (layeropt's or, now and then, a plain one) over the biases - two
+    optimizers in every module, each attached to the whole model or to each module."""
+    mods = ["trunk", "head", "aux"]
+    return {"opts": {"o1": ("Muon", loopfuzz.draw_muon(r)), "o2": draw_optimizer(r)},
+            "layer": {"o1": True, "o2": r.random() < 0.75}, "owned": {"o1": mods, "o2": mods},
+            "dims": {"o1": 2, "o2": 1}}
+
+
 def draw_program(seed: int, mix: str) -> dict[str, Any]:
     """A loop of 2-4 iterations (``checkpoint``: 2-3), then 0-3 mutations."""
     if mix not in MIXES:
@@ -337,6 +347,9 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     made = [*prog["opts"].values(), *(a["new"] for _, a in ops if "new" in a)]
     tensor_lr = r.random() < 0.1 and not any(
         k in ("Adam", "AdamW") and kw.get("foreach") for k, kw in made)
+    if base != "checkpoint" and list(prog["opts"]) == ["o1", "o2"] and hasattr(
+            torch.optim, "Muon") and r.random() < 0.15:
+        prog.update(_muon_recipe(r))
     return {"seed": seed, "mix": mix, **prog, "ops": ops[:22],
             "mode": mode, "verify": mix in VERIFIED, **({"tensor_lr": True} if tensor_lr else {})}
 
@@ -376,7 +389,10 @@ class Side:
         return [self.model.get_submodule(m) for m in self.prog["owned"][n]]
 
     def params(self, n: str) -> list[torch.Tensor]:
-        return list({id(p): p for m in self.modules(n) for p in m.parameters()}.values())
+        """Optimizer ``n``'s parameters: its modules', those of its ``dims`` alone (Muon's)."""
+        ps = {id(p): p for m in self.modules(n) for p in m.parameters()}.values()
+        dims = self.prog.get("dims", {}).get(n)
+        return [p for p in ps if dims is None or (p.ndim == 2) == (dims == 2)]
 
     def _make(self, n: str, kind: str, kw: dict[str, Any]) -> torch.optim.Optimizer:
         cls = getattr(torch.optim, kind)
@@ -543,7 +559,7 @@ class Watch:
         self.applied: set[int] = set()  # layeropt-owned, applied by step(), not zeroed
         self.open: set[str] = set()  # updated by an attached backward, no step()/zero_grad()
         self.updated: set[str] = set()  # updated by an attached backward, ever
-        self.removed = False  # an attachment was removed (a handover)
+        self.removed_open = False  # an attachment removed inside its training step (a handover)
         self.stepped: set[str] = set()  # called step() (this optimizer, not one before it)
         self.pending: dict[str, None] = {}  # a backward gave it gradients since its step()
         self.grads: list[torch.Tensor | None] = []
@@ -569,12 +585,12 @@ class Watch:
             read = t.model.reads(a)
             if any(read & set(t.prog["owned"][n]) for n in self.open):
                 return "reads-updated"
-        elif name == "mzg" and not a["stn"] and self.removed and any(
+        elif name == "mzg" and not a["stn"] and self.removed_open and any(
                 p.grad is not None and self._applied(q) for p, q in self.pairs):
             return "unkept"
         elif name == "handover":
-            self.removed = True
             n = a["o"]
+            self.removed_open |= n in self.open
             if n in self.open and a["how"] == "del":
                 return "deleted"
             if n in self.updated and n not in self.stepped:

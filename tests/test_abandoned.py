@@ -524,6 +524,49 @@ def test_a_plain_optimizer_sharing_parameters_steps_as_torchs_after_a_zero_grad(
     assert_same(results[1], results[0])
 
 
+def _train_both(model: nn.Module, opts: list[Any], batches: list[torch.Tensor]) -> None:
+    for x in batches:
+        model(x).pow(2).mean().backward()
+        for o in opts:
+            o.step()
+        for o in opts:
+            o.zero_grad()
+
+
+@pytest.mark.parametrize("cap", [0, None], ids=["cap0", "default cap"])
+@pytest.mark.parametrize("split", ["dims", "modules"])
+def test_a_new_optimizer_takes_over_a_deleted_ones_share_of_a_joint_attachment(split, cap):
+    """``attach(model, [a, b])``, then ``b`` deleted (the attachment stays for ``a``) and a
+    new optimizer attached for ``b``'s parameters: it takes them over, and both train as
+    torch's ``a`` and new optimizer do - split by dimension (torch's Muon recipe: one
+    optimizer for the 2D weights, one for the rest, in every module) or by module.
+    (Refused before, naming ``a`` as the owner of ``b``'s parameters: multifuzz with the
+    Muon recipe.)"""
+    x = _batches(3, 5)
+    results = []
+    for layer in (False, True):
+        model = _mlp()
+        ps = list(model.parameters())
+        first = ([p for p in ps if p.ndim == 2] if split == "dims"
+                 else [*model[0].parameters(), *model[2].parameters()])
+        rest = [p for p in ps if all(p is not q for q in first)]
+        lib = layeropt if layer else torch.optim
+        a, b = lib.SGD(first, lr=0.1, momentum=0.9), lib.Adam(rest, lr=0.01)
+        kw = {} if cap is None else {"bucket_cap_mb": cap}
+        handle = layeropt.attach(model, [a, b], **kw) if layer else None
+        _train_both(model, [a, b], x[:2])
+        del b
+        gc.collect()
+        b = lib.RMSprop(rest, lr=0.01, momentum=0.5)
+        if layer:
+            layeropt.attach(model, b, **kw)
+        _train_both(model, [a, b], x[2:])
+        results.append(([p.detach().clone() for p in ps], a.state_dict(), b.state_dict()))
+        if handle is not None:
+            handle.remove()
+    assert_same(results[1], results[0])
+
+
 @pytest.mark.parametrize("verify", [None, 3], ids=["plain", "verify"])
 def test_a_deleted_optimizers_backward_no_longer_refuses_its_successors_step(verify):
     """An optimizer's backward, step() and zero_grad(), then the optimizer deleted (its

@@ -570,6 +570,22 @@ def _kept_zeros_then_reattached(m, opt, x, step, lo):
     opt.step()
 
 
+def _removed_after_step_zeroed_unwatched(m, opt, x, step, lo):
+    """``remove()`` after ``step()``, the model's ``zero_grad(set_to_none=False)`` (unwatched:
+    detached), attached again, ``step()`` on those zeros: torch's gradients zeroed in
+    place, not the last step's any more (verify called them "not zeroed": verifyfuzz chaos
+    seed 120,224, once remove() gave them back)."""
+    m(x).pow(2).mean().backward()
+    opt.step()
+    if lo:
+        layeropt.attach(m, opt).remove()  # (the handle attach() gave)
+    m.zero_grad(set_to_none=False)
+    if lo:
+        layeropt.attach(m, opt, verify=3)
+    opt.step()
+    opt.zero_grad()
+
+
 def _removed_before_step(m, opt, x, step, lo):
     """``remove()`` between a verified backward and its ``step()``: that step() verifies
     it and steps torch's gradients (it was refused as a second update)."""
@@ -594,6 +610,8 @@ EXACT_BY_HAND: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
     "kept zeros, removed, the model's zero_grad(), attached again": (
         _kept_zeros_then_reattached, ("plain",)),
     "removed between a verified backward and its step()": (_removed_before_step, ("plain",)),
+    "removed after step(), the model's zero_grad(set_to_none=False), attached again": (
+        _removed_after_step_zeroed_unwatched, ("plain",)),
 }
 
 
@@ -606,6 +624,7 @@ def test_more_exact_loops_pass_verification_and_stay_exact(process_group, kind, 
     loop, kinds = EXACT_BY_HAND[case]
     if kind not in kinds:
         pytest.skip("not on this kind (EXACT_BY_HAND says why)")
+    gc.collect()  # (earlier tests' attachments gone: once detached, no watcher is left)
     ref, model = (test_rules._wrap(kind, _model()) for _ in range(2))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
     opt = layeropt.AdamW(model.parameters(), lr=0.01)
