@@ -288,13 +288,7 @@ class Attachment:
         self.buckets.clear()
 
     def remove(self) -> None:
-        """Remove every hook; the optimizers behave like torch.optim again.
-
-        The gradients torch would still hold from here are in ``.grad``: those
-        kept as zeros by ``zero_grad(set_to_none=False)``, and, once ``step()``
-        ended the training step, a zero one for each gradient that step applied
-        and freed (until a ``zero_grad``, as torch's; a ``step()`` that finds
-        them untouched would be torch's second step on them and is refused)."""
+        """Remove every hook; the optimizers behave like torch.optim again."""
         if not self._removed:
             self._release()
             for opt in self.optimizers:

@@ -15,8 +15,8 @@ freezing layers, hyperparameters set by hand, schedulers (``OneCycleLR`` and
 repeated: orders no hand-written test tries. Every program ends exact (parameters and
 ``state_dict()`` equal torch's bit for bit), refused by a layeropt error, or in a
 documented undetectable case it reaches (docs/rules.md, "What cannot be detected":
-a loop that never zeroes its gradients; a module's ``zero_grad()``, either
-``set_to_none``, after a ``remove()`` inside a training step). Anything else is a bug:
+a loop that never zeroes its gradients; a module's ``zero_grad()`` after a ``remove()``
+before ``zero_grad()``). Anything else is a bug:
 
 * ``diff``: the results differ without an error;
 * ``crash``: layeropt raised something other than a ``LayeroptError``;
@@ -762,13 +762,25 @@ def _saved_ahead(lo: Side, name: str) -> bool:
 
 def _unkept_after_remove(t: Side, lo: Side, name: str, a: dict[str, Any]) -> bool:
     """docs/rules.md's undetectable "``zero_grad(set_to_none=False)`` of a module after
-    ``remove()``" inside a training step: torch zeroes gradients it still holds (its next
+    ``remove()``" before ``zero_grad()``: torch zeroes gradients it still holds (its next
     step updates those parameters on zeros), which layeropt had freed before the
-    attachment left. (Once a ``step()`` ended the training step, layeropt gives them back
-    as zero ``.grad``s: then none is found here, and the program goes on.)"""
+    attachment left."""
     return (name == "zg" and a["who"] == "model" and not a["stn"] and not lo.attached
             and any(p.grad is not None and not lo.holds(q)
                     for p, q in zip(t.model.parameters(), lo.model.parameters())))
+
+
+def _unwatched_dropped(t: Side, lo: Side, name: str, a: dict[str, Any]) -> bool:
+    """docs/rules.md's undetectable "module's ``zero_grad()`` after ``remove()``" before
+    ``zero_grad()``, seen at the optimizer's ``zero_grad(set_to_none=False)`` that
+    follows: torch's gradients of the last step are gone (the module's ``zero_grad()``
+    set them to None, unwatched), layeropt still takes them as torch's and gives them
+    zeros (loopfuzz chaos seed 111,322)."""
+    if name != "zg" or a["who"] != "opt" or a["stn"] or lo.attached:
+        return False
+    held = {id(q) for q in lo.opt._lo_engine._held_now([])}
+    return any(p.grad is None and id(q) in held
+               for p, q in zip(t.model.parameters(), lo.model.parameters()))
 
 
 def _diff(a: Any, b: Any, path: str = "") -> list[str]:
@@ -872,6 +884,7 @@ def run_program(prog: dict[str, Any], side: type[Side] = Side, classify: bool = 
                     never_zeroed.reached(name, a)
                     or _unwatched_discard(lo, name, a) and "remove-discard"
                     or _unkept_after_remove(t, lo, name, a) and "remove-unkept"
+                    or _unwatched_dropped(t, lo, name, a) and "remove-dropped"
                     or _saved_ahead(lo, name) and "saved-ahead")
                 if why:
                     return {**out, "status": "undetectable", "at": i, "why": why}

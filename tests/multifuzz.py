@@ -95,9 +95,9 @@ WHY = {
     "step-less": "Gradient accumulation: a loop that never calls step() takes each "
                  "backward as a step (here its optimizer handed over before its first "
                  "step(), the backward's update kept)",
-    "unkept": "What cannot be detected: remove() inside a training step - a module's "
-              "zero_grad(set_to_none=False) there finds no gradient of that step to keep "
-              "as zeros (torch's next step() updates on zeros)",
+    "unkept": "What cannot be detected: remove() before zero_grad() - a module's "
+              "zero_grad(set_to_none=False) after it finds no gradient of that step to "
+              "keep as zeros (torch's next step() updates on zeros)",
     "deleted": "A model another optimizer trained: an open training step is refused at "
                "attach, or the earlier optimizer deleted to train on from the parameters "
                "as they are",
@@ -559,7 +559,7 @@ class Watch:
         self.applied: set[int] = set()  # layeropt-owned, applied by step(), not zeroed
         self.open: set[str] = set()  # updated by an attached backward, no step()/zero_grad()
         self.updated: set[str] = set()  # updated by an attached backward, ever
-        self.removed_open = False  # an attachment removed inside its training step (a handover)
+        self.removed = False  # an attachment was removed (a handover)
         self.stepped: set[str] = set()  # called step() (this optimizer, not one before it)
         self.pending: dict[str, None] = {}  # a backward gave it gradients since its step()
         self.grads: list[torch.Tensor | None] = []
@@ -585,12 +585,12 @@ class Watch:
             read = t.model.reads(a)
             if any(read & set(t.prog["owned"][n]) for n in self.open):
                 return "reads-updated"
-        elif name == "mzg" and not a["stn"] and self.removed_open and any(
+        elif name == "mzg" and not a["stn"] and self.removed and any(
                 p.grad is not None and self._applied(q) for p, q in self.pairs):
             return "unkept"
         elif name == "handover":
+            self.removed = True
             n = a["o"]
-            self.removed_open |= n in self.open
             if n in self.open and a["how"] == "del":
                 return "deleted"
             if n in self.updated and n not in self.stepped:

@@ -31,6 +31,7 @@ from torch import nn
 
 import layeropt
 import test_rules
+from layeropt.checking.watch import WATCHERS
 from harness import assert_same, process_group  # noqa: F401 - a fixture
 
 _TORCH = torch.torch_version.TorchVersion(torch.__version__)
@@ -393,23 +394,20 @@ def test_a_step_removed_while_open_ends_at_the_optimizers_next_call(then, first)
         act(model, opt, sched, z)
 
 
-# after remove() once step() ended the training step (torch still holds its gradients
-# until a zero_grad): what the loop does next, and the outcome - None: torch's result.
-# The first was loopfuzz chaos seed 111,322 (Adadelta): silently different before, as
-# were all but the refused ones (the module's zero_grad() is not watched once the last
-# attachment left; its gradients are now given back as zeros at remove())
+# after remove() between step() and zero_grad() (torch still holds that step's
+# gradients, which layeropt freed): a loop that zeroes next, each way, and goes on.
+# (Without a zero_grad(), or with the model's - no longer watched - before the
+# optimizer's zero_grad(set_to_none=False), it is docs/rules.md's undetectable case:
+# loopfuzz chaos seed 111,322)
 _AFTER_CLOSED_REMOVE = {
-    "model.zero_grad(), zero_grad(set_to_none=False), step()": (["mzg", "ozg0", "step"], None),
-    "model.zero_grad(set_to_none=False), step()": (["mzg0", "step"], None),
-    "zero_grad(set_to_none=False), step(), step()": (["ozg0", "step", "step"], None),
-    "model.zero_grad(), a backward, step()": (["mzg", "fb", "step"], None),
-    "zero_grad(), a backward, step()": (["ozg", "fb", "step"], None),
-    # torch would step on that step()'s gradients a second time; layeropt freed them
-    "step()": (["step"], "already applied"),
-    "attach again, step()": (["attach", "step"], "already applied"),
+    "zero_grad(set_to_none=False), step(), step()": ["ozg0", "step", "step"],
+    "zero_grad(set_to_none=False), a backward, step()": ["ozg0", "fb", "step"],
+    "model.zero_grad(), a backward, step()": ["mzg", "fb", "step"],
+    "zero_grad(), a backward, step()": ["ozg", "fb", "step"],
+    "attach again, zero_grad(), a backward, step()": ["attach", "ozg", "fb", "step"],
 }
 _AFTER_CLOSED_OPS = {
-    "mzg": lambda m, o, x: m.zero_grad(), "mzg0": lambda m, o, x: m.zero_grad(set_to_none=False),
+    "mzg": lambda m, o, x: m.zero_grad(),
     "ozg": lambda m, o, x: o.zero_grad(), "ozg0": lambda m, o, x: o.zero_grad(set_to_none=False),
     "step": lambda m, o, x: o.step(), "fb": lambda m, o, x: m(x).pow(2).mean().backward(),
 }
@@ -422,9 +420,10 @@ _AFTER_CLOSED_OPS = {
 def test_after_a_remove_between_step_and_zero_grad_the_loop_goes_on_as_torchs(
         then, zeroing, kind, cap):
     """Train two steps (zeroing with ``set_to_none`` or keeping zeros), backward,
-    ``step()``, ``remove()``; then what the loop does next, against torch.optim's loop:
-    parameters and state equal, or refused before anything changes."""
-    ops, refused = _AFTER_CLOSED_REMOVE[then]
+    ``step()``, ``remove()``; then a loop that zeroes, against torch.optim's loop:
+    parameters and state equal. (No attachment is left, so no watcher: earlier tests'
+    are collected first.)"""
+    gc.collect()
     model = _mlp()
     ref = copy.deepcopy(model)
     kw = dict(lr=0.05, momentum=0.9, weight_decay=0.01) if kind == "SGD" else dict(lr=0.01)
@@ -438,16 +437,11 @@ def test_after_a_remove_between_step_and_zero_grad_the_loop_goes_on_as_torchs(
             m(x).pow(2).mean().backward()
             o.step()
     handle.remove()
-    for name in ops:
+    assert WATCHERS.users == 0, "an attachment of an earlier test is still alive"
+    for name in _AFTER_CLOSED_REMOVE[then]:
         if name == "attach":
             layeropt.attach(model, opt)
             continue
-        if refused is not None and name == ops[-1]:
-            before = copy.deepcopy((model.state_dict(), opt.state_dict()))
-            with pytest.raises(layeropt.BackwardStateError, match=refused):
-                _AFTER_CLOSED_OPS[name](model, opt, batches[3])
-            assert_same((model.state_dict(), opt.state_dict()), before, "after the refusal")
-            return
         for m, o in ((model, opt), (ref, ref_opt)):
             _AFTER_CLOSED_OPS[name](m, o, batches[3])
     _equal(model, ref)

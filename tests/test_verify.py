@@ -570,22 +570,6 @@ def _kept_zeros_then_reattached(m, opt, x, step, lo):
     opt.step()
 
 
-def _removed_after_step_zeroed_unwatched(m, opt, x, step, lo):
-    """``remove()`` after ``step()``, the model's ``zero_grad(set_to_none=False)`` (unwatched:
-    detached), attached again, ``step()`` on those zeros: torch's gradients zeroed in
-    place, not the last step's any more (verify called them "not zeroed": verifyfuzz chaos
-    seed 120,224, once remove() gave them back)."""
-    m(x).pow(2).mean().backward()
-    opt.step()
-    if lo:
-        layeropt.attach(m, opt).remove()  # (the handle attach() gave)
-    m.zero_grad(set_to_none=False)
-    if lo:
-        layeropt.attach(m, opt, verify=3)
-    opt.step()
-    opt.zero_grad()
-
-
 def _removed_before_step(m, opt, x, step, lo):
     """``remove()`` between a verified backward and its ``step()``: that step() verifies
     it and steps torch's gradients (it was refused as a second update)."""
@@ -610,8 +594,6 @@ EXACT_BY_HAND: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
     "kept zeros, removed, the model's zero_grad(), attached again": (
         _kept_zeros_then_reattached, ("plain",)),
     "removed between a verified backward and its step()": (_removed_before_step, ("plain",)),
-    "removed after step(), the model's zero_grad(set_to_none=False), attached again": (
-        _removed_after_step_zeroed_unwatched, ("plain",)),
 }
 
 

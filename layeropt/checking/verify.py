@@ -347,13 +347,8 @@ class Verifier(Wrapper):
         ``.grad`` it finds, in place, so a gradient no ``zero_grad()`` (or ``p.grad =
         None``) removed since ``step()`` is still the same tensor."""
         for p in params:
-            if not self.kept_since_step(p):
-                continue
-            grad, version = self.unzeroed[id(p)]
-            if _local(grad)._version != version and not _local(grad).any():
-                del self.unzeroed[id(p)]  # zeroed in place (a module's zero_grad(
-                continue  # set_to_none=False) no watcher saw): torch steps on zeros
-            self._fail(p, "not zeroed", self.engine.name_of(p), "")
+            if self.kept_since_step(p):
+                self._fail(p, "not zeroed", self.engine.name_of(p), "")
 
     def kept_since_step(self, p: Tensor) -> bool:
         """Whether ``p.grad`` is the gradient the last ``step()`` applied, kept by torch

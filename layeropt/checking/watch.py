@@ -49,7 +49,6 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..engine.between import untouched
 from ..engine.registry import ENGINES
 from ..engine.subset import INSIDE
 from .verify import Verifier
@@ -197,12 +196,11 @@ def _before_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         freed = verifier.freed() if verifier is not None else ()
         rec = engine.last  # (a zero_grad() since: torch's gradients are gone too)
         stepped = {id(p) for p in rec.stepped} if not rec.zeroed else ()
-        stale = {id(p) for p in untouched(engine.train_step.stale)}  # (in .grad as zeros)
-        if not stepped and not freed and not stale:
+        if not stepped and not freed:
             continue
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is None and id(p) in stepped or id(p) in freed or id(p) in stale:
+                if p.grad is None and id(p) in stepped or id(p) in freed:
                     cls = type(optimizer)
                     owners = [a.describe() for a in list(engine.attachments)]
                     raise BackwardStateError(SHARED_PARAMETER_ERROR.format(

@@ -34,14 +34,6 @@ from ..errors import (
     SECOND_UPDATE_ERROR,
 )
 
-STALE_STEP_ERROR = (
-    "step() after remove() found {n} parameter(s) (the first of shape {shape}) holding "
-    "the gradient of a training step that was already applied: no backward or "
-    "zero_grad() since that step() (or remove()). torch's step() would apply that "
-    "gradient a second time; layeropt freed it once applied, so it cannot. Nothing was "
-    "changed. Call zero_grad() between step()s, or run a backward first."
-)
-
 
 # -- hyperparameters -------------------------------------------------------------
 _PLAIN = frozenset({float, int, bool, str, type(None)})
@@ -96,21 +88,6 @@ def refuse_second_update(stepped: Iterable[Tensor], params: list[Tensor]) -> Non
         for p in again:
             p.grad = None  # not applied: nothing more changes
         raise BackwardStateError(SECOND_UPDATE_ERROR.format(
-            n=len(again), shape=tuple(again[0].shape)))
-
-
-def untouched(stale: list[tuple[Tensor, Tensor, int]]) -> list[Tensor]:
-    """The parameters of ``stale`` whose zero ``.grad`` is still the one given, unchanged."""
-    return [p for p, g, v in stale if p.grad is g and g._version == v]
-
-
-def refuse_stale_step(stale: list[tuple[Tensor, Tensor, int]]) -> None:
-    """Raise if a ``step()`` finds, untouched, a zero ``.grad`` standing for a gradient an
-    attached backward already applied (``StepRecord.stale``): torch's ``step()`` would
-    apply that gradient a second time."""
-    again = untouched(stale)
-    if again:
-        raise BackwardStateError(STALE_STEP_ERROR.format(
             n=len(again), shape=tuple(again[0].shape)))
 
 

@@ -98,14 +98,10 @@ class StepRecord:
             ``zero_grad(set_to_none=False)`` keeps them as zeros.
         faulted: a backward of it raised after updating parameters: how many and the
             first one's name (:meth:`StepRules.check_boundary` refuses the step's end).
-        stale: zero ``.grad``s standing for gradients torch still holds that an
-            attached backward applied and freed (:meth:`StepRules.give_back_stepped`),
-            with their version then: a ``step()`` finding one untouched would be
-            torch's second step on that gradient.
     """
 
     __slots__ = ("stepped_backwards", "held_backwards", "held_after_step", "held", "hyper",
-                 "hyper_txn", "skipped", "scaler_skipped", "faulted", "stale")
+                 "hyper_txn", "skipped", "scaler_skipped", "faulted")
 
     def __init__(self) -> None:
         self.stepped_backwards = self.held_backwards = 0
@@ -114,7 +110,6 @@ class StepRecord:
         self.skipped: list[Tensor] = []
         self.scaler_skipped: list[Tensor] = []  # (what skip() added to skipped)
         self.faulted: tuple[int, str] | None = None
-        self.stale: list[tuple[Tensor, Tensor, int]] = []
         self.hyper: list[dict[str, Any]] | None = None
         self.hyper_txn = -1
 
@@ -253,7 +248,6 @@ class StepRules(Zeroing):
             raise BackwardStateError(AUTOCAST_STEP_ERROR.format(name=type(optimizer).__name__))
         self.show_kept()  # (torch steps them on a zero gradient)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        _between.refuse_stale_step(self.train_step.stale)
         if params and self.train_step.stepped_backwards:  # set after backward (_between.py)
             _between.refuse_second_update(self.last.stepped, params)
         if params and getattr(optimizer, "grad_scale", None) is not None and self.clips:
@@ -318,8 +312,6 @@ class StepRules(Zeroing):
         if DETACHED not in self.calls:  # (never attached: torch.optim's, untouched)
             return torch_step()
         if not self.stepped_since_boundary:
-            if closure is None:  # (a closure's backward changes them first)
-                _between.refuse_stale_step(self.train_step.stale)
             early = self.first_step()
             with _refused_first(early):
                 loss = torch_step()
@@ -337,11 +329,6 @@ class StepRules(Zeroing):
             if params:
                 with _refused_first(early):
                     optimizer._lo_stepper(optimizer, params, self.txn)
-            self.end_step(params)
-            self.give_back_stepped()
-            if early:
-                raise BackwardStateError(EARLY_DISCARD_ERROR.format(this=EARLY_DISCARD_APPLIED))
-            return loss
         self.boundary("step()")
         if early:
             raise BackwardStateError(EARLY_DISCARD_ERROR.format(this=EARLY_DISCARD_APPLIED))

@@ -377,6 +377,7 @@ class Engine(Rules):
         self._places = None
 
     def remove_attachment(self, attachment: Any) -> None:
+        self.give_back_kept({id(p) for p in attachment.owned})
         self.attachments.pop(attachment, None)
         self._places = None
         if not self.attachments:
@@ -385,8 +386,6 @@ class Engine(Rules):
                     and REMOVE_WARNED not in self.calls):  # loop; said once)
                 self.calls.add(REMOVE_WARNED)
                 warn(REMOVE_OPEN_WARNING)
-            self.give_back_stepped()  # (before the kept zeros: an applied gradient is torch's)
-        self.give_back_kept({id(p) for p in attachment.owned})
 
     @property
     def clips(self) -> bool:

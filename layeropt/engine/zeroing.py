@@ -4,10 +4,9 @@ A mixin of ``boundaries.StepRules`` (and so of ``landing.Engine``). torch keeps 
 ``.grad`` until a ``zero_grad`` for every parameter a ``step()`` updated, as zeros
 after ``zero_grad(set_to_none=False)``; an attached backward has freed those
 gradients. What torch would hold is followed here: ``kept_grads`` (zeros torch
-keeps, shown to ``step()`` so that it updates on them), the latest step's
-updates (given back as zero ``.grad``s once no attachment is left, for the loop's
-own ``zero_grad`` and ``step()`` to find), and the optimizer's and a module's
-``zero_grad``.
+keeps, shown to ``step()`` so that it updates on them, and given back to
+``.grad`` once no attachment is left), what the latest step updated, and the
+optimizer's and a module's ``zero_grad``.
 """
 
 from __future__ import annotations
@@ -87,26 +86,6 @@ class Zeroing:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             del kept[id(p)]
-
-    def give_back_stepped(self) -> None:
-        """No attachment is left and the training step is closed: torch holds a ``.grad``
-        for each parameter the latest step updated until a ``zero_grad``, which a
-        module's may now do unwatched. So ``.grad`` carries them from here: a zero one
-        for each that has none (its value was applied and freed), which the records
-        forget. A ``step()`` that finds one of a backward's untouched (no backward or
-        zero_grad since) would be torch's second step on it: refused there."""
-        if self.attachments or self.stepped_since_boundary:
-            return
-        rec, step, store = self.last, self.train_step, self.stepper.held
-        applied = set() if rec.zeroed else set(map(id, self._this_step()))
-        held = {id(p): p for p in self._held_now([]) if p not in store}
-        for i, p in held.items():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-                if i in applied:
-                    step.stale.append((p, p.grad, p.grad._version))
-        self.forget_stepped(set(held))
-        step.skipped = [p for p in step.skipped if id(p) not in held]
 
     def module_zero_grad(self, params: list[Tensor], set_to_none: bool) -> None:
         """``module.zero_grad(set_to_none)`` over ``params``, before torch's: held
