@@ -168,6 +168,48 @@ def test_a_layer_some_micro_batches_do_not_reach(unused_in, cap):
 
 
 @CAPS
+@pytest.mark.parametrize("frozen", ["head", "trunk"])
+@pytest.mark.parametrize("together", [True, False], ids=["one attachment", "two"])
+def test_a_layer_frozen_for_one_micro_batch_of_another_optimizers_window(together, frozen,
+                                                                         cap):
+    """Two optimizers (the trunk's and the head's), their held gradients in host memory;
+    one of them's whole layer frozen for the second micro-batch. The third lands on it
+    without a hook (its hooks went with the freeze, rule 7) and no backward of that
+    optimizer's brings the first micro-batch's host sum back: its ``step()`` does. It
+    stepped the third micro-batch's gradient alone before (multifuzz offload seed
+    140,358, with any held_grads mode)."""
+    torch.manual_seed(3)
+    base = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    xs = [torch.randn(5, 6, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    results = []
+    for mode in ("torch", "offload", "plain"):
+        m = copy.deepcopy(base)
+        lib = torch.optim if mode == "torch" else layeropt
+        opts = [lib.AdamW(m[0].parameters(), lr=0.1), lib.RMSprop(m[2].parameters(), lr=0.01)]
+        handles = []
+        if mode != "torch":
+            handles = ([layeropt.attach(m, opts, bucket_cap_mb=cap)] if together else
+                       [layeropt.attach(m, o, bucket_cap_mb=cap) for o in opts])
+        if mode == "offload":
+            handles += [offload_state(o) for o in opts]
+        frozen_layer = m[2] if frozen == "head" else m[0]
+        for k, x in enumerate(xs):
+            holds = mode != "torch" and k < 2
+            with opts[0].no_step() if holds else _nothing(), \
+                    opts[1].no_step() if holds else _nothing():
+                frozen_layer.requires_grad_(k != 1)
+                m(x).square().mean().backward()
+                frozen_layer.requires_grad_(True)
+        for o in opts:
+            o.step()
+        results.append(([p.detach() for p in m.parameters()], [o.state_dict() for o in opts]))
+        for h in reversed(handles):
+            h.remove()
+    assert_same(results[1], results[0])
+    assert_same(results[2], results[0])
+
+
+@CAPS
 @pytest.mark.parametrize("fused", [False, True], ids=["", "fused"])
 def test_a_skipped_step_after_a_layer_only_held_gradients_reach(fused, cap):
     """A GradScaler-skipped step (an inf in the last micro-batch) where ``b`` has only a

@@ -176,6 +176,15 @@ class StepRules(Zeroing):
                 store.up(g.params)
                 self._step([g])
 
+    def _up_landed(self, params: list[Tensor]) -> None:
+        """``params`` have a gradient in ``.grad`` about to be stepped: those whose held
+        sum waits in a store get it back first (``held + new``, as in the bucket's own
+        step), or it would stay there, never applied - a layer frozen during a holding
+        backward lands the next one without a hook (rule 7), so no bucket brings it."""
+        store = self.stepper.held
+        if store:
+            store.up([p for p in params if p in store])
+
     @property
     def holds_gradients(self) -> bool:
         """Whether gradients wait for a later step (in ``.grad`` or in a store)."""
@@ -192,7 +201,9 @@ class StepRules(Zeroing):
         the held gradients of parameters that pass did not reach."""
         held = self.train_step.held
         if held and not self.no_step_depth:
-            self._step(self.placed([p for p in held if p.grad is not None]))
+            landed = [p for p in held if p.grad is not None]
+            self._up_landed(landed)
+            self._step(self.placed(landed))
             self._step_stored()
             held.clear()
 
@@ -256,6 +267,7 @@ class StepRules(Zeroing):
         steps = rec.steps  # (stepped_in_backward counts the backward's updates only)
         if rec.by_backward is None:  # (step()'s updates - kept zeros among them - are not
             rec.by_backward = len(rec.stepped)  # the backward's: torch still keeps zeros)
+        self._up_landed(params)
         with _refused_first(early):
             self._step(self.placed(params))
             self._step_stored()
