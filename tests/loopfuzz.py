@@ -571,6 +571,8 @@ def programs(run: Callable[[dict[str, Any]], dict[str, Any]],
     run by ``run``; ``wrap``: their models so wrapped (``WRAPS``; default
     ``LAYEROPT_FUZZ_WRAP``, else none)."""
     how = {} if wrap is None else {"wrap": wrap}
+    gc.collect()  # (an earlier test's optimizers left in a reference cycle: collected, so
+    # that no layeropt.backward of the block takes them for attached ones of its own)
     return [run({**draw(s, mix), **how}) for s in range(start, start + n)]
 
 

@@ -6,7 +6,8 @@ optimizer over one model does not reach. Each program is drawn from
 ``random.Random(seed)`` and a mix:
 
 * ``multi``: a trunk and two heads trained by two layeropt optimizers, by a layeropt one
-  beside a plain torch.optim one, or by two layeropt ones and a plain one; attached to the
+  beside a plain torch.optim one, or by two layeropt ones and a plain one (or, now and
+  then, torch's Muon recipe: Muon over every 2D weight, another over the rest); attached to the
   model one by one, to each optimizer's own submodules, as a list, or all at once
   (``attach(model)``). Backwards reach one optimizer or several (a loss on the trunk
   alone, on the heads over detached features), with ``no_step()`` of some optimizers and

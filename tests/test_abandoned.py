@@ -440,10 +440,11 @@ def test_after_a_remove_between_step_and_zero_grad_the_loop_goes_on_as_torchs(
     assert WATCHERS.users == 0, "an attachment of an earlier test is still alive"
     for name in _AFTER_CLOSED_REMOVE[then]:
         if name == "attach":
-            layeropt.attach(model, opt)
+            handle = layeropt.attach(model, opt)
             continue
         for m, o in ((model, opt), (ref, ref_opt)):
             _AFTER_CLOSED_OPS[name](m, o, batches[3])
+    handle.remove()
     _equal(model, ref)
     assert_same(opt.state_dict(), ref_opt.state_dict(), "optimizer state")
 
@@ -552,12 +553,11 @@ def test_a_new_optimizer_takes_over_a_deleted_ones_share_of_a_joint_attachment(s
         del b
         gc.collect()
         b = lib.RMSprop(rest, lr=0.01, momentum=0.5)
-        if layer:
-            layeropt.attach(model, b, **kw)
+        second = layeropt.attach(model, b, **kw) if layer else None
         _train_both(model, [a, b], x[2:])
         results.append(([p.detach().clone() for p in ps], a.state_dict(), b.state_dict()))
-        if handle is not None:
-            handle.remove()
+        for h in (handle, second) if layer else ():
+            h.remove()
     assert_same(results[1], results[0])
 
 
