@@ -386,6 +386,7 @@ class Engine(Rules):
                     and REMOVE_WARNED not in self.calls):  # loop; said once)
                 self.calls.add(REMOVE_WARNED)
                 warn(REMOVE_OPEN_WARNING)
+            self.warn_unwatched()
 
     @property
     def clips(self) -> bool:

@@ -18,10 +18,21 @@ import torch
 from torch import Tensor
 
 from . import between as _between
+from ..errors import warn
 
 __all__ = ["Zeroing", "DETACHED"]
 
 DETACHED = "detached"  # its last attachment left: its step()/zero_grad() are still the loop's
+_KEPT_WARNED = "remove() before zero_grad() warned"  # (said once per optimizer)
+
+KEPT_REMOVE_WARNING = (
+    "remove() between step() and zero_grad() in a loop that zeroes with "
+    "set_to_none=False: torch still holds this step's gradients, which layeropt applied "
+    "and freed, until a zero_grad() keeps them as zeros. The optimizer's own zero_grad() "
+    "is followed after remove(), but a module's zero_grad() is no longer watched, so a "
+    "model.zero_grad() there is not seen (docs/rules.md, what cannot be detected). Call "
+    "remove() after zero_grad(). (Said once per optimizer.)"
+)
 
 
 class Zeroing:
@@ -86,6 +97,15 @@ class Zeroing:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             del kept[id(p)]
+
+    def warn_unwatched(self) -> None:
+        """The last attachment left between ``step()`` and ``zero_grad()`` in a loop whose
+        latest ``zero_grad`` kept zeros: what torch then keeps depends on the module
+        ``zero_grad()`` calls no watcher sees any more - said once."""
+        if (self.kept_grads is not None and not self.stepped_since_boundary
+                and self._this_step() and _KEPT_WARNED not in self.calls):
+            self.calls.add(_KEPT_WARNED)
+            warn(KEPT_REMOVE_WARNING)
 
     def module_zero_grad(self, params: list[Tensor], set_to_none: bool) -> None:
         """``module.zero_grad(set_to_none)`` over ``params``, before torch's: held
