@@ -7,7 +7,8 @@ optimizer over one model does not reach. Each program is drawn from
 
 * ``multi``: a trunk and two heads trained by two layeropt optimizers, by a layeropt one
   beside a plain torch.optim one, or by two layeropt ones and a plain one (or, now and
-  then, torch's Muon recipe: Muon over every 2D weight, another over the rest); attached to the
+  then, torch's Muon recipe: Muon over every 2D weight, another over the rest; and an
+  optimizer's second param group with options of its own); attached to the
   model one by one, to each optimizer's own submodules, as a list, or all at once
   (``attach(model)``). Backwards reach one optimizer or several (a loss on the trunk
   alone, on the heads over detached features), with ``no_step()`` of some optimizers and
@@ -76,7 +77,7 @@ import torch.utils.checkpoint as tuc
 import layeropt
 import offloadfuzz
 import loopfuzz
-from loopfuzz import _diff, cli, draw_optimizer, drop_chunks, mutate, play_both
+from loopfuzz import _diff, cli, draw_optimizer, draw_options, drop_chunks, mutate, play_both
 from streamsim import offload_in_mode
 
 MIXES = ["multi", "gan", "handover", "checkpoint", "offload", "ckoffload", "verify", "vgan",
@@ -351,6 +352,12 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     if base != "checkpoint" and list(prog["opts"]) == ["o1", "o2"] and hasattr(
             torch.optim, "Muon") and r.random() < 0.15:
         prog.update(_muon_recipe(r))
+    # each optimizer's second param group with options of its own, now and then (its
+    # implementation too), for the class it was drawn with (not one handed over to)
+    gkw = {n: (kind, draw_options(r, kind)) for n, (kind, _) in prog["opts"].items()
+           if kind != "Muon" and r.random() < 0.15}
+    if gkw and not tensor_lr:
+        prog["gkw"] = gkw
     return {"seed": seed, "mix": mix, **prog, "ops": ops[:22],
             "mode": mode, "verify": mix in VERIFIED, **({"tensor_lr": True} if tensor_lr else {})}
 
@@ -400,7 +407,9 @@ class Side:
         if self.is_lo(n):
             cls = getattr(layeropt, kind, None) or layeropt.in_backward(cls)
         ps = self.params(n)
-        return cls([{"params": ps[:1]}, {"params": ps[1:]}],
+        own = self.prog.get("gkw", {}).get(n)  # (the second group's own options)
+        second = loopfuzz.wrapped_kwargs(own[1], self.prog) if own and own[0] == kind else {}
+        return cls([{"params": ps[:1]}, {"params": ps[1:], **second}],
                    **loopfuzz.wrapped_kwargs(kw, self.prog))
 
     def _attach_all(self) -> None:
@@ -752,6 +761,9 @@ def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
     for k, v in [("akw", {}), ("style", "model")]:
         if prog[k] != v and still({**prog, k: v}):
             prog = {**prog, k: v}
+    cand = {k: v for k, v in prog.items() if k != "gkw"}  # (the groups' options alike)
+    if cand != prog and still(cand):
+        prog = cand
     return prog
 
 
