@@ -168,6 +168,45 @@ def test_a_layer_some_micro_batches_do_not_reach(unused_in, cap):
 
 
 @CAPS
+@pytest.mark.parametrize("collected", ["at once", "by gc"])
+def test_an_optimizer_deleted_mid_window_leaves_its_held_sums_in_grad(collected, cap):
+    """An optimizer deleted mid-window, without ``remove()``: torch's ``.grad`` still holds
+    the micro-batches' sum for the next optimizer's ``step()``; layeropt's host sums went
+    with the deleted one (multifuzz offload seed 180,144, a handover by deletion: the
+    layers whose sums were in host memory stepped without them). They go back to
+    ``.grad`` when it is collected: at once, or by gc (a reference cycle of its own)."""
+    import gc
+
+    torch.manual_seed(5)
+    base = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    xs = [torch.randn(5, 6, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    results = []
+    for layer in (False, True):
+        m = copy.deepcopy(base)
+        lib = layeropt if layer else torch.optim
+        opt = lib.AdamW(m.parameters(), lr=0.01)
+        if layer:
+            layeropt.attach(m, opt, bucket_cap_mb=cap)
+            offload_state(opt, held_device_bytes=m[0].weight.nbytes + m[0].bias.nbytes)
+        for x in xs[:2]:
+            with opt.no_step() if layer else _nothing():
+                m(x).square().mean().backward()
+        if collected == "by gc":
+            opt.cycle = opt  # (kept alive by itself until gc runs)
+        del opt
+        if collected == "by gc":
+            gc.collect()
+        opt = lib.Adagrad(m.parameters(), lr=0.1)
+        handle = layeropt.attach(m, opt, bucket_cap_mb=cap) if layer else None
+        m(xs[2]).square().mean().backward()
+        opt.step()
+        results.append(([p.detach() for p in m.parameters()], opt.state_dict()))
+        if handle is not None:
+            handle.remove()
+    assert_same(results[1], results[0])
+
+
+@CAPS
 @pytest.mark.parametrize("frozen", ["head", "trunk"])
 @pytest.mark.parametrize("together", [True, False], ids=["one attachment", "two"])
 def test_a_layer_frozen_for_one_micro_batch_of_another_optimizers_window(together, frozen,

@@ -192,6 +192,13 @@ class HostHeld:
                 work = work + g if g.requires_grad else work.add_(g)  # (a graph: kept)
             p.grad = work
 
+    def give_back(self) -> None:
+        """The optimizer was deleted with gradients held here (no ``remove()``): each host
+        sum back in ``.grad`` (``held + new``), where torch's ``.grad`` holds it for
+        whatever steps those parameters next."""
+        self.ahead = None  # (the prefetcher went with the optimizer)
+        self.up(list(self.host))
+
     def fetch(self, param: Tensor) -> Tensor:
         """A device copy of ``param``'s host sum, which stays held
         (``layeropt.backward``'s measure pass)."""

@@ -154,6 +154,8 @@ class StateOffload:
         if held_grads:  # (the sums' pool: at the first hold)
             made = functools.partial(_held_pool, weakref.ref(optimizer)) if pooled else None
             self.held = HostHeld(held_device_bytes, made, add_on_device)
+            # (an optimizer deleted mid-window: torch's .grad still holds the sums)
+            weakref.finalize(optimizer, self.held.give_back).atexit = False
         self.order: LandingOrder | None = LandingOrder() if prefetch else None
         self.prefetched_bytes = self.wasted_bytes = 0
         self._calls: dict[tuple[int, ...], list[Tensor]] = {}  # step call key -> its params
