@@ -151,11 +151,13 @@ class StateOffload:
         self.copy_streams = copy_streams  # 2: copies in and out on streams of their own
         self.pool = HostPool.for_optimizer(optimizer) if pooled else None
         self.held: HostHeld | None = None
+        self._give_back: weakref.finalize | None = None
         if held_grads:  # (the sums' pool: at the first hold)
             made = functools.partial(_held_pool, weakref.ref(optimizer)) if pooled else None
             self.held = HostHeld(held_device_bytes, made, add_on_device)
             # (an optimizer deleted mid-window: torch's .grad still holds the sums)
-            weakref.finalize(optimizer, self.held.give_back).atexit = False
+            self._give_back = weakref.finalize(optimizer, self.held.give_back)
+            self._give_back.atexit = False
         self.order: LandingOrder | None = LandingOrder() if prefetch else None
         self.prefetched_bytes = self.wasted_bytes = 0
         self._calls: dict[tuple[int, ...], list[Tensor]] = {}  # step call key -> its params
@@ -453,6 +455,7 @@ class StateOffload:
             if self.held.pool is not None:
                 self.held.pool.release()
             self.held = None
+            self._give_back.detach()
         if opt is None:
             return
         state = opt.state
