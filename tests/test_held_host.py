@@ -583,6 +583,31 @@ def test_ddp_no_sync_window_is_exact(process_group):
     _assert_all_same([(d.module, o) for d, o in runs])
 
 
+def test_plain_hooks_on_a_ddp_models_submodules_are_refused_not_summed_twice(process_group):
+    """A DDP model (one process) whose submodules are attached one by one with plain
+    hooks: DDP's reducer writes each gradient back into ``.grad`` at the end of backward,
+    after it was moved to host memory, and the step added both (multifuzz's DDP
+    ``offload`` mix, seed 260,214: silently different before). Refused at that backward,
+    the copies dropped and the sums kept; the DDP model attached as a whole is exact
+    (above)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = layeropt.AdamW(model.parameters(), lr=0.01)
+    handles = [layeropt.attach(model[0], opt), layeropt.attach(model[2], opt)]
+    off = offload_state(opt)
+    try:
+        with opt.no_step(), pytest.raises(LayeroptError, match="written back into .grad"):
+            ddp(torch.randn(4, 6)).square().mean().backward()
+        assert all(p.grad is None for p in model.parameters())
+        assert len(off.held) == 4  # (every sum kept in host memory)
+    finally:
+        off.remove()
+        for h in handles:
+            h.remove()
+        opt.zero_grad()
+
+
 from harness import process_group  # noqa: E402,F401  (the fixture)
 
 

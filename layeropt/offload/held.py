@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from . import streams
+from ..errors import LayeroptError
 from .pool import HELD_SUM, HostPool
 
 __all__ = ["HostHeld", "empty_like"]
@@ -52,6 +53,18 @@ def empty_like(t: Tensor, device: torch.device | str) -> Tensor:
     pin = torch.device(device).type == "cpu" and t.device.type == "cuda"
     return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device,
                                pin_memory=pin)
+
+
+WRITTEN_BACK_ERROR = (
+    "held gradients in host memory (offload_state's held_grads=True): {n} gradient(s) "
+    "(the first of shape {shape}) were written back into .grad after layeropt moved them "
+    "to host memory in this backward - DistributedDataParallel's reducer does that at the "
+    "end of backward when its model's submodules are attached one by one with plain "
+    "hooks - and the step would add them to the held sum again. Attach the DDP model "
+    "itself (layeropt.attach(ddp_model, opt)), or keep held gradients on the device "
+    "(offload_state(opt, held_grads=False)). The copies were dropped; the held sums "
+    "are kept."
+)
 
 
 class HostHeld:
@@ -73,6 +86,7 @@ class HostHeld:
         self._kept_bytes = 0
         self._pending: dict[int, list[Tensor]] = {}  # id(bucket) -> landed, not moved yet
         self._serial = -1  # the backward record the pending gradients landed in
+        self._moved: set[Tensor] = set()  # moved to the host since the last flush()
         self.down_bytes = 0
         self.up_bytes = 0
         # prefetch (layeropt/offload/prefetch.py): (param, host sum) -> its copy fetched ahead
@@ -133,10 +147,21 @@ class HostHeld:
         return True
 
     def flush(self) -> None:
-        """Move what landed and waits for the rest of its bucket (a backward ended)."""
+        """Move what landed and waits for the rest of its bucket (a backward ended), then
+        refuse a gradient written back into ``.grad`` after it was moved: no autograd
+        accumulation does that, DistributedDataParallel's reducer does, at the end of
+        backward, for a DDP model whose submodules carry plain hooks (the step would add
+        that copy to the sum). The copies are dropped, the sums kept."""
         pending, self._pending = self._pending, {}
         for landed in pending.values():
             self.down(landed)
+        again = [p for p in self._moved if p.grad is not None and p in self.host]
+        self._moved.clear()
+        if again:
+            for p in again:
+                p.grad = None
+            raise LayeroptError(WRITTEN_BACK_ERROR.format(n=len(again),
+                                                          shape=tuple(again[0].shape)))
 
     def down(self, params: list[Tensor]) -> None:
         """Add each parameter's ``.grad`` into its host sum and free it."""
@@ -153,6 +178,7 @@ class HostHeld:
                 work.add_(g)  # acc + new: autograd's accumulation, on the device
                 acc.copy_(work, non_blocking=streams.asynchronous(g.device))
                 p.grad = None
+                self._moved.add(p)
                 self.down_bytes += acc.nbytes
                 continue
             buf = None
@@ -163,6 +189,7 @@ class HostHeld:
             buf.copy_(g, non_blocking=streams.asynchronous(g.device))
             staged.append((p, buf, g.device))
             p.grad = None
+            self._moved.add(p)
             self.down_bytes += buf.nbytes
         for device in {d for _, _, d in staged if streams.asynchronous(d)}:
             streams.host_waits(device)  # the copies have landed
