@@ -151,7 +151,9 @@ class HostHeld:
         refuse a gradient written back into ``.grad`` after it was moved: no autograd
         accumulation does that, DistributedDataParallel's reducer does, at the end of
         backward, for a DDP model whose submodules carry plain hooks (the step would add
-        that copy to the sum). The copies are dropped, the sums kept."""
+        that copy to the sum). The engine's end of backward runs after the callbacks
+        queued during it (``TaskEnd(last=True)``, ``layeropt/engine/nesting.py``), DDP's
+        among them, so its ``flush`` sees the copies. They are dropped, the sums kept."""
         pending, self._pending = self._pending, {}
         for landed in pending.values():
             self.down(landed)
