@@ -377,7 +377,7 @@ class Engine(Rules):
         self._places = None
 
     def remove_attachment(self, attachment: Any) -> None:
-        store = self.stepper.held  # sums held in a store (host memory): back in .grad, where
+        store = self.stepper.held  # sums held in a store, not in .grad: back in .grad, where
         if store:  # torch's are, and the backwards from here add to them as autograd does
             store.up([p for p in attachment.owned if p in store])
         self.give_back_kept({id(p) for p in attachment.owned})
