@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -92,3 +94,92 @@ def test_unused_parameters_keep_untouched_state():
     assert torch.equal(model.unused.weight, before)
     assert model.unused.weight not in opt.state
     assert model.frozen.weight not in opt.state
+
+
+class _Late(torch.nn.Module):
+    """A trunk, a head and a branch the first step does not reach (its first gradient,
+    and its momentum buffer, come a step later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+        self.branch = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        return self.head(h) + self.branch(h) if branch else self.head(h)
+
+
+# (dtype, SGD options, whether layeropt holds the step where the branch first lands)
+LATE_FIRST_GRADIENT = [
+    (torch.bfloat16, dict(momentum=0.9, foreach=True), True),
+    (torch.float16, dict(momentum=0.9, nesterov=True, foreach=True), True),
+    (torch.bfloat16, dict(momentum=0.9, dampening=0.1, weight_decay=0.01, foreach=True), True),
+    (torch.bfloat16, dict(momentum=0.9, foreach=False), False),  # one way: no need
+    (torch.float32, dict(momentum=0.9, foreach=True), False),  # the two ways agree
+    (torch.bfloat16, dict(momentum=0.5, foreach=True), False),  # 0.5: exact in bf16
+]
+
+
+@pytest.mark.parametrize("dtype,kw,holds", LATE_FIRST_GRADIENT,
+                         ids=["bf16", "fp16-nesterov", "bf16-dampening", "bf16-for-loop", "fp32",
+                              "bf16-momentum-0.5"])
+def test_foreach_sgd_momentum_when_a_layer_gets_its_first_gradient_later(dtype, kw, holds):
+    """torch's foreach SGD updates every momentum buffer of a (group, device, dtype) one
+    tensor at a time in a step where one of its parameters has none yet, else with
+    ``_foreach_mul_`` - which on the CPU rounds the momentum to bf16 / fp16 first. A
+    layer stepped alone cannot know which way the step takes: layeropt holds that step's
+    gradients and steps them in one call at the end of backward, with a warning, where
+    the two ways differ (ampfuzz verify, seed 270,351: the momentum buffers differed,
+    silently; this test fails before)."""
+    import warnings
+
+    import layeropt
+
+    torch.manual_seed(0)
+    model = _Late().to(dtype)
+    runs = []
+    for cls in (torch.optim.SGD, layeropt.SGD):
+        m = copy.deepcopy(model)
+        opt = cls(m.parameters(), lr=0.01, **kw)
+        if cls is layeropt.SGD:
+            layeropt.attach(m, opt)  # (both schedules: conftest)
+        runs.append((m, opt))
+    gen = torch.Generator().manual_seed(1)
+    for k, branch in enumerate((False, True, True)):  # (the branch's first gradient: k=1)
+        x = torch.randn(5, 8, generator=gen).to(dtype)
+        for i, (m, opt) in enumerate(runs):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                m(x, branch).float().pow(2).mean().backward()
+            held = any("holds this backward's gradients" in str(w.message) for w in seen)
+            assert held == (i == 1 and holds and k == 1), [str(w.message) for w in seen]
+            opt.step()
+            opt.zero_grad()
+    (ref, ref_opt), (ours, lo_opt) = runs
+    assert_models_equal(ref, ours)
+    assert_same(ref_opt.state_dict(), lo_opt.state_dict())
+
+
+def test_foreach_sgd_momentum_on_ddp_refuses_the_step_it_cannot_hold(process_group):
+    """Under DDP layeropt steps each averaged bucket as it comes: the step the test above
+    holds is refused there, before anything of it is applied."""
+    import layeropt
+
+    model = _Late().to(torch.bfloat16)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opt = layeropt.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
+    with layeropt.attach(ddp, opt):
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(5, 8, generator=gen).to(torch.bfloat16)
+        ddp(x, False).float().pow(2).mean().backward()  # the branch: no gradient, no buffer
+        opt.step()
+        opt.zero_grad()
+        before = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(layeropt.BackwardStateError, match="cannot hold them"):
+            ddp(x, True).float().pow(2).mean().backward()
+        assert_same(before[0], opt.state_dict())
+        assert all(torch.equal(a, p) for a, p in zip(before[1], model.parameters()))
+
+
+from harness import process_group  # noqa: E402,F401  (the fixture)

@@ -305,37 +305,41 @@ class Verifier(Wrapper):
         held by ``no_step()`` is stepped, as in backward (DDP hands it over)."""
         self._watch_forwards()
         stepped = [p for g in groups for p in g.params if self._steps(p)]
-        for g in groups:
-            params = [p for p in g.params if p not in self.shadows and self._steps(p)]
-            if not params:
-                continue
-            self.check_zeroed(params)
-            saved, values = _Saved(optimizer, params), _snapshot(optimizer)
-            grads = [p.grad for p in params]
-            before = {p: (None, fingerprint(p)) for p in params}
-            try:
-                for p in params:
-                    p.grad = p.grad.clone()  # unscaling and clipping act on copies
+        # the groups' parameters in one step call, as the engine's stepper makes it
+        # (torch's foreach SGD picks its update by the whole list: subset.whole_step)
+        each = [[p for p in g.params if p not in self.shadows and self._steps(p)]
+                for g in groups]
+        params = [p for ps in each for p in ps]
+        if not params:
+            return stepped
+        self.check_zeroed(params)
+        saved, values = _Saved(optimizer, params), _snapshot(optimizer)
+        grads = [p.grad for p in params]
+        before = {p: fingerprint(p) for p in params}
+        try:
+            for p in params:
+                p.grad = p.grad.clone()  # unscaling and clipping act on copies
+            for g, ps in zip(groups, each):
                 s = g.settings
-                if transform is not None or (s is not None and s.clips):
-                    prepare_grads(params, transform, s)
-                used = {p: fingerprint(p.grad) for p in params}  # the gradient it applies
-                with outside_autocast():  # (as in backward: layeropt/engine/stepper.py)
-                    optimizer._step_params(params)
-                for p in params:
-                    state = optimizer.state.get(p, {})
-                    self.shadows[p] = _Shadow(
-                        used[p], before[p][1], fingerprint(p),
-                        {k: fingerprint(v) for k, v in state.items() if isinstance(v, Tensor)},
-                        self.engine.name_of(p), {})
-            finally:
-                for p, grad in zip(params, grads):
-                    # a DDP bucket's averaged slice: its own memory, as DDP's write-back
-                    p.grad = grad if grad._base is None else grad.clone()
-                saved.restore(optimizer)
-                _restore(optimizer, values)
-            for p in params:  # (restored in place: torch's step() must find these unchanged)
-                self.shadows[p] = self.shadows[p]._replace(state=_stamps(optimizer, p))
+                if ps and (transform is not None or (s is not None and s.clips)):
+                    prepare_grads(ps, transform, s)
+            used = {p: fingerprint(p.grad) for p in params}  # the gradient it applies
+            with outside_autocast():  # (as in backward: layeropt/engine/stepper.py)
+                optimizer._step_params(params)
+            for p in params:
+                state = optimizer.state.get(p, {})
+                self.shadows[p] = _Shadow(
+                    used[p], before[p], fingerprint(p),
+                    {k: fingerprint(v) for k, v in state.items() if isinstance(v, Tensor)},
+                    self.engine.name_of(p), {})
+        finally:
+            for p, grad in zip(params, grads):
+                # a DDP bucket's averaged slice: its own memory, as DDP's write-back
+                p.grad = grad if grad._base is None else grad.clone()
+            saved.restore(optimizer)
+            _restore(optimizer, values)
+        for p in params:  # (restored in place: torch's step() must find these unchanged)
+            self.shadows[p] = self.shadows[p]._replace(state=_stamps(optimizer, p))
         return stepped
 
     def _steps(self, p: Tensor) -> bool:
