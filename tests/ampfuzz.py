@@ -474,8 +474,7 @@ SIMPLER = {"inject": None, "autocast": None, "branch": False, "stn": True, "max_
 def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
     """The shortest, simplest program still ending in ``status``: drop iterations, then
     simplify each iteration's arguments (``SIMPLER``), then the setup."""
-    def still(p: dict[str, Any]) -> bool:
-        return run_program(p)["status"] == status
+    still = loopfuzz.ends_in(run_program, status)
 
     i = 0
     while i < len(prog["iters"]) and len(prog["iters"]) > 1:

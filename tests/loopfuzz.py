@@ -30,6 +30,13 @@ shrink a failing one (from the tests/ folder)::
     python loopfuzz.py --mix clip --minimize 36
     LAYEROPT_FUZZ_WRAP=fsdp2 python loopfuzz.py --mix all --n 500   # (or ddp: one process)
     LAYEROPT_FUZZ_WRAP=ddp python loopfuzz.py --mix clip --n 500 --ranks 2
+    LAYEROPT_FUZZ_WRAP=compile python loopfuzz.py --mix chaos --n 500   # torch.compile
+
+``LAYEROPT_FUZZ_WRAP=compile``: both sides' models through ``torch.compile`` (backend
+``aot_eager``, or ``LAYEROPT_FUZZ_BACKEND=inductor``: seconds a program), compiled
+afresh each program, inside ``layeropt.two_pass_compile()`` (which
+``layeropt.backward(max_norm=)`` needs): each compiled region's backward is one
+autograd node, so its parameters' gradients land together at its end.
 
 ``--ranks 2`` runs the block on two processes, each rank its own batches (the other
 fuzzers take it too): a gradient reduced over the ranks is then neither rank's own, as
@@ -90,9 +97,9 @@ Op = tuple[str, dict[str, Any]]
 DEVICE = torch.device(os.environ.get("LAYEROPT_FUZZ_DEVICE", "cpu"))
 # how the programs' models are wrapped (LAYEROPT_FUZZ_WRAP, or a program's "wrap"): not
 # at all, DistributedDataParallel or FSDP2's fully_shard, in a process group of this
-# process alone - both sides alike
+# process alone, or torch.compile'd - both sides alike
 WRAP = os.environ.get("LAYEROPT_FUZZ_WRAP", "plain")
-WRAPS = ("plain", "ddp", "fsdp2")
+WRAPS = ("plain", "ddp", "fsdp2", "compile")
 # torch's fused SGD raises this on a step whose parameters mix momentum buffers and none
 # (a layer's first gradient after others' steps): torch's step() too, where it reaches one
 TORCH_LIMIT = "expected Tensor as element"
@@ -573,15 +580,33 @@ def programs(run: Callable[[dict[str, Any]], dict[str, Any]],
     how = {} if wrap is None else {"wrap": wrap}
     gc.collect()  # (an earlier test's optimizers left in a reference cycle: collected, so
     # that no layeropt.backward of the block takes them for attached ones of its own)
-    return [run({**draw(s, mix), **how}) for s in range(start, start + n)]
+    try:
+        return [run({**draw(s, mix), **how}) for s in range(start, start + n)]
+    finally:
+        end_compiling()
+
+
+def end_compiling() -> None:
+    """Leave the ``two_pass_compile()`` :func:`wrap` entered, if it did (the compiler's
+    settings as the next test expects them), and drop the compiled graphs."""
+    while _COMPILING:
+        _COMPILING.pop().__exit__(None, None, None)
+        torch._dynamo.reset()
 
 
 def wrap(net: nn.Module, how: str) -> nn.Module:
     """``net`` as it trains: itself, in DistributedDataParallel (``find_unused_parameters``:
     a forward may skip the branches), or sharded by FSDP2 as one unit (the tied weight
-    shared in it), in a process group of this process alone (started here if none)."""
+    shared in it), in a process group of this process alone (started here if none), or
+    compiled (the module docstring)."""
     if how == "plain":
         return net
+    if how == "compile":
+        if not _COMPILING:  # (entered for the process's life: both sides, every program)
+            _COMPILING.append(layeropt.two_pass_compile())
+            _COMPILING[-1].__enter__()
+        torch._dynamo.reset()  # (each program compiles afresh: no recompile limit reached)
+        return torch.compile(net, backend=os.environ.get("LAYEROPT_FUZZ_BACKEND", "aot_eager"))
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -600,6 +625,7 @@ def wrap(net: nn.Module, how: str) -> nn.Module:
 
 
 _GROUP: list[Any] = []  # the process group wrap() started, kept for the process's life
+_COMPILING: list[Any] = []  # layeropt.two_pass_compile(), entered by wrap()
 
 
 def _end_group(group: Any) -> None:
@@ -934,6 +960,19 @@ def assert_wrapped_block(block: Callable[..., list[dict[str, Any]]], script: str
 
 
 # -- by hand: more programs, one program, a smaller program -----------------------------
+def ends_in(run: Callable[[dict[str, Any]], dict[str, Any]], status: str
+            ) -> Callable[[dict[str, Any]], bool]:
+    """The shrinkers' test: whether a candidate program still ends in ``status``. One that
+    cannot start (an option dropped that another needs: ``nesterov`` without
+    ``momentum``) does not."""
+    def still(p: dict[str, Any]) -> bool:
+        try:
+            return run(p)["status"] == status
+        except (ValueError, TypeError):  # (torch's optimizer refused the options)
+            return False
+    return still
+
+
 def drop_chunks(prog: dict[str, Any], key: str, still: Callable[[dict[str, Any]], bool]
                 ) -> dict[str, Any]:
     """Delta debugging over ``prog[key]`` (a list of steps): drop chunks of it, halving
@@ -956,8 +995,7 @@ def drop_chunks(prog: dict[str, Any], key: str, still: Callable[[dict[str, Any]]
 def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
     """The shortest program still ending in ``status``: drop chunks of ops, then simplify
     each op's arguments and the setup (delta debugging)."""
-    def still(p: dict[str, Any]) -> bool:
-        return run_program(p)["status"] == status
+    still = ends_in(run_program, status)
 
     prog = drop_chunks(prog, "ops", still)
     for i in range(len(prog["ops"])):

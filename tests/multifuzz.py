@@ -132,7 +132,7 @@ class Heads(nn.Module):
         its DDP wrapper, which must see the forward), else this module."""
         g = torch.Generator().manual_seed(loopfuzz.batch_seed(a["seed"]))
         x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
-        return (((top or self)(x, a["kind"], a["aux"]) - y) ** 2).mean()
+        return (((self if top is None else top)(x, a["kind"], a["aux"]) - y) ** 2).mean()
 
     @staticmethod
     def reads(a: dict[str, Any]) -> set[str]:
@@ -185,7 +185,7 @@ class Blocks(nn.Module):
         """As ``Heads.loss``."""
         g = torch.Generator().manual_seed(loopfuzz.batch_seed(a["seed"]))
         x = torch.randn(5, 4, generator=g)
-        return (((top or self)(x) - x) ** 2).mean()
+        return (((self if top is None else top)(x) - x) ** 2).mean()
 
     @staticmethod
     def reads(a: dict[str, Any]) -> set[str]:
@@ -747,8 +747,7 @@ SIMPLER = [("aux", False), ("freeze", None), ("ns", []), ("sub", None), ("opt", 
 def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
     """The shortest program still ending in ``status``: drop chunks of ops, then simplify
     each op's arguments and the attach settings (delta debugging)."""
-    def still(p: dict[str, Any]) -> bool:
-        return run_program(p)["status"] == status
+    still = loopfuzz.ends_in(run_program, status)
 
     prog = drop_chunks(prog, "ops", still)
     for i in range(len(prog["ops"])):

@@ -123,8 +123,7 @@ def run_block(mix: str, start: int, n: int, wrap: str | None = None) -> list[dic
 def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
     """loopfuzz's shrinking (ops, their arguments, the setup), then the mode's options
     set to the plainest that still ends in ``status``."""
-    def still(p: dict[str, Any]) -> bool:
-        return run_program(p)["status"] == status
+    still = loopfuzz.ends_in(run_program, status)
 
     prog = drop_chunks(prog, "ops", still)
     plain = {"overlap": False, "prefetch": False, "copy_streams": 1, "max_buckets": 2,

@@ -52,6 +52,16 @@ def test_random_loops_on_ddp_and_fsdp2(mix, n, wrap):
     assert_wrapped_block(run_block, "loopfuzz.py", mix, n * SOAK, wrap, 1 / 3)
 
 
+# The same on a torch.compile'd model (aot_eager, compiled afresh each program): each
+# compiled region's gradients land together at the end of its backward node
+COMPILED = [("all", 50), ("chaos", 50)]
+
+
+@pytest.mark.parametrize("mix,n", COMPILED, ids=[b[0] for b in COMPILED])
+def test_random_loops_on_a_compiled_model(mix, n):
+    assert_wrapped_block(run_block, "loopfuzz.py", mix, n * SOAK, "compile", 1 / 3)
+
+
 # The same on two processes, each rank its own batches (loopfuzz.programs_on_ranks): the
 # gradients reduced over the ranks are neither rank's own, as in one process they are;
 # every rank must end the same way

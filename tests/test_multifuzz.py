@@ -76,6 +76,15 @@ def test_random_programs_on_fsdp2(mix, n):
     assert_wrapped_block(run_block, "multifuzz.py", mix, n * SOAK, "fsdp2", 1 / 4)
 
 
+# The same on a torch.compile'd model (tests/loopfuzz.py's LAYEROPT_FUZZ_WRAP=compile)
+COMPILED = [("multi", 30), ("checkpoint", 20)]
+
+
+@pytest.mark.parametrize("mix,n", COMPILED, ids=[b[0] for b in COMPILED])
+def test_random_programs_on_a_compiled_model(mix, n):
+    assert_wrapped_block(run_block, "multifuzz.py", mix, n * SOAK, "compile", 1 / 5)
+
+
 # Found with the programs on an FSDP2 model (LAYEROPT_FUZZ_WRAP=fsdp2), minimized: each
 # differed from torch without an error before its fix.
 _TWO = {"o1": ["RAdam", {"lr": 0.05}], "o2": ["Adamax", {"lr": 0.05}],

@@ -82,6 +82,7 @@ from loopfuzz import (
     draw_optimizer,
     draw_third_party,
     drop_chunks,
+    ends_in,
     installed_third_party,
     merged,
     optimizer_class,
@@ -658,8 +659,7 @@ def minimize(prog: dict[str, Any], status: str,
              run: Callable[[dict[str, Any]], dict[str, Any]] = run_program) -> dict[str, Any]:
     """The fewest settings still ending in ``status`` (delta debugging: a dropped setting
     takes its default), then the fewest optimizer options; each candidate run by ``run``."""
-    def still(p: dict[str, Any]) -> bool:
-        return run(p)["status"] == status
+    still = ends_in(run, status)
 
     prog = drop_chunks(prog, "settings", still)
     for key in [k for k in prog["okw"] if k != "lr"]:

@@ -131,8 +131,7 @@ def run_block(mix: str, start: int, n: int, wrap: str | None = None) -> list[dic
 
 
 def minimize(prog: dict[str, Any], status: str) -> dict[str, Any]:
-    def still(p: dict[str, Any]) -> bool:
-        return run_program(p)["status"] == status
+    still = loopfuzz.ends_in(run_program, status)
 
     return loopfuzz.drop_chunks(prog, "ops", still)
 
