@@ -71,6 +71,7 @@ from . import nesting
 from .nesting import TaskEnd, _graph_task_id
 from .registry import check_local_hooks_allowed, world_size
 from .boundaries import Group, StepRecord, StepRules
+from .zeroing import ZEROS_IN_GRAD
 from .subset import WHOLE_STEP_DDP_ERROR, WHOLE_STEP_WARNING, whole_step
 from .transforms import Measure, Transform
 from ..errors import (
@@ -193,7 +194,7 @@ class Rules(StepRules):
                     MEASURE if self.measure is not None
                     else HOLD if self.no_step_depth or rec.hold or rec.graph
                     else DEFER if rec.defer
-                    else CHECK if rec.distributed
+                    else CHECK if rec.distributed or ZEROS_IN_GRAD in self.calls
                     else rec.task)
 
     # -- modes ----------------------------------------------------------------
@@ -303,6 +304,8 @@ class Rules(StepRules):
         grad = param.grad
         if grad is None:  # another hook freed it; nothing to do
             return False
+        if ZEROS_IN_GRAD in self.calls and self.kept_zeros(param):
+            return False  # (nothing landed: a compiled region's hook; step() steps them)
         if grad.is_sparse:
             raise AttachError(SPARSE_ERROR)
         route = rec.route

@@ -20,9 +20,12 @@ from torch import Tensor
 from . import between as _between
 from ..errors import warn
 
-__all__ = ["Zeroing", "DETACHED"]
+__all__ = ["Zeroing", "DETACHED", "ZEROS_IN_GRAD"]
 
 DETACHED = "detached"  # its last attachment left: its step()/zero_grad() are still the loop's
+# in ``calls``: the latest zero_grad(set_to_none=False) zeroed gradients in .grad (torch's,
+# left there by a step() that applied them itself): backward's step calls look for them
+ZEROS_IN_GRAD = "kept zeros in .grad"
 _KEPT_WARNED = "remove() before zero_grad() warned"  # (said once per optimizer)
 
 KEPT_REMOVE_WARNING = (
@@ -65,6 +68,8 @@ class Zeroing:
         optimizer = self._optimizer()
         groups = optimizer.param_groups if optimizer is not None else []
         had = [] if set_to_none else self._held_now([p for g in groups for p in g["params"]])
+        real = not set_to_none and any(p.grad is not None for g in groups for p in g["params"])
+        (self.calls.add if real else self.calls.discard)(ZEROS_IN_GRAD)
         self.stepper.held.drop(set_to_none)  # (torch would zero or drop those in .grad)
         torch_zero_grad(set_to_none)
         self.train_step.held.clear()
@@ -77,6 +82,15 @@ class Zeroing:
             if self.kept_grads:  # (in .grad now: torch's own, which a module's zero_grad,
                 self.kept_grads = {i: p for i, p in self.kept_grads.items()  # unwatched
                                    if p.grad is None}  # while detached, may drop)
+
+    def kept_zeros(self, p: Tensor) -> bool:
+        """Whether ``p.grad`` is the zeros torch keeps, nothing added onto them: a compiled
+        region's backward fires the hooks of parameters it gives no gradient. (Asked in
+        backward after a ``zero_grad(set_to_none=False)`` that zeroed gradients in
+        ``.grad``: ``ZEROS_IN_GRAD``.) ``step()`` updates on them, as torch's."""
+        grad, kept = p.grad, self.kept_grads
+        return (kept is not None and id(p) in kept and type(grad) is Tensor
+                and not grad.any())
 
     def give_back_kept(self, owned: set[int] | None = None) -> None:
         """Torch's ``.grad`` carries the kept zero gradients from here (``owned``'s: an
