@@ -55,7 +55,6 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..engine.boundaries import Group
 from ..engine.registry import is_dtensor
 from ..engine.stepper import Wrapper, outside_autocast
 from ..engine.subset import _restore, _Saved, _snapshot
@@ -270,10 +269,6 @@ class Verifier(Wrapper):
         self.shadows: dict[Tensor, _Shadow] = {}  # this training step's in-backward updates
         # id(param) -> its .grad after the last step(), and that tensor's version then
         self.unzeroed: dict[int, tuple[Tensor, int]] = {}
-        # id(param) -> the zeros zero_grad(set_to_none=False) left in .grad, and their
-        # version: a hook that fires with nothing added onto them (a compiled region's
-        # backward fires the hooks of parameters it gives no gradient) lands nothing
-        self.zeros: dict[int, tuple[Tensor, int]] = {}
         # the latest backward's record when step() ran, and the parameters it applied
         # (held, not ids: an id of a freed tensor is another tensor's later)
         self.applied: tuple[Any, list[Tensor]] = (None, [])
@@ -290,24 +285,13 @@ class Verifier(Wrapper):
              transform: Any) -> list[Tensor]:
         if self.discarded is not None:  # (settled: updating in backward, watching step())
             return self.inner.step(engine, optimizer, groups, params, transform)
-        if self.zeros:  # (step() applies the zeros, as torch's and the engine's do)
-            groups = [Group([p for p in g.params if not self._untouched(p)], g.settings)
-                      for g in groups]
         return self.shadow(optimizer, groups, transform)
-
-    def _untouched(self, p: Tensor) -> bool:
-        zeros = self.zeros.get(id(p))
-        return zeros is not None and p.grad is zeros[0] and _local(p.grad)._version == zeros[1]
 
     def zero_grad(self, engine: Any, set_to_none: bool,
                   torch_zero_grad: Callable[[bool], None]) -> None:
         self.settle("optimizer.zero_grad()")  # (a loop that never calls step())
         self.zeroed(None)
         self.inner.zero_grad(engine, set_to_none, torch_zero_grad)
-        optimizer = engine._optimizer()
-        self.zeros = {} if set_to_none or optimizer is None else {
-            id(p): (p.grad, _local(p.grad)._version) for g in optimizer.param_groups
-            for p in g["params"] if p.grad is not None}
 
     # -- the in-backward side ---------------------------------------------------
     def shadow(self, optimizer: Any, groups: list[Any], transform: Any) -> list[Tensor]:

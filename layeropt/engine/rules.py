@@ -539,8 +539,10 @@ class Rules(StepRules):
         optimizer = self._optimizer()
         if optimizer is None:
             return []
+        zeros = ZEROS_IN_GRAD in self.calls  # (kept zeros nothing landed on: for step())
         return [p for attachment in list(self.attachments) for p in attachment.owned
-                if p.grad is not None and optimizer.owns(p)]
+                if p.grad is not None and optimizer.owns(p)
+                and not (zeros and self.kept_zeros(p))]
 
     def _abort(self, rec: BackwardRecord) -> None:
         """The backward raised: what it left unstepped stays in ``.grad`` (or held), as
