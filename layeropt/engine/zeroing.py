@@ -144,6 +144,8 @@ class Zeroing:
                 self.kept_grads.pop(i, None)
             return
         self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, had, False)
+        if any(p.grad is not None for p in params):  # (torch zeroes these in .grad next)
+            self.calls.add(ZEROS_IN_GRAD)
 
     def _held_now(self, params: list[Tensor]) -> list[Tensor]:
         """Of ``params``, those torch holds a gradient for now: the latest backward's (and
