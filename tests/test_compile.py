@@ -329,6 +329,21 @@ class _TrunkHead(torch.nn.Module):
         h = torch.tanh(self.trunk(x))
         return self.head(h.detach() if detach else h)
 
+    @classmethod
+    def compiled(cls) -> tuple[Any, Any, Any]:
+        """A model (seed 0), it compiled (aot_eager, its frames counted), and the loss of
+        its next batch: ``loss(detach)`` (``True``: the head alone)."""
+        torch.manual_seed(0)
+        model = cls()
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(model, backend=counter)
+        gen = torch.Generator().manual_seed(1)
+
+        def loss(detach: bool) -> torch.Tensor:
+            return compiled(torch.randn(5, 4, generator=gen), detach).pow(2).mean()
+
+        return model, counter, loss
+
 
 @pytest.mark.parametrize("zero", ["optimizer", "model"])
 @pytest.mark.parametrize("verify", [None, 3], ids=["alone", "verify"])
@@ -342,19 +357,11 @@ def test_a_compiled_backward_that_gives_a_layer_no_gradient(verify, zero):
     it took the hook for a landing, then refused the next backward as a second one)."""
     runs = []
     for lo in (False, True):
-        torch.manual_seed(0)
-        model = _TrunkHead()
-        counter = CompileCounterWithBackend("aot_eager")
-        compiled = torch.compile(model, backend=counter)
+        model, counter, loss = _TrunkHead.compiled()
         cls = layeropt.Adam if lo else torch.optim.Adam
         trunk, head = cls(model.trunk.parameters(), lr=0.01), torch.optim.SGD(
             model.head.parameters(), lr=0.1)
         handle = layeropt.attach(model.trunk, trunk, verify=verify) if lo else None
-        gen = torch.Generator().manual_seed(1)
-
-        def loss(detach: bool) -> torch.Tensor:
-            return compiled(torch.randn(5, 4, generator=gen), detach).pow(2).mean()
-
         for _ in range(3):
             loss(False).backward()
             trunk.step(), head.step()
@@ -381,19 +388,11 @@ def test_a_compiled_backward_that_gives_a_layer_no_gradient_after_a_layer_was_un
     and the next backward refused as a second one)."""
     runs = []
     for lo in (False, True):
-        torch.manual_seed(0)
-        model = _TrunkHead()
-        counter = CompileCounterWithBackend("aot_eager")
-        compiled = torch.compile(model, backend=counter)
+        model, counter, loss = _TrunkHead.compiled()
         cls = layeropt.AdamW if lo else torch.optim.AdamW
         trunk = cls(model.trunk.parameters(), lr=0.05)
         head = cls(model.head.parameters(), lr=0.01, weight_decay=0.1)
         handle = layeropt.attach(model, [trunk, head], verify=verify) if lo else None
-        gen = torch.Generator().manual_seed(1)
-
-        def loss(detach: bool) -> torch.Tensor:
-            return compiled(torch.randn(5, 4, generator=gen), detach).pow(2).mean()
-
         model.head.requires_grad_(False)  # (frozen for one backward: unhooked, then swept)
         loss(False).backward()
         model.head.requires_grad_(True)
