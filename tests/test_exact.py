@@ -13,6 +13,7 @@ from harness import (
     assert_models_equal,
     assert_same,
     config_id,
+    needs_fsdp2,
     train_pair,
 )
 
@@ -180,6 +181,44 @@ def test_foreach_sgd_momentum_on_ddp_refuses_the_step_it_cannot_hold(process_gro
             ddp(x, True).float().pow(2).mean().backward()
         assert_same(before[0], opt.state_dict())
         assert all(torch.equal(a, p) for a, p in zip(before[1], model.parameters()))
+
+
+@needs_fsdp2
+def test_foreach_sgd_momentum_on_fsdp2_holds_that_step_too(process_group):
+    """FSDP2's sharded parameters go through the same hooks: the step where the branch
+    gets its first gradient is held, and the shards equal torch's on FSDP2."""
+    import warnings
+
+    import layeropt
+    from torch.distributed.fsdp import fully_shard
+
+    model = _Late().to(torch.bfloat16)
+    runs = []
+    for cls in (torch.optim.SGD, layeropt.SGD):
+        m = copy.deepcopy(model)
+        fully_shard(m)
+        opt = cls(m.parameters(), lr=0.01, momentum=0.9, foreach=True)
+        handle = layeropt.attach(m, opt) if cls is layeropt.SGD else None
+        gen = torch.Generator().manual_seed(1)
+        for k, branch in enumerate((False, True, True)):
+            x = torch.randn(5, 8, generator=gen).to(torch.bfloat16)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                m(x, branch).float().pow(2).mean().backward()
+            held = any("holds this backward's gradients" in str(w.message) for w in seen)
+            assert held == (handle is not None and k == 1)
+            opt.step()
+            opt.zero_grad()
+        runs.append((m, opt, handle))
+    (ref, ref_opt, _), (ours, lo_opt, handle) = runs
+    handle.remove()
+    assert all(torch.equal(a.full_tensor(), b.full_tensor())
+               for a, b in zip(ref.parameters(), ours.parameters()))
+    ref_state, lo_state = ref_opt.state_dict()["state"], lo_opt.state_dict()["state"]
+    assert ref_state.keys() == lo_state.keys()
+    for key, value in ref_state.items():
+        assert torch.equal(value["momentum_buffer"].full_tensor(),
+                           lo_state[key]["momentum_buffer"].full_tensor())
 
 
 from harness import process_group  # noqa: E402,F401  (the fixture)
