@@ -221,4 +221,92 @@ def test_foreach_sgd_momentum_on_fsdp2_holds_that_step_too(process_group):
                            lo_state[key]["momentum_buffer"].full_tensor())
 
 
+class _Tagged(torch.nn.Parameter):
+    """A parameter of a tensor subclass: not a type torch's foreach kernels take."""
+
+
+# (optimizer, options, whether layeropt holds every step: torch's default splits the group)
+SPLIT_DEFAULT = [
+    ("NAdam", {}, True),
+    ("RMSprop", dict(momentum=0.9, centered=True), True),
+    ("SGD", dict(momentum=0.9), True),
+    ("SGD", {}, True),
+    ("Adagrad", {}, True),
+    ("NAdam", dict(foreach=False), False),  # one way, set by the user: exact per layer
+    ("RMSprop", dict(foreach=True), False),
+]
+
+
+@pytest.mark.parametrize("name,kw,holds", SPLIT_DEFAULT,
+                         ids=["nadam", "rmsprop", "sgd-momentum", "sgd", "adagrad",
+                              "nadam-for-loop", "rmsprop-foreach"])
+def test_a_param_group_torch_splits_between_foreach_and_for_loop(monkeypatch, name, kw,
+                                                                  holds):
+    """torch takes its foreach implementation (``foreach`` left to it) only where every
+    parameter with a gradient is a plain tensor on a device with foreach kernels, and
+    its for-loop otherwise; the two round bf16 differently. A group that mixes such
+    parameters with others (a CPU parameter beside CUDA ones, a tensor subclass) - a
+    bucket of the plain ones alone would take foreach: layeropt holds each such step's
+    gradients to the end of backward and steps them in one call, with a warning that
+    names the fix. The CPU has no foreach kernels in torch's list: the test adds it, as
+    a CUDA device is (both runs under it; fails before the fix)."""
+    import warnings
+
+    import layeropt
+    from torch.optim import optimizer as torch_optimizer
+
+    devices = torch_optimizer._get_foreach_kernels_supported_devices() + ["cpu"]
+    monkeypatch.setattr(torch_optimizer, "_get_foreach_kernels_supported_devices",
+                        lambda: list(devices))
+    torch.manual_seed(0)
+    model = _Late().to(torch.bfloat16)
+    model.head.bias = _Tagged(model.head.bias.detach())
+    runs = []
+    ours = getattr(layeropt, name, None) or layeropt.in_backward(getattr(torch.optim, name))
+    for cls in (getattr(torch.optim, name), ours):
+        m = copy.deepcopy(model)
+        opt = cls(m.parameters(), lr=0.01, **kw)
+        if cls is ours:
+            layeropt.attach(m, opt)  # (both schedules: conftest)
+        runs.append((m, opt))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(5, 8, generator=gen).to(torch.bfloat16)
+        for i, (m, opt) in enumerate(runs):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                m(x, True).float().pow(2).mean().backward()
+            held = [str(w.message) for w in seen if "holds this backward" in str(w.message)]
+            assert bool(held) == (i == 1 and holds), [str(w.message) for w in seen]
+            assert all("_Tagged on cpu" in h and "Pass foreach=False" in h for h in held)
+            opt.step()
+            opt.zero_grad()
+    (ref, ref_opt), (ours, lo_opt) = runs
+    assert_models_equal(ref, ours)
+    assert_same(ref_opt.state_dict(), lo_opt.state_dict())
+
+
+def test_a_split_param_group_on_ddp_refuses_the_step_it_cannot_hold(monkeypatch,
+                                                                    process_group):
+    """Under DDP the step the test above holds is refused, before anything of it is
+    applied, with the fix named."""
+    import layeropt
+    from torch.optim import optimizer as torch_optimizer
+
+    devices = torch_optimizer._get_foreach_kernels_supported_devices() + ["cpu"]
+    monkeypatch.setattr(torch_optimizer, "_get_foreach_kernels_supported_devices",
+                        lambda: list(devices))
+    model = _Late().to(torch.bfloat16)
+    model.head.bias = _Tagged(model.head.bias.detach())
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = layeropt.RMSprop(model.parameters(), lr=0.01)
+    before = [p.detach().clone() for p in model.parameters()]
+    with layeropt.attach(ddp, opt):
+        x = torch.randn(5, 8).to(torch.bfloat16)
+        with pytest.raises(layeropt.BackwardStateError, match="Pass foreach=False"):
+            ddp(x, True).float().pow(2).mean().backward()
+    assert not opt.state
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
 from harness import process_group  # noqa: E402,F401  (the fixture)

@@ -306,7 +306,7 @@ class Verifier(Wrapper):
         self._watch_forwards()
         stepped = [p for g in groups for p in g.params if self._steps(p)]
         # the groups' parameters in one step call, as the engine's stepper makes it
-        # (torch's foreach SGD picks its update by the whole list: subset.whole_step)
+        # (torch picks some updates by the whole list: engine/wholestep.py)
         each = [[p for p in g.params if p not in self.shadows and self._steps(p)]
                 for g in groups]
         params = [p for ps in each for p in ps]

@@ -72,7 +72,7 @@ from .nesting import TaskEnd, _graph_task_id
 from .registry import check_local_hooks_allowed, world_size
 from .boundaries import Group, StepRecord, StepRules
 from .zeroing import ZEROS_IN_GRAD
-from .subset import WHOLE_STEP_DDP_ERROR, WHOLE_STEP_WARNING, whole_step
+from .wholestep import whole_step
 from .transforms import Measure, Transform
 from ..errors import (
     ACCUMULATION_ERROR,
@@ -443,16 +443,16 @@ class Rules(StepRules):
                 warn(SCALER_HOLD_WARNING)
             elif kept and not created:
                 warn(RETAIN_HOLD_WARNING)
-        # torch's step picks its update by the whole list this step (subset.whole_step):
+        # torch's step picks its update by the whole list this step (engine/wholestep.py):
         # the gradients wait for the end of backward, one call over them all
         whole = (plain and not holds and not rec.defer and optimizer is not None
                  and whole_step(optimizer))
         if whole and rec.task == IDLE:  # (a DDP step: its buckets step as they come)
-            raise BackwardStateError(WHOLE_STEP_DDP_ERROR)
-        rec.defer = rec.defer or whole
+            raise BackwardStateError(whole[1])
+        rec.defer = bool(rec.defer or whole)
         self._route()
         if rec.defer:
-            warn(WHOLE_STEP_WARNING if whole else DEFER_WARNING)
+            warn(whole[0] if whole else DEFER_WARNING)
 
     # -- a backward ends --------------------------------------------------------
     def _dropped(self, rec: BackwardRecord) -> None:

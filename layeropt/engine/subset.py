@@ -55,84 +55,12 @@ from ..errors import (
     SKIP_CONTRACT_ERROR,
 )
 
-__all__ = ["INSIDE", "SubsetStepper", "narrowable", "whole_step"]
+__all__ = ["INSIDE", "SubsetStepper", "narrowable"]
 
 
 def narrowable(step: Callable[..., Any]) -> bool:
     """Whether ``step`` is one of torch.optim's own (a narrowed call is exact)."""
     return getattr(step, "__module__", "").startswith("torch.optim")
-
-
-_WHOLE_STEP_WHY = (
-    "torch's foreach SGD with momentum updates the momentum buffers one tensor at a time "
-    "in a step where a parameter of theirs (same param group, device and dtype) gets its "
-    "first gradient, and over the whole list otherwise - two ways that round differently "
-    "for this device and dtype - and some parameters have no momentum buffer yet, so "
-    "which way this step takes is known only when its backward ends. "
-)
-_WHOLE_STEP_FIX = (
-    " SGD(foreach=False) has one way (exact layer by layer), and so do float32 "
-    "parameters; or freeze the parameters that never get a gradient."
-)
-WHOLE_STEP_WARNING = _WHOLE_STEP_WHY + (
-    "layeropt holds this backward's gradients and steps them together at its end (no "
-    "memory saved in this step).") + _WHOLE_STEP_FIX
-WHOLE_STEP_DDP_ERROR = _WHOLE_STEP_WHY + (
-    "On a DistributedDataParallel model layeropt steps each averaged bucket as it "
-    "arrives and cannot hold them: this backward is refused, nothing of it applied."
-) + _WHOLE_STEP_FIX
-
-_TWO_WAYS: dict[tuple[Any, ...], bool] = {}  # (device, dtype, momentum, dampening) -> differ
-
-
-def _momentum_ways_differ(device: torch.device, dtype: torch.dtype, momentum: float,
-                          dampening: float) -> bool:
-    """Whether torch's two momentum updates in ``_multi_tensor_sgd`` - ``buf.mul_(m).add_(g,
-    alpha=1 - d)`` per tensor, ``_foreach_mul_``/``_foreach_add_`` over the list - round
-    differently on ``device`` for ``dtype`` (the CPU's foreach kernels round the scalar to
-    bf16 / fp16 first; float32 agrees), probed once on 256 values."""
-    key = (device, dtype, momentum, dampening)
-    if key not in _TWO_WAYS:
-        gen = torch.Generator().manual_seed(0)
-        buf, grad = (torch.randn(256, generator=gen).to(device, dtype) for _ in range(2))
-        one = buf.clone().mul_(momentum).add_(grad, alpha=1 - dampening)
-        listed = [buf.clone()]
-        torch._foreach_mul_(listed, momentum)
-        torch._foreach_add_(listed, [grad], alpha=1 - dampening)
-        _TWO_WAYS[key] = not torch.equal(one, listed[0])
-    return _TWO_WAYS[key]
-
-
-def whole_step(optimizer: Any) -> bool:
-    """Whether this training step's update must be one call over all of its gradients:
-    torch's foreach SGD with momentum picks its momentum update by the whole list (one
-    tensor at a time when a parameter in it has no buffer yet), and where the two ways
-    round differently, a bucket whose parameters all have buffers cannot know which
-    way the step takes until every gradient has landed."""
-    if not isinstance(optimizer, torch.optim.SGD):
-        return False
-    for group in optimizer.param_groups:
-        momentum = group.get("momentum", 0)
-        params = [p for p in group["params"] if p.requires_grad]
-        if not momentum or group.get("fused") or not params or is_fake(params[0]):
-            continue
-        foreach = group.get("foreach")
-        if foreach is None:  # (sgd()'s own default, from the parameters)
-            from torch.optim.optimizer import _default_to_fused_or_foreach
-
-            _, foreach = _default_to_fused_or_foreach(params, False, use_fused=False)
-        if not foreach:
-            continue
-        have, lack = set(), set()
-        for p in params:
-            state = optimizer.state.get(p)
-            has = state is not None and state.get("momentum_buffer") is not None
-            (have if has else lack).add((p.device, p.dtype))
-        for device, dtype in have & lack:
-            if device.type != "meta" and _momentum_ways_differ(
-                    device, dtype, float(momentum), float(group.get("dampening", 0))):
-                return True
-    return False
 
 
 _MISSING = object()
