@@ -352,6 +352,9 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     if base != "checkpoint" and list(prog["opts"]) == ["o1", "o2"] and hasattr(
             torch.optim, "Muon") and r.random() < 0.15:
         prog.update(_muon_recipe(r))
+        kind, kw = prog["opts"]["o2"]  # (drawn after tensor_lr: torch refuses it with
+        if tensor_lr and kind in ("Adam", "AdamW"):  # Adam's foreach)
+            kw.pop("foreach", None)
     # each optimizer's second param group with options of its own, now and then (its
     # implementation too), for the class it was drawn with (not one handed over to)
     gkw = {n: (kind, draw_options(r, kind)) for n, (kind, _) in prog["opts"].items()
