@@ -119,6 +119,39 @@ def test_lightning_with_callback_matches_torch_optim(setup):
         assert float(opt.last_grad_norm) == pytest.approx(ref.norms[-1], rel=1e-6)
 
 
+class _LateBranch(Net):
+    """A branch the first step does not reach: its first gradient, and its momentum
+    buffer, come a step later."""
+
+    def __init__(self, opt_cls: Any, **kw: Any) -> None:
+        super().__init__(opt_cls, **kw)
+        self.branch = torch.nn.Linear(32, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.net[:3](x)
+        out = self.net[3](h) + (self.branch(h) if self.global_step >= 1 else 0)
+        return torch.nn.functional.mse_loss(out.float(), y)
+
+
+@pytest.mark.parametrize("setup", ["plain", "accumulate-2"])
+def test_a_step_torch_takes_by_its_whole_list_is_held_under_the_callback(setup):
+    """torch's foreach SGD with momentum, bf16 on the CPU, a layer's first gradient a step
+    later (tests/test_exact.py's case) through the callback: the step where the branch
+    first lands is held to the end of backward, with the warning, and training stays
+    Lightning's with torch.optim bit for bit."""
+    kw = dict(momentum=0.9, foreach=True)
+    ref = _LateBranch(torch.optim.SGD, **kw)
+    _fit(ref, steps=3, precision="bf16-true", **SETUPS[setup])
+    module = _LateBranch(layeropt.SGD, **kw)
+    with pytest.warns(UserWarning, match="holds this backward's gradients"):
+        trainer = _fit(module, [LayeroptCallback(bucket_cap_mb=0)], steps=3,
+                       precision="bf16-true", **SETUPS[setup])
+    for p, q in zip(module.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach())
+    assert_same(ref.trainer.optimizers[0].state_dict(), trainer.optimizers[0].state_dict())
+
+
 @pytest.mark.parametrize("setup", ["clip-norm", "accumulate-3-clip"])
 def test_clip_norm_over_param_groups_matches_torch_optim(setup):
     """Decay and no-decay param groups: Lightning's clip_gradients sums the norm over
