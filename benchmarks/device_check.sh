@@ -33,9 +33,13 @@
 #    streams (tests/offloadfuzz.py, LAYEROPT_FUZZ_DEVICE=cuda: torch.optim and layeropt
 #    on the GPU, bit for bit, or refused; the CPU checks their order on simulated
 #    streams; never run on a GPU yet, ~40 s by the CPU's pace);
-# 6. DDP and FSDP2 over NCCL in one process (examples/ddp_train.py: replicas and
+# 6. torch's optimizers stepped a bucket at a time against one step() on the GPU
+#    (benchmarks/subset_ways.py: every implementation and dtype, a parameter's first
+#    gradient late, a non-dense parameter; a SILENT row is a difference layeropt does
+#    not hold; ~4 s on the CPU);
+# 7. DDP and FSDP2 over NCCL in one process (examples/ddp_train.py: replicas and
 #    torch.optim bit for bit), DDP with overlap on and off;
-# 7. the 135M GPT, fp32 and bf16, vs fused Adam (benchmarks/gpu_quick.py), the step
+# 8. the 135M GPT, fp32 and bf16, vs fused Adam (benchmarks/gpu_quick.py), the step
 #    tables of gpu.sh in bf16 (~1B GPT; 23M GPT, many-small), and where a bf16 step's
 #    time goes (benchmarks/gpu_profile.py).
 # On 2026-12-04 every part but the 7B one ran in 209 s together: ~435 s in all.
@@ -85,6 +89,7 @@ part offload-bench 90 python benchmarks/offload_bench.py --layers 4 --steps 3 --
 part plan-calibrate 50 python benchmarks/plan_calibrate.py
 part offload-7b 300 python benchmarks/offload_7b.py --modes torch sync overlap-prefetch two-streams budget --budget-gib 6 --micro 2 --steps 3
 part offload-fuzz 40 env LAYEROPT_FUZZ_DEVICE=cuda python tests/offloadfuzz.py --mix all --n 150
+part subset-ways 20 python benchmarks/subset_ways.py --device cuda
 part ddp-nccl 30 python examples/ddp_train.py --device cuda --nproc 1 --tiny
 part ddp-nccl-no-overlap 30 python examples/ddp_train.py --device cuda --nproc 1 --tiny --no-overlap
 part fsdp2-nccl 30 python examples/ddp_train.py --device cuda --nproc 1 --tiny --fsdp
