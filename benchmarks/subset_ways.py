@@ -43,7 +43,7 @@ OPTIMIZERS: list[tuple[str, dict[str, Any]]] = [
     ("Adagrad", {}), ("RMSprop", dict(momentum=0.9, centered=True)), ("RMSprop", {}),
     ("NAdam", {}), ("NAdam", dict(decoupled_weight_decay=True, weight_decay=0.1)),
     ("Adamax", {}), ("RAdam", {}), ("Adadelta", {}), ("ASGD", {}), ("Rprop", {}),
-]
+] + ([("Adafactor", {})] if hasattr(torch.optim, "Adafactor") else [])
 FUSED = ("SGD", "Adam", "AdamW", "Adagrad")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
