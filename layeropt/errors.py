@@ -321,12 +321,6 @@ DDP_JOIN_ERROR = (
     "attachment for a loop that needs join()."
 )
 
-COMM_HOOK_ERROR = (
-    "this DDP model already has a communication hook, and DDP accepts only one. layeropt "
-    "needs its own (it averages, then steps each bucket): build the DDP model without "
-    "register_comm_hook."
-)
-
 DDP_UNUSED_ERROR = (
     "a parameter DDP synchronises got no gradient in this backward (an unused "
     "parameter under static_graph=True); layeropt cannot tell whether other "

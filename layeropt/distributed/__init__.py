@@ -3,8 +3,9 @@
 A data-parallel replica may only be updated with the gradient averaged over
 all processes, so layeropt steps where torch's engines finish averaging:
 
-* **DDP** (:func:`attach_ddp`): a communication hook (``layeropt/distributed/ddp_hook.py``)
-  all-reduces each bucket and frees its parameters' local ``.grad``; once the
+* **DDP** (:func:`attach_ddp`, ``ddp.py``): a communication hook (``ddp_hook.py``)
+  all-reduces each bucket - or reduces it with the user's ``comm_hook`` - and frees
+  its parameters' local ``.grad``; once the
   average has landed (at the end of backward on CPU, in the future's
   ``.then()`` on CUDA) the bucket's parameters are stepped on it; the reducer
   is told an optimizer ran in backward, so it leaves ``.grad`` alone
@@ -29,7 +30,7 @@ from torch import Tensor
 from ..engine.registry import (allow_local_updates, check_local_hooks_allowed,
                                local_gradient_allowed, world_size)
 from ..errors import AttachError
-from ..attaching import DDPAttachment, attach_ddp
+from .ddp import DDPAttachment, attach_ddp
 from .fsdp2 import fsdp_params as _fsdp_params
 
 __all__ = [
@@ -81,6 +82,27 @@ TWO_PASSES_PLAIN_ERROR = (
     "own model, call layeropt.distributed.allow_local_updates(model). Nothing was updated."
 )
 
+TWO_PASSES_HOOK_ERROR = (
+    "layeropt.backward(max_norm=/scaler=) on a DDP model reducing its buckets through "
+    "comm_hook={hook}: its two backward passes (one to measure, one to step) run the hook "
+    "twice on every bucket, and a hook that keeps state between calls (PowerSGD's error "
+    "feedback and iteration count) would see each bucket twice where torch's one backward "
+    "runs it once. torch's stateless hooks (allreduce_hook, fp16_compress_hook, "
+    "bf16_compress_hook) are exact; for another, hold the backward (with opt.no_step(): "
+    "loss.backward()), then clip_grad_norm_ and opt.step() as with torch.optim. Nothing "
+    "was updated."
+)
+
+
+def _stateless(hook: Any) -> bool:
+    """Whether a DDP comm hook gives the same result however often it runs on a bucket:
+    layeropt's own average, and torch's default hooks."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return hook is None or hook in (default_hooks.allreduce_hook,
+                                    default_hooks.fp16_compress_hook,
+                                    default_hooks.bf16_compress_hook)
+
 
 class TwoPasses:
     """``layeropt.backward``'s two passes on DDP models (clipping, GradScaler).
@@ -102,6 +124,9 @@ class TwoPasses:
         for e in engines:
             for a in list(e.attachments):
                 if isinstance(a, DDPAttachment):
+                    if not _stateless(a._state.comm_hook):
+                        raise AttachError(TWO_PASSES_HOOK_ERROR.format(
+                            hook=getattr(a._state.comm_hook, "__qualname__", "?")))
                     if a._state not in self.states:
                         self.states.append(a._state)
                     continue

@@ -45,10 +45,12 @@ from ..errors import (
 class _HookState:
     """What the DDP comm hook needs; the reducer keeps it alive with the DDP."""
 
-    def __init__(self, ddp: nn.Module, overlap: bool) -> None:
+    def __init__(self, ddp: nn.Module, overlap: bool, comm_hook: Any = None,
+                 comm_state: Any = None) -> None:
         self.group = ddp.process_group
         self.world = self.group.size()
         self.overlap = overlap
+        self.comm_hook, self.comm_state = comm_hook, comm_state  # the user's, if any
         self.owner: dict[Tensor, weakref.ref] = {}  # param -> its optimizer (weakly)
         self.settings: Any = None  # the attachment's Settings (layeropt/engine/landing.py)
         self.active = False
@@ -241,8 +243,11 @@ def _allreduce_then_step(state, bucket):  # no annotations: DDP inspects them
         state.check_zeroed([p for p in bucket.parameters() if id(p) in state.fired])
     buffer = bucket.buffer()
     landing = _Landing(state, bucket, buffer)  # sorted now: frees the local gradients at once
-    buffer.mul_(1.0 / state.world)
-    fut = state.group.allreduce([buffer]).get_future()  # (a sum: dist.all_reduce)
+    if state.comm_hook is not None:  # the user's reduction, as DDP runs it
+        fut = state.comm_hook(state.comm_state, bucket).then(partial(_into, buffer))
+    else:
+        buffer.mul_(1.0 / state.world)
+        fut = state.group.allreduce([buffer]).get_future()  # (a sum: dist.all_reduce)
     if state.overlap and landing.device.type != "cpu" and not state.find_unused:
         # A device future's .then() runs on a stream that waits for the all-reduce.
         return fut.then(landing.then)
@@ -250,6 +255,15 @@ def _allreduce_then_step(state, bucket):  # no annotations: DDP inspects them
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(buffer)  # as torch's optimizer-in-backward hook: the flush steps
     return done
+
+
+def _into(buffer: Tensor, fut: Any) -> list[Tensor]:
+    """A comm hook's result, written into the bucket (DDP copies it into the gradients),
+    as the all-reduce's future gives it: ``[buffer]``."""
+    result = fut.value()  # (re-raises a failed reduction)
+    if result is not buffer:
+        buffer.copy_(result)
+    return [buffer]
 
 
 class _Landing:
