@@ -258,6 +258,50 @@ class OtherReentrant(torch.autograd.Function):
         return None, x.grad
 
 
+class Feedback:
+    """A DDP comm hook's state that changes with every call (:func:`feedback_hook`):
+    what each bucket's fp16 rounding lost, added to its next gradient - error feedback,
+    as PowerSGD keeps. (PowerSGD itself is not run on CPU: on gloo its hook starts an
+    all-reduce inside another's callback and hangs now and then, with torch.optim too.)"""
+
+    def __init__(self) -> None:
+        self.residual: dict[int, torch.Tensor] = {}
+        self.calls = 0
+
+
+def feedback_hook(state: Feedback, bucket):  # (no annotations: DDP checks them)
+    """fp16 compression with error feedback: a deterministic comm hook with state."""
+    import torch.distributed as dist
+
+    state.calls += 1
+    buffer = bucket.buffer()
+    residual = state.residual.get(bucket.index())  # (none, or DDP rebuilt its buckets)
+    same = residual is not None and residual.shape == buffer.shape
+    total = buffer + residual if same else buffer.clone()
+    compressed = total.to(torch.float16)
+    state.residual[bucket.index()] = total - compressed.to(total.dtype)
+    compressed.div_(dist.get_world_size())
+
+    def decompress(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return dist.all_reduce(compressed, async_op=True).get_future().then(decompress)
+
+
+def comm_hook(name: str) -> tuple[Any, Any]:
+    """A DDP communication hook by name and a fresh state for it: torch's ``fp16``,
+    ``bf16`` (NCCL only: DDP refuses it on gloo) and ``allreduce`` default hooks, and
+    ``feedback`` (:func:`feedback_hook`)."""
+    if name == "feedback":
+        return feedback_hook, Feedback()
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hook = {"fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook",
+            "allreduce": "allreduce_hook"}[name]
+    return getattr(default_hooks, hook), None  # (the state: the default process group)
+
+
 def leave_rank() -> NoReturn:
     """End a torchrun-launched test rank whose results are saved: wait for the other
     ranks, close the group, and exit without the interpreter's teardown. There gloo's

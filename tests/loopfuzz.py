@@ -63,6 +63,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+import harness
 import layeropt
 from layeropt.engine.boundaries import _EARLY_DISCARD
 
@@ -344,6 +345,12 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
         prog["sched"] = r.choice(["onecycle", "cyclic"])
     if mix != "thirdparty" and prog["opt"] != "Muon" and r.random() < 0.2:
         prog["gkw"] = draw_group_options(r, prog)
+    # on a DDP model, now and then a communication hook of the user's (harness.comm_hook:
+    # torch's registers it, layeropt's attach takes it); from a generator of its own, so
+    # that the programs drawn before it stay the same
+    comm = random.Random(seed + 3 * 10**7).choice([None, None, "fp16", "feedback"])
+    if comm:
+        prog["comm"] = comm
     return prog
 
 
@@ -391,6 +398,13 @@ class Side:
         m.load_state_dict(init)
         m.to(DEVICE)
         self.net, model = m, wrap(m, wrap_of(self.prog))
+        self.comm: dict[str, Any] = {}  # (DDP: the program's comm hook, a fresh state)
+        if self.prog.get("comm") and wrap_of(self.prog) == "ddp":
+            hook, state = harness.comm_hook(self.prog["comm"])
+            if self.layer:
+                self.comm = {"comm_hook": hook, "comm_state": state}
+            else:
+                model.register_comm_hook(state, hook)
         cls = optimizer_class(self.prog["opt"], self.layer)
         params = trained(self.prog, [(n, p) for n, p in m.named_parameters()
                                      if not n.startswith("extra.")])
@@ -405,7 +419,8 @@ class Side:
         return model, opt
 
     def attach(self) -> Any:
-        return layeropt.attach(self.model, self.opt, **self.akw) if self.layer else None
+        return layeropt.attach(self.model, self.opt, **self.akw, **self.comm) \
+            if self.layer else None
 
     def close(self) -> None:
         """The end of the program: the attachment removed (see :func:`detach`)."""
@@ -610,8 +625,6 @@ def wrap(net: nn.Module, how: str) -> nn.Module:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        import harness
-
         _GROUP.append(harness.one_process_group("gloo"))
         next(_GROUP[-1])
         atexit.register(_end_group, _GROUP[-1])  # (while torch.distributed is loaded)

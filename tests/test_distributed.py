@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import layeropt
-from harness import FSDP2_ON_CPU, SOAK, TORCH, OtherReentrant, assert_same, needs_fsdp2
+from harness import (FSDP2_ON_CPU, SOAK, TORCH, OtherReentrant, assert_same, comm_hook,
+                     needs_fsdp2)
 from loopfuzz import close_wrap_group
 from layeropt.errors import AttachError
 
@@ -125,7 +126,7 @@ TRAIN = {
     "fsdp2-bf16_compute_and_reduce-accum-no_step": (
         "fsdp2", "adam", dict(mp=torch.bfloat16), "no_step"),
     "fsdp2-no_reshard-accum-both-clip": ("fsdp2", "sgd", dict(reshard=False, clip=0.05), "both"),
-    # a DDP communication hook (COMM_HOOKS): registered on torch's side, given to
+    # a DDP communication hook (harness.comm_hook): registered on torch's side, given to
     # layeropt.attach(comm_hook=, comm_state=) on layeropt's
     "ddp-comm_fp16": ("ddp", "adam", dict(comm="fp16"), None),
     "ddp-comm_fp16-accum-no_sync-clip": ("ddp", "sgd", dict(comm="fp16", clip=0.05), "no_sync"),
@@ -137,49 +138,6 @@ TRAIN = {
 }
 
 
-class _Feedback:
-    """A comm hook's state that changes with every call: fp16 compression with error
-    feedback (what each bucket's rounding lost, added to its next gradient), as PowerSGD
-    keeps. (PowerSGD itself is not run here: on gloo its hook starts an all-reduce inside
-    another's callback and hangs now and then, with torch.optim too.)"""
-
-    def __init__(self) -> None:
-        self.residual: dict[int, torch.Tensor] = {}
-        self.calls = 0
-
-
-def _feedback_hook(state: _Feedback, bucket):  # (no annotations: DDP checks them)
-    state.calls += 1
-    buffer = bucket.buffer()
-    residual = state.residual.get(bucket.index())  # (none, or DDP rebuilt its buckets)
-    same = residual is not None and residual.shape == buffer.shape
-    total = buffer + residual if same else buffer.clone()
-    compressed = total.to(torch.float16)
-    state.residual[bucket.index()] = total - compressed.float()
-    compressed.div_(dist.get_world_size())
-
-    def decompress(fut):
-        buffer.copy_(fut.value()[0])
-        return buffer
-
-    return dist.all_reduce(compressed, async_op=True).get_future().then(decompress)
-
-
-def _default_hook(name: str) -> Callable[[], tuple[Callable, Any]]:
-    def made() -> tuple[Callable, Any]:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        return getattr(default_hooks, name), None  # (the state: the default group)
-    return made
-
-
-# a DDP comm hook by name: (hook, its state), a fresh state for each run
-COMM_HOOKS: dict[str, Callable[[], tuple[Callable, Any]]] = {
-    "fp16": _default_hook("fp16_compress_hook"),
-    "bf16": _default_hook("bf16_compress_hook"),  # (NCCL only: DDP refuses it on gloo)
-    "allreduce": _default_hook("allreduce_hook"),
-    "feedback": lambda: (_feedback_hook, _Feedback()),
-}
 # Relative tolerance against one process on the combined batch (reassociated sums).
 CLOSE_RTOL = {"adam": 1e-5, "adamw_fused": 1e-5, "sgd": 1e-6}
 
@@ -330,7 +288,7 @@ def _train(rank: int, name: str, layer: bool) -> dict[str, Any]:
     wrapped, no_sync = _wrap(engine, options)
     opt = _opt(opt_name, wrapped.parameters(), layer)
     calls: list[tuple[int, int]] = []
-    hook, hook_state = COMM_HOOKS[comm]() if comm else (None, None)
+    hook, hook_state = comm_hook(comm) if comm else (None, None)
     if comm and not layer:
         wrapped.register_comm_hook(hook_state, hook)
     if layer and comm:
@@ -509,7 +467,7 @@ def _errors(rank: int) -> dict[str, str]:
     def stateful_hook_two_passes():  # nothing of the backward applied, the hook not run
         ddp = DDP(_model(), process_group=group)
         opt = layeropt.Adam(ddp.parameters())
-        hook, state = COMM_HOOKS["feedback"]()
+        hook, state = comm_hook("feedback")
         before = [p.detach().clone() for p in ddp.parameters()]
         with layeropt.attach(ddp, opt, comm_hook=hook, comm_state=state):
             x, y = _batch(0, rank)
@@ -522,19 +480,19 @@ def _errors(rank: int) -> dict[str, str]:
     def another_hook_on_reattach():
         ddp = DDP(_model(), process_group=group)
         opt = layeropt.Adam(ddp.parameters())
-        hook, state = COMM_HOOKS["fp16"]()
+        hook, state = comm_hook("fp16")
         layeropt.attach(ddp, opt, comm_hook=hook, comm_state=state).remove()
         layeropt.attach(ddp, opt)
 
     def comm_hook_without_ddp():
         model = _model()
         layeropt.attach(model, layeropt.Adam(model.parameters()),
-                        comm_hook=COMM_HOOKS["fp16"]()[0])
+                        comm_hook=comm_hook("fp16")[0])
 
     def bf16_hook_on_gloo():  # (DDP's own check of the hook, as register_comm_hook's)
         ddp = DDP(_model(), process_group=group)
         layeropt.attach(ddp, layeropt.Adam(ddp.parameters()),
-                        comm_hook=COMM_HOOKS["bf16"]()[0])
+                        comm_hook=comm_hook("bf16")[0])
 
     cases = dict(
         bf16_hook_on_gloo=bf16_hook_on_gloo,
@@ -1287,7 +1245,7 @@ ERRORS = {
     "other_comm_hook": ["AttachError: this DDP model already has a communication hook",
                         "without register_comm_hook", "comm_hook=hook, comm_state=state"],
     "stateful_hook_two_passes": ["AttachError: layeropt.backward(max_norm=/scaler=) on a DDP "
-                                 "model reducing its buckets through comm_hook=_feedback_hook",
+                                 "model reducing its buckets through comm_hook=feedback_hook",
                                  "opt.no_step()", "Nothing was updated"],
     "another_hook_on_reattach": [
         "AttachError: this DDP model reduces its buckets through comm_hook=fp16_compress_hook",

@@ -56,7 +56,7 @@ class VerifySide(Side):
         import layeropt
 
         steps = self.prog.get("verify_steps", STEPS)
-        return layeropt.attach(self.model, self.opt, verify=steps, **self.akw)
+        return layeropt.attach(self.model, self.opt, verify=steps, **self.akw, **self.comm)
 
 
 def draw_program(seed: int, mix: str) -> dict[str, Any]:
