@@ -290,6 +290,7 @@ def backward(
                 continue
             verifiers[e].transform_real([p for p in verifiers[e].shadows if p not in before
                                          and not unhooked.prepares(p)], transform)
+            verifiers[e].transform_kept(o, transform)
     for o in optimizers:  # their step is skipped: nothing of theirs changes
         if o._lo_engine in skipped:
             o._lo_engine.skip([p for g in o.param_groups for p in g["params"]

@@ -862,3 +862,50 @@ def test_a_tensor_learning_rate_passes_verification(opt_name, cap):
             handle.remove()
         results.append(([p.detach().clone() for p in model.parameters()], opt.state_dict()))
     test_rules.assert_same(results[1], results[0])
+
+
+class _Branch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
+        return self.a(x) + self.b(x) if branch else self.a(x)
+
+
+@pytest.mark.parametrize("ddp", [False, True], ids=["plain", "ddp"])
+def test_kept_zeros_of_an_unreached_layer_are_clipped_as_torch_clips_them(process_group, ddp):
+    """``zero_grad(set_to_none=False)`` keeps zeros in a layer's ``.grad``; a backward that
+    does not reach it, clipped at a non-finite norm (a NaN loss): torch's
+    ``clip_grad_norm_`` scales those zeros too (0 * NaN: NaN) and ``step()`` updates the
+    layer on them. Verified on a DDP model the zeros came back from DDP's bucket after
+    the shadowing and were stepped unclipped: the layer stayed finite, silently
+    (ampfuzz ``verify`` on DDP, seeds 310,194, 310,389, 310,395; fails before)."""
+    runs = []
+    for layer in (False, True):
+        torch.manual_seed(0)
+        model = _Branch()
+        top = torch.nn.parallel.DistributedDataParallel(
+            model, find_unused_parameters=True) if ddp else model
+        opt = (layeropt.SGD if layer else torch.optim.SGD)(model.parameters(), lr=0.1)
+        if layer:
+            layeropt.attach(top, opt, verify=5)
+        x = torch.randn(5, 4)
+        top(x, True).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        loss = top(x, False).sum() * float("nan")
+        if layer:
+            layeropt.backward(loss, opt, max_norm=1.0)
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (verify's end of program)
+            opt.step()
+        runs.append(model)
+    ref, ours = runs
+    assert ref.b.weight.isnan().all()  # (torch's: the zeros times NaN)
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        assert torch.equal(p.isnan(), q.isnan())
+        assert torch.equal(p.nan_to_num(), q.nan_to_num())

@@ -387,6 +387,19 @@ class Verifier(Wrapper):
         if grads and (transform.inv_scale is not None or transform.coef is not None):
             prepare_grads(grads, transform, None)
 
+    def transform_kept(self, optimizer: Any, transform: Any) -> None:
+        """After ``layeropt.backward``'s step pass: the zeros ``zero_grad(set_to_none=False)``
+        kept in ``.grad`` of parameters this backward did not reach, scaled as torch's
+        ``clip_grad_norm_`` scales every ``.grad`` it is given (0 times a non-finite
+        coefficient: NaN). A DDP bucket hands them back only after backward, past the
+        shadowing; scaling a zero again changes nothing."""
+        chosen = transform.clipped
+        zeros = [p for g in optimizer.param_groups for p in g["params"]
+                 if p.grad is not None and p not in self.shadows
+                 and (chosen is None or id(p) in chosen) and not _local(p.grad).any()]
+        if zeros and transform.coef is not None:
+            prepare_grads(zeros, transform._replace(inv_scale=None), None)
+
     def zeroed(self, params: Callable[[], Any] | None) -> None:
         """``zero_grad()`` (the optimizer's: all; a module's: ``params()``)."""
         if params is None:
