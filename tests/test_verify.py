@@ -909,3 +909,34 @@ def test_kept_zeros_of_an_unreached_layer_are_clipped_as_torch_clips_them(proces
     for p, q in zip(ref.parameters(), ours.parameters()):
         assert torch.equal(p.isnan(), q.isnan())
         assert torch.equal(p.nan_to_num(), q.nan_to_num())
+
+
+@pytest.mark.parametrize("hook", ["feedback", "fp16"])
+def test_verify_on_ddp_names_a_held_backward_onto_the_last_steps_gradient(process_group,
+                                                                          hook):
+    """On a DDP model, a ``no_step()`` backward after ``step()`` without ``zero_grad()``
+    adds onto the gradient the step applied, which in-backward updating has freed
+    (docs/rules.md). A comm hook that keeps state reduces that sum there and keeps it in
+    its state, whatever ``zero_grad()`` comes next: verify names it at that backward,
+    before the hook runs (verifyfuzz ``chaos`` seed 321,017 on DDP: silent before). With
+    torch's stateless hooks it is found at ``step()`` as without DDP, and a
+    ``zero_grad()`` before any step leaves the loop exact."""
+    from harness import comm_hook
+
+    torch.manual_seed(0)
+    model = _Branch()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = layeropt.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    fn, state = comm_hook(hook)
+    layeropt.attach(ddp, opt, verify=5, comm_hook=fn, comm_state=state)
+    x = torch.randn(5, 4)
+    ddp(x, True).sum().backward()
+    opt.step()
+    calls = getattr(state, "calls", None)
+    with opt.no_step():
+        if hook == "feedback":
+            with pytest.raises(layeropt.VerifyError, match="zero_grad"):
+                ddp(x, True).sum().backward()
+            assert state.calls == calls  # (before the hook ran)
+        else:
+            ddp(x, True).sum().backward()

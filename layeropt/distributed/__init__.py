@@ -31,6 +31,7 @@ from ..engine.registry import (allow_local_updates, check_local_hooks_allowed,
                                local_gradient_allowed, world_size)
 from ..errors import AttachError
 from .ddp import DDPAttachment, attach_ddp
+from .ddp_hook import stateless as _stateless
 from .fsdp2 import fsdp_params as _fsdp_params
 
 __all__ = [
@@ -92,16 +93,6 @@ TWO_PASSES_HOOK_ERROR = (
     "loss.backward()), then clip_grad_norm_ and opt.step() as with torch.optim. Nothing "
     "was updated."
 )
-
-
-def _stateless(hook: Any) -> bool:
-    """Whether a DDP comm hook gives the same result however often it runs on a bucket:
-    layeropt's own average, and torch's default hooks."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    return hook is None or hook in (default_hooks.allreduce_hook,
-                                    default_hooks.fp16_compress_hook,
-                                    default_hooks.bf16_compress_hook)
 
 
 class TwoPasses:

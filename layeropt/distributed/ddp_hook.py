@@ -42,6 +42,16 @@ from ..errors import (
 )
 
 
+def stateless(hook: Any) -> bool:
+    """Whether a DDP comm hook gives the same result however often, and after whatever,
+    it runs on a bucket: layeropt's own average, and torch's default hooks."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return hook is None or hook in (default_hooks.allreduce_hook,
+                                    default_hooks.fp16_compress_hook,
+                                    default_hooks.bf16_compress_hook)
+
+
 class _HookState:
     """What the DDP comm hook needs; the reducer keeps it alive with the DDP."""
 
@@ -123,7 +133,10 @@ class _HookState:
         for opt, owned in by_owner.values():
             engine = opt._lo_engine
             verifier = engine.find(Verifier)
-            if verifier is not None and engine.averaged_route() is engine:
+            # (a held backward's too where the user's hook keeps state: its reduction of
+            # what this adds onto stays in that state, whatever zero_grad() comes next)
+            if verifier is not None and (engine.averaged_route() is engine
+                                         or not stateless(self.comm_hook)):
                 verifier.check_zeroed(owned)
 
     def defer(self, landing: _Landing, fut: Any) -> None:
