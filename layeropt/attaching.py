@@ -35,8 +35,14 @@ _SPARSE_MODULES = (nn.Embedding, nn.EmbeddingBag)
 
 #: Wrapper model types that another module attaches, and its function for them:
 #: ``DistributedDataParallel`` -> ``layeropt.distributed.attach_ddp`` (registered by
-#: ``layeropt/distributed/ddp.py`` when layeropt is imported).
+#: ``layeropt/distributed/ddp.py`` through :func:`hand_over` when layeropt is imported).
 WRAPPERS: dict[type, Callable[..., Any]] = {}
+
+
+def hand_over(kind: type, attach_wrapper: Callable[..., Any]) -> None:
+    """``attach`` hands a model of type ``kind`` to ``attach_wrapper`` (the one writer of
+    :data:`WRAPPERS`)."""
+    WRAPPERS[kind] = attach_wrapper
 
 
 def resolve_owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer]:
@@ -387,7 +393,8 @@ def attach(
             stepped yet (0 or unset: none).
         comm_hook: a ``DistributedDataParallel`` model's communication hook (as
             ``ddp_model.register_comm_hook(comm_state, comm_hook)`` takes it: torch's
-            ``fp16_compress_hook``, ``bf16_compress_hook``, PowerSGD's, your own), which
+            ``fp16_compress_hook``, ``bf16_compress_hook``, PowerSGD's - not run here - or
+            your own), which
             reduces each bucket before it is stepped - DDP takes one hook, so give it
             here instead of registering it. ``comm_state``: its state.
 

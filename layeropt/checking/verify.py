@@ -394,10 +394,12 @@ class Verifier(Wrapper):
         coefficient: NaN). A DDP bucket hands them back only after backward, past the
         shadowing; scaling a zero again changes nothing."""
         chosen = transform.clipped
+        if transform.coef is None:  # (unscaling keeps a zero a zero)
+            return
         zeros = [p for g in optimizer.param_groups for p in g["params"]
                  if p.grad is not None and p not in self.shadows
                  and (chosen is None or id(p) in chosen) and not _local(p.grad).any()]
-        if zeros and transform.coef is not None:
+        if zeros:
             prepare_grads(zeros, transform._replace(inv_scale=None), None)
 
     def zeroed(self, params: Callable[[], Any] | None) -> None:

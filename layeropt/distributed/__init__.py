@@ -31,7 +31,7 @@ from ..engine.registry import (allow_local_updates, check_local_hooks_allowed,
                                local_gradient_allowed, world_size)
 from ..errors import AttachError
 from .ddp import DDPAttachment, attach_ddp
-from .ddp_hook import stateless as _stateless
+from .ddp_hook import hook_name, stateless
 from .fsdp2 import fsdp_params as _fsdp_params
 
 __all__ = [
@@ -85,7 +85,7 @@ TWO_PASSES_PLAIN_ERROR = (
 
 TWO_PASSES_HOOK_ERROR = (
     "layeropt.backward(max_norm=/scaler=) on a DDP model reducing its buckets through "
-    "comm_hook={hook}: its two backward passes (one to measure, one to step) run the hook "
+    "{hook}: its two backward passes (one to measure, one to step) run the hook "
     "twice on every bucket, and a hook that keeps state between calls (PowerSGD's error "
     "feedback and iteration count) would see each bucket twice where torch's one backward "
     "runs it once. torch's stateless hooks (allreduce_hook, fp16_compress_hook, "
@@ -115,9 +115,9 @@ class TwoPasses:
         for e in engines:
             for a in list(e.attachments):
                 if isinstance(a, DDPAttachment):
-                    if not _stateless(a._state.comm_hook):
+                    if not stateless(a._state.comm_hook):
                         raise AttachError(TWO_PASSES_HOOK_ERROR.format(
-                            hook=getattr(a._state.comm_hook, "__qualname__", "?")))
+                            hook=hook_name(a._state.comm_hook)))
                     if a._state not in self.states:
                         self.states.append(a._state)
                     continue

@@ -12,12 +12,12 @@ from typing import Any
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..attaching import (WRAPPERS, Attachment, _start_verifying, layer_buckets,
+from ..attaching import (Attachment, _start_verifying, hand_over, layer_buckets,
                          refuse_open_updates, resolve_owners)
 from ..engine.landing import Settings
 from ..engine.registry import hooked_by
 from ..errors import AttachError
-from .ddp_hook import _allreduce_then_step, _Copied, _HookState
+from .ddp_hook import _allreduce_then_step, _Copied, _HookState, hook_name
 
 __all__ = ["DDPAttachment", "attach_ddp"]
 
@@ -216,8 +216,8 @@ def attach_ddp(
     state = _DDP_STATES.get(ddp_model)
     if state is not None and (state.comm_hook is not comm_hook
                               or state.comm_state is not comm_state):
-        raise AttachError(OTHER_HOOK_ERROR.format(before=_named(state.comm_hook),
-                                                  now=_named(comm_hook)))
+        raise AttachError(OTHER_HOOK_ERROR.format(before=hook_name(state.comm_hook),
+                                                  now=hook_name(comm_hook)))
     refuse_open_updates(ddp_model.module, [p for p in ddp_model.module.parameters()
                                             if any(o.owns(p) for o in optimizers)], optimizers)
     _start_verifying(optimizers, verify)
@@ -249,11 +249,4 @@ def attach_ddp(
     return DDPAttachment(ddp_model, optimizers, state, settings)
 
 
-def _named(hook: Any) -> str:
-    """A comm hook as a message names it."""
-    if hook is None:
-        return "layeropt's own average (no comm_hook)"
-    return f"comm_hook={getattr(hook, '__qualname__', type(hook).__name__)}"
-
-
-WRAPPERS[nn.parallel.DistributedDataParallel] = attach_ddp  # (layeropt.attach hands it here)
+hand_over(nn.parallel.DistributedDataParallel, attach_ddp)  # (layeropt.attach calls it)

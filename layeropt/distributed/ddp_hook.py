@@ -52,6 +52,13 @@ def stateless(hook: Any) -> bool:
                                     default_hooks.bf16_compress_hook)
 
 
+def hook_name(hook: Any) -> str:
+    """A comm hook as a message names it."""
+    if hook is None:
+        return "layeropt's own average (no comm_hook)"
+    return f"comm_hook={getattr(hook, '__qualname__', type(hook).__name__)}"
+
+
 class _HookState:
     """What the DDP comm hook needs; the reducer keeps it alive with the DDP."""
 
