@@ -903,6 +903,7 @@ def _find_unused(rank: int) -> dict[str, Any]:
             if layer:
                 attach_ddp(ddp, opt)
             n = ACCUM if accum else 1
+            before_step: list[list[torch.Tensor]] = []
             for step in range(4):
                 for micro in range(n):
                     with contextlib.ExitStack() as ctx:
@@ -920,6 +921,12 @@ def _find_unused(rank: int) -> dict[str, Any]:
                             loss.backward()
                 if not layer and clip is not None:
                     torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
+                # head b used by no process since the last sync: DDP leaves it alone, so
+                # before step() it and its (held) gradient are torch's, as without DDP
+                since = range(n) if accum in ("no_sync", "both") else [n - 1]
+                if not any(usage(r, step, m)[1] for r in range(WORLD) for m in since):
+                    before_step.append([_full(t) for p in ddp.module.b.parameters()
+                                        for t in (p, p.grad) if t is not None])
                 if layer:
                     out[f"{name}/grads_left"] = [k for k, p in ddp.named_parameters()
                                                  if p.grad is not None and "b." not in k]
@@ -927,7 +934,7 @@ def _find_unused(rank: int) -> dict[str, Any]:
                     o.step()
                     o.zero_grad()
             out[f"{name}/{layer}"] = dict(params=[_full(p) for p in ddp.parameters()],
-                                          state=_state(opt))
+                                          state=_state(opt), before_step=before_step)
     return out
 
 
@@ -1137,6 +1144,9 @@ def test_find_unused_parameters_equals_torch_optim(ranks, name):
         lo, ref = out[f"{name}/True"], out[f"{name}/False"]
         assert_same(lo["params"], ref["params"], f"rank {r}: params vs torch.optim")
         assert_same(lo["state"], ref["state"], f"rank {r}: state vs torch.optim")
+        assert_same(lo["before_step"], ref["before_step"], f"rank {r}: unused head b")
+        if name == "no_step":  # (b's held gradient, unused in the last backward: checked)
+            assert any(len(b) == 4 for b in lo["before_step"])
         assert out[f"{name}/grads_left"] == [], "a .grad survived an attached backward"
         assert len(ref["state"]) < 8  # spare (2 tensors) never got a gradient: no state
     first = _get(ranks, "find_unused")[0][f"{name}/True"]

@@ -371,18 +371,28 @@ class _Landing:
                 measure.take_copy(p, p.grad)
         todo = {}
         for opt, owned in self.steps.items():
-            if used is not None:  # no process used it: its held gradient, if any
-                for p, _ in owned:  # (or its stale one back in .grad, not stepped)
-                    if id(p) not in used and p in self.stale:
-                        p.grad = self.stale[p]
-                owned = [(p, view if id(p) in used else self.held.get(p))
-                         for p, view in owned]
+            if used is not None:  # no process used it: as without DDP, its held gradient
+                now = self.held if _steps_held(opt._lo_engine) else {}  # waits in .grad
+                for p, _ in owned:  # for step(), unless layeropt.backward's step pass
+                    if id(p) not in used and p not in now:  # steps it now (step_held);
+                        g = self.stale.get(p, self.held.get(p))  # a stale one waits too
+                        if g is not None:
+                            p.grad = g
+                owned = [(p, view if id(p) in used else now.get(p)) for p, view in owned]
                 owned = [(p, g) for p, g in owned if g is not None]
             for p, view in owned:
                 p.grad = view
             if owned:
                 todo[opt] = [p for p, _ in owned]
         return todo
+
+
+def _steps_held(engine: Any) -> bool:
+    """Inside ``layeropt.backward``'s step pass (clipping, a scaler): the held gradients it
+    does not reach are stepped at its end, transformed (``step_held``); after any other
+    backward they wait in ``.grad`` for ``step()``."""
+    t = engine.transform
+    return t is not None and (t.inv_scale is not None or t.coef is not None)
 
 
 @contextlib.contextmanager
