@@ -48,14 +48,18 @@ ACCELERATE = {
     "given-max-norm": dict(clip="norm", given=True),
     "find_unused-ga2-clip-norm": dict(ga=2, clip="norm", find_unused=True),
     "default-cap-ga2-clip-norm": dict(ga=2, clip="norm", cap=None),  # the library's defaults
+    # DistributedDataParallelKwargs(comm_hook=FP16): each bucket reduced in fp16
+    "fp16-comm-hook-ga2": dict(ga=2, comm="FP16"),
+    "fp16-comm-hook-ga2-clip-norm": dict(ga=2, clip="norm", comm="FP16"),
 }
 
 
 def _accelerate(kind: str, ga: int = 1, clip: str | None = None, given: bool = False,
-                find_unused: bool = False, cap: float | None = 0.0) -> dict[str, Any]:
+                find_unused: bool = False, cap: float | None = 0.0,
+                comm: str | None = None) -> dict[str, Any]:
     import accelerate
     from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import DistributedDataParallelKwargs
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 
     from layeropt.integrations.accelerate import LayeroptAccelerator
     from layeropt.models import make_model
@@ -64,8 +68,10 @@ def _accelerate(kind: str, ga: int = 1, clip: str | None = None, given: bool = F
     GradientState._reset_state()
     model, batch_fn, loss_fn = make_model("gpt")
     kw: dict[str, Any] = dict(cpu=True, gradient_accumulation_steps=ga)
-    if find_unused:
-        kw["kwargs_handlers"] = [DistributedDataParallelKwargs(find_unused_parameters=True)]
+    if find_unused or comm:
+        kw["kwargs_handlers"] = [DistributedDataParallelKwargs(
+            find_unused_parameters=find_unused,
+            comm_hook=DDPCommunicationHookType[comm or "NO"])]
     if kind == "torch":
         acc = accelerate.Accelerator(**kw)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

@@ -86,6 +86,10 @@ def test_accelerate_under_ddp_equals_torch_optim(runs, case):
         for a, b in zip(got["norms"], ref["norms"]):  # the norm clip_grad_norm_ returns
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert got["grads_left"] == 0 < ref["grads_left"]  # freed in backward vs held
+    if ACCELERATE[case].get("comm"):  # the hook reduced in fp16: not the plain average
+        plain = _pair(runs("accelerate"), case.replace("fp16-comm-hook-", ""))
+        for (ref, _), (ref_plain, _) in zip(_pair(runs("accelerate"), case), plain):
+            assert not all(map(torch.equal, ref["params"], ref_plain["params"]))
 
 
 @pytest.mark.parametrize("case", [c for c in HF if not HF[c].get("callback")

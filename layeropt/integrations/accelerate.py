@@ -42,7 +42,10 @@ wraps the model in ``DistributedDataParallel`` and the wrapper is attached:
 each bucket is stepped on its averaged gradient, ``accumulate`` keeps DDP's
 ``no_sync``, and clipping measures the averaged gradients - the parameters
 equal accelerate + ``torch.optim`` on every process, bit for bit
-(``find_unused_parameters=True`` included). Other multi-process set-ups
+(``find_unused_parameters=True`` included). A ``comm_hook`` in
+``DistributedDataParallelKwargs`` reduces each bucket through layeropt's hook
+(:func:`layeropt.attach`'s ``comm_hook``: clipping then needs a stateless one,
+fp16/bf16 compression, not PowerSGD). Other multi-process set-ups
 (FSDP, DeepSpeed plugins) are refused in ``prepare``. Tested with
 accelerate 1.15.
 """
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from torch import Tensor, nn
@@ -65,7 +69,7 @@ from . import attach_kwargs, offload_state_once, two_pass_compile
 
 try:
     from accelerate import Accelerator
-    from accelerate.utils import DynamoBackend
+    from accelerate.utils import DDPCommunicationHookType, DynamoBackend
 except ImportError as exc:  # pragma: no cover - exercised without accelerate
     raise ImportError(
         "layeropt.integrations.accelerate needs accelerate: pip install "
@@ -80,6 +84,37 @@ class AccelerateSetupError(LayeroptError):
 
 
 _UNSET = object()
+
+
+@contextlib.contextmanager
+def _comm_hook_aside(handler: Any) -> Iterator[dict[str, Any]]:
+    """``DistributedDataParallelKwargs(comm_hook=...)``: accelerate registers that hook on
+    the DDP model it builds, and DDP takes one hook, for good - layeropt's, which reduces
+    each bucket with the user's hook, then steps it. The hook accelerate would register
+    (made by its own ``register_comm_hook``: the wrapper, PowerSGD's state) is taken
+    here, for :func:`layeropt.attach`'s ``comm_hook=`` / ``comm_state=``; accelerate
+    registers none meanwhile."""
+    kind = getattr(handler, "comm_hook", DDPCommunicationHookType.NO)
+    if kind == DDPCommunicationHookType.NO:
+        yield {}
+        return
+    taken: dict[str, Any] = {}
+    handler.register_comm_hook(_Taker(taken))
+    handler.comm_hook = DDPCommunicationHookType.NO
+    try:
+        yield taken
+    finally:
+        handler.comm_hook = kind
+
+
+class _Taker:
+    """Stands in for the DDP model in accelerate's ``register_comm_hook``: keeps the hook."""
+
+    def __init__(self, taken: dict[str, Any]) -> None:
+        self.taken = taken
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        self.taken.update(comm_hook=hook, comm_state=state)
 
 
 class LayeroptAccelerator(Accelerator):
@@ -174,7 +209,8 @@ class LayeroptAccelerator(Accelerator):
         """``Accelerator.prepare``; then attaches prepared models to their layeropt optimizers."""
         if self.state.dynamo_plugin.backend != DynamoBackend.NO:
             self._lo_compiling.enter_context(two_pass_compile())
-        out = super().prepare(*args, **kwargs)
+        with _comm_hook_aside(getattr(self, "ddp_handler", None)) as comm:
+            out = super().prepare(*args, **kwargs)
         opts = self.layeropt_optimizers
         # The models as prepared (DistributedDataParallel under several processes):
         # the wrapper is what the loop calls, and what averages the gradients.
@@ -196,7 +232,8 @@ class LayeroptAccelerator(Accelerator):
                 )
             if owners:
                 handle = attach(model, owners, **attach_kwargs(
-                    bucket_cap_mb=self.layeropt_bucket_cap_mb, verify=self.layeropt_verify))
+                    bucket_cap_mb=self.layeropt_bucket_cap_mb, verify=self.layeropt_verify),
+                    **(comm if isinstance(model, DDP) else {}))
                 handle.release = ("Call free_memory() on the LayeroptAccelerator that "
                                   "prepared the model (it removes its attachments)")
                 self._lo_handles[key] = handle
