@@ -861,6 +861,7 @@ FIND_UNUSED: dict[str, tuple[dict[str, Any], str | None, Callable]] = {
     "no_sync": ({}, "no_sync", _b_on_rank1),
     "no_sync-clip": (dict(clip=0.05), "no_sync", _b_on_rank1),
     "no_step": ({}, "no_step", _b_on_rank1),
+    "no_step-scaler-fused": (dict(scaler=True), "no_step", _b_on_rank1),
     # head b trained by a second, plain torch.optim optimizer: DDP's averaged .grad
     "b-plain-optimizer": (dict(split_b=True), None, _b_on_rank1),
     "b-plain-optimizer-bucket_view-no_sync": (
@@ -892,13 +893,15 @@ def _find_unused(rank: int) -> dict[str, Any]:
         options = dict(options)
         clip = options.pop("clip", None)
         split_b = options.pop("split_b", False)
+        fused = options.pop("scaler", False)  # fused AdamW: scaler.step's kernel unscales
         for layer in (True, False):
             ddp = DDP(_Branchy(), bucket_cap_mb=BUCKET_MB, find_unused_parameters=True,
                       **options)
             cls = layeropt.AdamW if layer else torch.optim.AdamW
             b = list(ddp.module.b.parameters()) if split_b else []
             opt = cls([p for p in ddp.parameters() if all(p is not q for q in b)],
-                      lr=0.01, weight_decay=0.1)
+                      lr=0.01, weight_decay=0.1, **({"fused": True} if fused else {}))
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if fused else None
             plain = [torch.optim.AdamW(b, lr=0.01, weight_decay=0.1)] if b else []
             if layer:
                 attach_ddp(ddp, opt)
@@ -915,24 +918,30 @@ def _find_unused(rank: int) -> dict[str, Any]:
                         g = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
                         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
                         loss = F.mse_loss(ddp(x, usage(rank, step, micro)), y) / n
-                        if last and layer and clip is not None:
-                            layeropt.backward(loss, opt, max_norm=clip)
+                        if scaler is not None:
+                            loss = scaler.scale(loss)
+                        if last and layer and (clip is not None or scaler is not None):
+                            layeropt.backward(loss, opt, max_norm=clip, scaler=scaler)
                         else:
                             loss.backward()
                 if not layer and clip is not None:
                     torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
                 # head b used by no process since the last sync: DDP leaves it alone, so
                 # before step() it and its (held) gradient are torch's, as without DDP
+                # (layeropt.backward's step pass steps it at its end, as without DDP)
                 since = range(n) if accum in ("no_sync", "both") else [n - 1]
-                if not any(usage(r, step, m)[1] for r in range(WORLD) for m in since):
+                if clip is None and scaler is None and not any(
+                        usage(r, step, m)[1] for r in range(WORLD) for m in since):
                     before_step.append([_full(t) for p in ddp.module.b.parameters()
                                         for t in (p, p.grad) if t is not None])
                 if layer:
                     out[f"{name}/grads_left"] = [k for k, p in ddp.named_parameters()
                                                  if p.grad is not None and "b." not in k]
                 for o in (opt, *plain):
-                    o.step()
+                    o.step() if scaler is None else scaler.step(o)
                     o.zero_grad()
+                if scaler is not None:
+                    scaler.update()
             out[f"{name}/{layer}"] = dict(params=[_full(p) for p in ddp.parameters()],
                                           state=_state(opt), before_step=before_step)
     return out

@@ -35,6 +35,7 @@ from torch.autograd import Variable
 
 from ..checking.verify import Verifier
 from ..engine.nesting import TaskEnd, _graph_task_id
+from ..engine.transforms import ENTERED
 from ..errors import (
     AttachError,
     DDP_JOIN_ERROR,
@@ -391,8 +392,7 @@ def _steps_held(engine: Any) -> bool:
     """Inside ``layeropt.backward``'s step pass (clipping, a scaler): the held gradients it
     does not reach are stepped at its end, transformed (``step_held``); after any other
     backward they wait in ``.grad`` for ``step()``."""
-    t = engine.transform
-    return t is not None and (t.inv_scale is not None or t.coef is not None)
+    return engine.transform is not None and engine.transform is not ENTERED
 
 
 @contextlib.contextmanager

@@ -73,7 +73,7 @@ from .registry import check_local_hooks_allowed, world_size
 from .boundaries import Group, StepRecord, StepRules
 from .zeroing import ZEROS_IN_GRAD
 from .wholestep import whole_step
-from .transforms import Measure, Transform
+from .transforms import ENTERED, Measure, Transform
 from ..errors import (
     ACCUMULATION_ERROR,
     FAULT_WARNING,
@@ -100,7 +100,6 @@ HOLD = -4  # held for a later step (no_step(), GradScaler, step(closure), a kept
 DEFER = -5  # kept to the end of the backward (a torch reentrant segment in it)
 CHECK = -6  # stepped, each gradient checked first (several processes: not a replica's)
 _SERIALS = itertools.count(1)  # one id per backward record (buckets compare it)
-_ENTERED = Transform(None, None)  # inside layeropt.backward, nothing to apply
 
 
 def hooked_last(param: Tensor) -> bool:
@@ -221,7 +220,7 @@ class Rules(StepRules):
     @contextlib.contextmanager
     def backward_call(self, transform: Transform | None) -> Iterator[None]:
         """Inside ``layeropt.backward``'s (step) pass: ``transform`` applies to every step."""
-        self.transform = _ENTERED if transform is None else transform
+        self.transform = ENTERED if transform is None else transform
         try:
             yield
             if transform is not None:

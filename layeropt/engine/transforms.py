@@ -124,6 +124,9 @@ class Transform(NamedTuple):
     clipped: frozenset[int] | None = None
 
 
+ENTERED = Transform(None, None)  # inside layeropt.backward, nothing to apply (compared by `is`)
+
+
 def prepare_grads(params: list[Tensor], transform: Transform | None, settings: Any) -> None:
     """Unscale, then clip (the global coefficient, then the attachment's ``settings``:
     by value, per bucket) in place."""
