@@ -112,7 +112,9 @@ def backward(
 
     Args:
         loss: the (scaled) loss to differentiate.
-        optimizer: the attached layeropt optimizer(s); default: every attached one.
+        optimizer: the attached layeropt optimizer(s); default: every attached one
+            (one you no longer reference counts until Python collects it, if a
+            reference cycle keeps it: remove its attachment, or pass ``optimizer``).
             Without a scaler, attached optimizers owning some of ``parameters`` are
             added (``clip_grad_norm_(parameters)`` clips them whoever steps them).
         max_norm: clip the global gradient norm to this value (``None``: no
