@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import io
@@ -940,3 +941,73 @@ def test_verify_on_ddp_names_a_held_backward_onto_the_last_steps_gradient(proces
             assert state.calls == calls  # (before the hook ran)
         else:
             ddp(x, True).sum().backward()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_training_goes_on_exact_after_the_last_verified_step(monkeypatch, n):
+    """The last verified ``step()`` drops the gradients torch's step applied, as
+    in-backward updating leaves none: kept, they were stepped again as new where a
+    layer frozen after its forward is reached (the GAN's discriminator around the
+    generator's backward), and the next ``zero_grad()`` refused this exact loop
+    (``LAYEROPT_VERIFY=1``; at 2 the hooks happened to be gone)."""
+    monkeypatch.setenv("LAYEROPT_VERIFY", str(n))
+    out = test_rules.run_rule("plain", "GAN, D frozen after its forward, around G's backward")
+    assert out["error"] is None, out["error"]
+    assert len(out["steps"]) == test_rules.STEPS > n
+    for step, s in enumerate(out["steps"]):
+        for what in ("params", "state", "norms"):
+            test_rules.assert_same(*s[what], f"{what} after step {step}")
+
+
+@pytest.mark.parametrize("verify", [0, 3], ids=["alone", "verified"])
+def test_a_layer_frozen_for_a_held_backward_is_hooked_again_at_step_under_verify(verify):
+    """Two optimizers attached together (the first layer's, the last one's). A held
+    backward with the last layer frozen leaves it without hooks (rule 7); the ``step()``
+    applying the held gradients hooks it again. Under verify that ``step()`` is torch's
+    own, and it did not: the next backwards took other routes than layeropt's alone, and
+    verify refused this exact loop ("not zeroed"; multifuzz ``--mix verify`` seed
+    342,021). Both runs equal torch.optim."""
+    runs = []
+    for lo in (False, True):
+        m = _model()
+        first, last = m[0], m[2]
+        opts = [(layeropt.SGD if lo else torch.optim.SGD)(first.parameters(), lr=0.1,
+                                                          momentum=0.9),
+                (layeropt.in_backward(torch.optim.NAdam) if lo else torch.optim.NAdam)(
+                    last.parameters(), lr=0.1)]
+        if lo:
+            handle = layeropt.attach(m, opts, verify=verify)
+
+        def backward(frozen, seed, held=False):
+            for layer in frozen:
+                layer.requires_grad_(False)
+            with contextlib.ExitStack() as stack:
+                for o in opts if held and lo else ():
+                    stack.enter_context(o.no_step())
+                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+                m(x).pow(2).mean().backward()
+            for layer in frozen:
+                layer.requires_grad_(True)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (LAYEROPT_VERIFY: ... ended after)
+            backward([last], 0, held=True)
+            opts[0].step()  # (its gradient stays in torch's .grad: not zeroed)
+            backward([first], 1)
+            opts[1].step()
+            backward([last], 2)  # (onto the kept gradient: held, then dropped)
+            for o in opts:
+                o.zero_grad()
+            for seed in (3, 4):  # then training as usual
+                backward([], seed)
+                for o in opts:
+                    o.step()
+                    o.zero_grad()
+        if lo:
+            handle.remove()
+        runs.append((m, opts))
+    (ref, ref_opts), (m, opts) = runs
+    for p, q in zip(m.parameters(), ref.parameters()):
+        test_rules.assert_same(p.detach(), q.detach())
+    for o, r in zip(opts, ref_opts):
+        test_rules.assert_same(o.state_dict()["state"], r.state_dict()["state"])

@@ -429,13 +429,18 @@ class Verifier(Wrapper):
             with engine.closure(), torch.enable_grad():
                 loss = closure()
         engine.check_boundary("step()")  # (what in-backward updating refuses, refused)
-        self._apply(optimizer)
+        leftovers = self._apply(optimizer)
         engine.end_step([])  # (real .grad stays: only what a skipped step dropped is kept)
         self.done += 1
         self.left -= 1
         if self.left <= 0:
             warn(VERIFY_PASSED.format(n=self.done))
             self._end()
+            for p in self.applied[1]:  # in backward from here: no gradient it applied
+                p.grad = None  # is left, as its step() leaves none (torch's kept ones
+                # were stepped again as new where a layer frozen after its forward is
+                # reached: a GAN's generator loss, verify=1)
+        engine.took_leftovers(leftovers)  # the hooks as in-backward updating's step() leaves them
         return loss
 
     def detached_step_call(self, engine: Any, torch_step: Callable[[], Any],
@@ -505,9 +510,10 @@ class Verifier(Wrapper):
         _remove_hooks(self.forward_hooks)
         _remove_hooks(self.grad_hooks)
 
-    def _apply(self, optimizer: Any) -> None:
+    def _apply(self, optimizer: Any) -> list[Tensor]:
         """Torch's own step on what the loop left in ``.grad``, then the comparison with
-        the shadows (raises :class:`VerifyError`)."""
+        the shadows (raises :class:`VerifyError`). Returns the parameters whose gradients
+        ``step()`` itself applies in backward mode (no hook took them)."""
         engine = self.engine
         engine.show_kept()  # (zeros torch keeps, .grad dropped since by a skipped step)
         leftovers = [p for g in optimizer.param_groups for p in g["params"]
@@ -546,6 +552,7 @@ class Verifier(Wrapper):
             self.applied = (engine.last, list(self.shadows))
             self.shadows = {}
             self._keep(optimizer)
+        return leftovers
 
     def _keep(self, optimizer: Any) -> None:
         """After ``step()``: the gradients torch keeps, each to be zeroed before it is added

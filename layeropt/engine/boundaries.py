@@ -276,12 +276,17 @@ class StepRules(Zeroing):
             ended(optimizer, rec.steps != steps or self.train_step.stepped_backwards > 0)
         rec.steps = steps
         self.end_step(params)
-        if params:  # gradients no hook took: layers unfrozen (or hooks lost) since
-            for attachment in list(self.attachments):
-                attachment.sync()
+        self.took_leftovers(params)
         if early:  # (this step() was torch's; the discarded batch's update was not)
             raise BackwardStateError(EARLY_DISCARD_ERROR.format(this=EARLY_DISCARD_APPLIED))
         return loss
+
+    def took_leftovers(self, params: list[Tensor]) -> None:
+        """``step()`` applied ``params``' gradients, which no hook took: layers unfrozen
+        (or hooks lost) since the hooks were built are hooked now (rule 7)."""
+        if params:
+            for attachment in list(self.attachments):
+                attachment.sync()
 
     def end_step(self, stepped: list[Tensor]) -> None:
         """``step()`` ended the training step. torch keeps a ``.grad`` until a ``zero_grad``
