@@ -32,9 +32,11 @@ optimizer over one model does not reach. Each program is drawn from
   (``race``: a copy not ordered after what it depends on);
 * ``verify``, ``vgan`` and ``vck``: ``multi``'s, ``gan``'s and ``checkpoint``'s programs
   alone, then with every
-  layeropt optimizer attached with ``verify=`` over every step: tests/verifyfuzz.py's
-  outcomes (``verify-silent``, ``verify-diff``, ``verify-false-alarm``), but for the
-  cases verify is said not to find (``VERIFY_BLIND``).
+  layeropt optimizer attached with ``verify=`` over every step (a quarter of them: the
+  first 1-3 steps, then updating in backward - where layeropt alone ends exact, so must
+  that run, unrefused): tests/verifyfuzz.py's outcomes (``verify-silent``,
+  ``verify-diff``, ``verify-false-alarm``), but for the cases verify is said not to
+  find (``VERIFY_BLIND``).
 
 Outcomes are loopfuzz's: ``exact``, ``refused``, ``undetectable``, ``torch-error``, or
 one of ``FAILURES`` (``diff``, ``crash``, ``torch-error-only``). ``undetectable`` names
@@ -361,6 +363,11 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
            if kind != "Muon" and r.random() < 0.15}
     if gkw and not tensor_lr:
         prog["gkw"] = gkw
+    # (a separate draw, as verifyfuzz's) a quarter of the verified programs verify 1-3
+    # steps only, then update in backward, as a user's run does after LAYEROPT_VERIFY=N
+    v = random.Random(seed + 7 * 10**6)
+    if mix in VERIFIED and v.random() < 0.25:
+        prog["verify_steps"] = v.randint(1, 3)
     return {"seed": seed, "mix": mix, **prog, "ops": ops[:22],
             "mode": mode, "verify": mix in VERIFIED, **({"tensor_lr": True} if tensor_lr else {})}
 
@@ -441,8 +448,10 @@ class Side:
         self.handles[n] = [layeropt.attach(m, self.opts[n], **self._akw()) for m in mods]
 
     def _akw(self) -> dict[str, Any]:
-        """attach's arguments: the program's, and ``verify=`` over every step (verified)."""
-        return {**self.prog["akw"], **({"verify": 1000} if self.prog.get("verify") else {})}
+        """attach's arguments: the program's, and ``verify=`` over every step (verified), or
+        over its ``verify_steps``."""
+        steps = self.prog.get("verify_steps", 1000)
+        return {**self.prog["akw"], **({"verify": steps} if self.prog.get("verify") else {})}
 
     def _attached_params(self) -> list[torch.Tensor]:
         """What ``layeropt.backward`` measures by default: the attached models'
@@ -677,13 +686,18 @@ VERIFY_BLIND = ("reads-updated", "unkept", "step-less", "deleted", "handed-over"
 
 
 def _verified(prog: dict[str, Any]) -> dict[str, Any]:
-    """tests/verifyfuzz.py's outcomes: the program alone, then verified over every step."""
+    """tests/verifyfuzz.py's outcomes: the program alone, then verified over every step
+    (or its first ``verify_steps``, then in backward)."""
     plain = _run({**prog, "verify": False})
     if plain.get("why") == "never-zeroed" and any(
             name == "handover" for name, _ in prog["ops"][:plain["at"]]):
         plain["why"] = "handed-over"  # (a gradient the old optimizer's step() applied)
     out = {**_run(prog), "plain": plain["status"]}
     ended = out["status"] not in ("exact", "undetectable", "diff")  # (raised)
+    if prog.get("verify_steps") and (plain["status"] != "exact" or plain.get("differs")):
+        if out.get("differs") and not ended:  # (verify may have ended before what differs
+            return {**out, "status": "undetectable", "why": plain.get("why") or "verify-ended"}
+        return out  # came; where layeropt alone ends exact, so must this run, unrefused)
     blind = plain.get("why") in VERIFY_BLIND
     if out.get("differs") and not ended:  # (blind: verify takes the loop as one without
         return ({**out, "status": "undetectable", "why": plain["why"]} if blind  # step()
