@@ -23,8 +23,8 @@ not: 1000, 0.7, 12345.678) and growth interval, attach options (none, ``clip_val
 
 (the ``offload`` mix: ``all``'s bodies with the optimizer state offloaded in a mode drawn
 per program, every copy on simulated CUDA streams, tests/offloadfuzz.py's; ``race`` a
-failure too; ``verify``: ``all``'s attached with ``verify=`` over every step, where a
-``VerifyError`` is a false alarm) with injected inf/NaN (the loss, or one input element: NaN in some layers only),
+failure too; ``verify``: ``all``'s attached with ``verify=`` over every step - a quarter
+of them the first 1-3, then in backward - where a ``VerifyError`` is a false alarm) with injected inf/NaN (the loss, or one input element: NaN in some layers only),
 bf16/fp16 autocast, ``zero_grad`` keeping zeros or not. Compared: parameters,
 ``opt.state_dict()``, ``scaler.state_dict()`` (NaN equal to NaN), the returned norm
 against ``clip_grad_norm_``'s, and ``opt.last_grad_norm is`` that norm. Statuses:
@@ -150,10 +150,12 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     if kind == "SGD" and okw.get("fused") and okw.get("momentum"):
         dtype = "fp32"  # torch's own: on bf16 its fused SGD leaves garbage in momentum buffers
     mode = offloadfuzz.draw_mode(random.Random(seed + 10**7)) if mix == "offload" else None
+    v = random.Random(seed + 7 * 10**6)  # (a quarter verify 1-3 steps, then in backward)
+    steps = v.randint(1, 3) if mix == "verify" and v.random() < 0.25 else None
     return {"seed": seed, "mix": mix, "tied": r.random() < 0.5, "opt": kind, "okw": okw,
             "akw": akw, "dtype": dtype, "init_scale": r.choice(SCALES),
             "growth_interval": r.choice([1, 1, 2]), "iters": iters, "mode": mode,
-            "verify": mix == "verify"}
+            "verify": mix == "verify", **({"verify_steps": steps} if steps else {})}
 
 
 # -- running it -----------------------------------------------------------------------
@@ -185,7 +187,7 @@ class Side:
                        **loopfuzz.wrapped_kwargs(prog["okw"], prog))
         self.params = [p for g in self.opt.param_groups for p in g["params"]]  # state_dict keys
         self.akw = prog["akw"]
-        verify = {"verify": 1000} if prog.get("verify") else {}
+        verify = {"verify": prog.get("verify_steps", 1000)} if prog.get("verify") else {}
         self.handle = (layeropt.attach(self.model, self.opt, **self.akw, **verify) if layer
                        else None)
         mode = prog.get("mode")
