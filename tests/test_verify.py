@@ -1055,3 +1055,27 @@ def test_kept_zeros_after_the_last_verified_step_are_stepped_once(verify, clip):
     for p, q in zip(model.parameters(), ref.parameters()):
         test_rules.assert_same(p.detach(), q.detach())
     test_rules.assert_same(opt.state_dict()["state"], ref_opt.state_dict()["state"])
+
+
+@pytest.mark.parametrize("ddp", [False, True], ids=["plain", "ddp"])
+def test_verify_names_a_clip_over_the_last_steps_gradient_of_an_unreached_layer(
+        process_group, ddp):
+    """Two optimizers; ``step()`` of one (``b``'s held gradient applied, kept in ``.grad``
+    by torch), then a clipped backward that does not reach ``b``: torch's
+    ``clip_grad_norm_`` measures that kept gradient, in-backward updating (which freed
+    it) does not, so the other layer is clipped differently. Verify names it ("not
+    zeroed") - on a DDP model (``find_unused_parameters``) too, where it was silent
+    (multifuzz ``--mix verify`` seed 350,000 on DDP)."""
+    torch.manual_seed(0)
+    model = _Branch()
+    wrapped = (torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+               if ddp else model)
+    opt_b = layeropt.SGD(model.b.parameters(), lr=0.1)
+    opt_a = layeropt.SGD(model.a.parameters(), lr=0.1)
+    layeropt.attach(wrapped, [opt_a, opt_b], verify=5)
+    x = torch.randn(5, 4)
+    with opt_a.no_step(), opt_b.no_step():
+        wrapped(x, True).sum().backward()
+    opt_b.step()
+    with pytest.raises(layeropt.VerifyError, match="not zeroed"):
+        layeropt.backward(wrapped(x, False).sum(), max_norm=0.01)

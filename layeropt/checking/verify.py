@@ -430,16 +430,16 @@ class Verifier(Wrapper):
                 loss = closure()
         engine.check_boundary("step()")  # (what in-backward updating refuses, refused)
         leftovers = self._apply(optimizer)
-        engine.end_step([])  # (real .grad stays: only what a skipped step dropped is kept)
         self.done += 1
         self.left -= 1
-        if self.left <= 0:
-            warn(VERIFY_PASSED.format(n=self.done))
-            self._end()
-            for p in self.applied[1]:  # in backward from here: no gradient it applied
-                p.grad = None  # is left, as its step() leaves none (torch's kept ones
-                # were stepped again as new where a layer frozen after its forward is
-                # reached: a GAN's generator loss, verify=1)
+        if self.left > 0:
+            engine.end_step([])  # (real .grad stays: only what a skipped step dropped is kept)
+        else:  # in backward from here: the step() ends as in-backward updating's does,
+            for p in self.applied[1]:  # leaving no gradient it applied in .grad (torch's
+                p.grad = None  # kept ones were stepped again as new where a layer frozen
+            engine.end_step(leftovers)  # after its forward is reached), and knowing what
+            warn(VERIFY_PASSED.format(n=self.done))  # torch keeps there (the zeros of a
+            self._end()  # zero_grad(set_to_none=False))
         engine.took_leftovers(leftovers)  # the hooks as in-backward updating's step() leaves them
         return loss
 

@@ -373,12 +373,17 @@ class _Landing:
         todo = {}
         for opt, owned in self.steps.items():
             if used is not None:  # no process used it: as without DDP, its held gradient
-                now = self.held if _steps_held(opt._lo_engine) else {}  # waits in .grad
+                steps_held = _steps_held(opt._lo_engine)  # (else: it waits in .grad)
+                now = self.held if steps_held else {}
                 for p, _ in owned:  # for step(), unless layeropt.backward's step pass
                     if id(p) not in used and p not in now:  # steps it now (step_held);
                         g = self.stale.get(p, self.held.get(p))  # a stale one waits too
                         if g is not None:
                             p.grad = g
+                if steps_held and self.stale:  # LAYEROPT_VERIFY: as without DDP, one the
+                    self.state.check_zeroed([p for p, _ in owned if p in self.stale  # last
+                                             and id(p) not in used])  # step() applied, which
+                    # the step pass would take for a held one (torch's clip measured it)
                 owned = [(p, view if id(p) in used else now.get(p)) for p, view in owned]
                 owned = [(p, g) for p, g in owned if g is not None]
             for p, view in owned:
