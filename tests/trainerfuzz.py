@@ -137,6 +137,11 @@ def ddp_options(s: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None}
 
 
+def _verify(s: dict[str, Any]) -> int | None:
+    """The integration's ``verify=``: every step, or the program's first 1-2."""
+    return None if not s["verify"] else VERIFY if s["verify"] is True else s["verify"]
+
+
 # -- drawing a program ------------------------------------------------------------------
 def _draw_common(r: random.Random) -> dict[str, Any]:
     return {"groups": r.random() < 0.4, "frozen": r.choice([None] * 6 + ["owned", "left"])}
@@ -212,6 +217,9 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
         kind, okw = draw_third_party(r)
     if mix == "hf" and drawn["kind"] == "trainer" and drawn["built"] and r.random() < 0.4:
         drawn["built"] = r.choice(HF_MORE_BUILT)
+    v = random.Random(seed + 7 * 10**6)  # (a third of the verified ones: the first 1-2
+    if drawn["verify"] and v.random() < 0.35:  # steps, then in backward, as a user's run
+        drawn["verify"] = v.randint(1, 2)  # after verify=N)
     settings = [[k, v] for k, v in drawn.items() if v != DEFAULTS[mix][k]]
     return {"seed": seed, "mix": mix, "opt": kind, "okw": okw, "settings": settings}
 
@@ -363,7 +371,7 @@ def run_lightning(prog: dict[str, Any], layer: bool) -> Result:
 
     def fit(ckpt: str | None = None, **stop: Any) -> Any:
         callbacks = [LayeroptCallback(bucket_cap_mb=s["bucket"], log_grad_norm=s["log_grad_norm"],
-                                      verify=VERIFY if s["verify"] else None)] if layer else []
+                                      verify=_verify(s))] if layer else []
         ddp = {"devices": world(), "strategy": DDPStrategy(**ddp_options(s))} if world() > 1 else {}
         trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False,
@@ -414,7 +422,7 @@ def _accelerator(s: dict[str, Any], layer: bool) -> Any:
     clip = s["clip"] or ""
     given = {"max_grad_norm": s["max_norm"] if s["given"] and "norm" in clip else None,
              "clip_value": s["clip_value"] if s["given"] and "value" in clip else None}
-    return LayeroptAccelerator(bucket_cap_mb=s["bucket"], verify=VERIFY if s["verify"] else None,
+    return LayeroptAccelerator(bucket_cap_mb=s["bucket"], verify=_verify(s),
                                offload_state=s["offload"],
                                **{k: v for k, v in given.items() if v is not None}, **kw)
 
@@ -582,11 +590,11 @@ def _hf_train(prog: dict[str, Any], layer: bool, s: dict[str, Any], tmp: str,
     if not layer:
         trainer = Trainer(**common)
     elif s["kind"] == "trainer":
-        trainer = LayeroptTrainer(**common, verify=VERIFY if s["verify"] else None,
+        trainer = LayeroptTrainer(**common, verify=_verify(s),
                                   offload_state=s["offload"])
     else:
         trainer = Trainer(**common, callbacks=[
-            LayeroptCallback(verify=VERIFY if s["verify"] else None)])
+            LayeroptCallback(verify=_verify(s))])
     trainer.remove_callback(PrinterCallback)  # (it prints every log with disable_tqdm)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, model
