@@ -943,6 +943,15 @@ def test_verify_on_ddp_names_a_held_backward_onto_the_last_steps_gradient(proces
             ddp(x, True).sum().backward()
 
 
+def _same_runs(ref: tuple[Any, Any], got: tuple[Any, Any]) -> None:
+    """Two runs' (model, optimizer or optimizers): parameters and state bit for bit."""
+    (ref_model, ref_opts), (model, opts) = ref, got
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        test_rules.assert_same(p.detach(), q.detach())
+    for o, r in zip(*(x if isinstance(x, list) else [x] for x in (opts, ref_opts))):
+        test_rules.assert_same(o.state_dict()["state"], r.state_dict()["state"])
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_training_goes_on_exact_after_the_last_verified_step(monkeypatch, n):
     """The last verified ``step()`` drops the gradients torch's step applied, as
@@ -1006,11 +1015,7 @@ def test_a_layer_frozen_for_a_held_backward_is_hooked_again_at_step_under_verify
         if lo:
             handle.remove()
         runs.append((m, opts))
-    (ref, ref_opts), (m, opts) = runs
-    for p, q in zip(m.parameters(), ref.parameters()):
-        test_rules.assert_same(p.detach(), q.detach())
-    for o, r in zip(opts, ref_opts):
-        test_rules.assert_same(o.state_dict()["state"], r.state_dict()["state"])
+    _same_runs(*runs)
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["backward", "layeropt.backward(max_norm)"])
@@ -1051,10 +1056,7 @@ def test_kept_zeros_after_the_last_verified_step_are_stepped_once(verify, clip):
         if handle is not None:
             handle.remove()
         runs.append((model, o1))
-    (ref, ref_opt), (model, opt) = runs
-    for p, q in zip(model.parameters(), ref.parameters()):
-        test_rules.assert_same(p.detach(), q.detach())
-    test_rules.assert_same(opt.state_dict()["state"], ref_opt.state_dict()["state"])
+    _same_runs(*runs)
 
 
 @pytest.mark.parametrize("ddp", [False, True], ids=["plain", "ddp"])
@@ -1103,7 +1105,4 @@ def test_zeros_kept_after_the_last_verified_step_are_torchs(retain, who):
         if handle is not None:
             handle.remove()
         runs.append((model, opt))
-    (ref, ref_opt), (model, opt) = runs
-    for p, q in zip(model.parameters(), ref.parameters()):
-        test_rules.assert_same(p.detach(), q.detach())
-    test_rules.assert_same(opt.state_dict()["state"], ref_opt.state_dict()["state"])
+    _same_runs(*runs)
