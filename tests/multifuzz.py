@@ -56,7 +56,10 @@ sides alike, in a process group of this process alone:
   attach the wrapper, together (DDP takes one attachment, its communication hook: a
   second is refused); ``style="sub"`` puts plain hooks on its module's submodules, as
   one process allows (DDP's reducer may then raise ``loopfuzz.DDP_LIMIT`` on layeropt's
-  side: ``torch-error``). Every mix runs; torch's reentrant checkpoint (``tr``, in the
+  side: ``torch-error``); half the programs reduce through a communication hook of the
+  user's (fp16, or one with state), registered on torch's side and
+  given to layeropt's attachments of the wrapper. Every mix runs; torch's reentrant
+  checkpoint (``tr``, in the
   checkpoint mixes) raises in each backward under DDP, on both sides (``torch-error``);
 * ``fsdp2``: sharded by ``fully_shard`` as one unit, every mix but the offloaded ones
   (offload refuses FSDP2's shards); torch's fused kernels dropped (no DTensor rule).
@@ -76,6 +79,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
+import harness
 import layeropt
 import offloadfuzz
 import loopfuzz
@@ -368,6 +372,14 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     v = random.Random(seed + 7 * 10**6)
     if mix in VERIFIED and v.random() < 0.25:
         prog["verify_steps"] = v.randint(1, 3)
+    # on a DDP model, now and then a communication hook of the user's (one that keeps
+    # state less often than loopfuzz draws it, and not in GAN loops: they leave a step's
+    # gradients unzeroed until the next backward, refused with it)
+    comm = random.Random(seed + 3 * 10**7).choice(
+        [None, None, "fp16"] if base == "gan" else [None, None, None, "fp16", "fp16",
+                                                    "feedback"])
+    if comm:
+        prog["comm"] = comm
     return {"seed": seed, "mix": mix, **prog, "ops": ops[:22],
             "mode": mode, "verify": mix in VERIFIED, **({"tensor_lr": True} if tensor_lr else {})}
 
@@ -387,6 +399,17 @@ class Side:
         self.model.load_state_dict(init)
         self.ckpt = self.model.wire(layer)
         self.top: nn.Module = loopfuzz.wrap(self.model, loopfuzz.wrap_of(prog))
+        # DDP: the program's communication hook (a fresh state), given to layeropt's
+        # attachments of the wrapper (not with style="sub": plain hooks on its submodules
+        # step the local gradient, which one process's plain average leaves as it is,
+        # and a hook's rounding does not)
+        self.comm: dict[str, Any] = {}
+        if prog.get("comm") and loopfuzz.wrap_of(prog) == "ddp" and prog["style"] != "sub":
+            hook, state = harness.comm_hook(prog["comm"])
+            if layer and any(prog["layer"].values()):
+                self.comm = {"comm_hook": hook, "comm_state": state}
+            else:
+                self.top.register_comm_hook(state, hook)
         self.opts = {n: self._make(n, *prog["opts"][n]) for n in prog["opts"]}
         self.handles: dict[str, list[Any]] = {}
         self.offloads: dict[str, Any] = {}  # name -> its offload handle (mode drawn)
@@ -427,7 +450,7 @@ class Side:
         style = self.prog["style"]
         if style == "none" or (style == "list" and len(names) > 1):
             h = layeropt.attach(self.top, None if style == "none" else
-                                [self.opts[n] for n in names], **self._akw())
+                                [self.opts[n] for n in names], **self._akw(self.top))
             self.handles = {n: [h] for n in names}
         else:
             self._attach_each(names)
@@ -437,7 +460,7 @@ class Side:
         attachment (its communication hook; a second is refused): there, the optimizers
         together, as ``style="list"``."""
         if self.top is not self.model and self.prog["style"] != "sub" and len(names) > 1:
-            h = layeropt.attach(self.top, [self.opts[n] for n in names], **self._akw())
+            h = layeropt.attach(self.top, [self.opts[n] for n in names], **self._akw(self.top))
             self.handles.update({n: [h] for n in names})
             return
         for n in names:
@@ -445,13 +468,14 @@ class Side:
 
     def _attach(self, n: str) -> None:
         mods = self.modules(n) if self.prog["style"] == "sub" else [self.top]
-        self.handles[n] = [layeropt.attach(m, self.opts[n], **self._akw()) for m in mods]
+        self.handles[n] = [layeropt.attach(m, self.opts[n], **self._akw(m)) for m in mods]
 
-    def _akw(self) -> dict[str, Any]:
-        """attach's arguments: the program's, and ``verify=`` over every step (verified), or
-        over its ``verify_steps``."""
+    def _akw(self, model: nn.Module) -> dict[str, Any]:
+        """attach's arguments for ``model``: the program's, ``verify=`` over every step
+        (verified) or over its ``verify_steps``, and the DDP wrapper's comm hook."""
         steps = self.prog.get("verify_steps", 1000)
-        return {**self.prog["akw"], **({"verify": steps} if self.prog.get("verify") else {})}
+        return {**self.prog["akw"], **({"verify": steps} if self.prog.get("verify") else {}),
+                **(self.comm if model is self.top else {})}
 
     def _attached_params(self) -> list[torch.Tensor]:
         """What ``layeropt.backward`` measures by default: the attached models'

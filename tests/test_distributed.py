@@ -477,6 +477,34 @@ def _errors(rank: int) -> dict[str, str]:
                 assert state.calls == 0 and not opt.state
                 assert all(torch.equal(a, p) for a, p in zip(before, ddp.parameters()))
 
+    def stateful_hook_kept_gradients():  # step() without zero_grad(), another backward:
+        ddp = DDP(_model(), process_group=group)  # refused before the hook runs again
+        opt = layeropt.Adam(ddp.parameters())
+        hook, state = comm_hook("feedback")
+        with layeropt.attach(ddp, opt, comm_hook=hook, comm_state=state):
+            _backward(ddp, rank)
+            opt.step()
+            calls, before = state.calls, [p.detach().clone() for p in ddp.parameters()]
+            try:
+                _backward(ddp, rank)
+            finally:
+                assert state.calls == calls
+                assert all(torch.equal(a, p) for a, p in zip(before, ddp.parameters()))
+
+    def stateful_hook_kept_unused():  # b's kept gradient, b unused: DDP reduces it anyway
+        ddp = DDP(_Branchy(), process_group=group, find_unused_parameters=True)
+        b = list(ddp.module.b.parameters())
+        opt_b = layeropt.Adam(b)
+        opt = layeropt.Adam([p for p in ddp.parameters() if all(p is not q for q in b)])
+        hook, state = comm_hook("feedback")
+        with layeropt.attach(ddp, [opt, opt_b], comm_hook=hook, comm_state=state):
+            x, y = torch.randn(4, 8), torch.randn(4, 3)
+            F.mse_loss(ddp(x, (True, True)), y).backward()
+            opt.step()
+            opt_b.step()
+            opt.zero_grad()  # (not opt_b's)
+            F.mse_loss(ddp(x, (True, False)), y).backward()
+
     def another_hook_on_reattach():
         ddp = DDP(_model(), process_group=group)
         opt = layeropt.Adam(ddp.parameters())
@@ -497,6 +525,8 @@ def _errors(rank: int) -> dict[str, str]:
     cases = dict(
         bf16_hook_on_gloo=bf16_hook_on_gloo,
         stateful_hook_two_passes=stateful_hook_two_passes,
+        stateful_hook_kept_gradients=stateful_hook_kept_gradients,
+        stateful_hook_kept_unused=stateful_hook_kept_unused,
         another_hook_on_reattach=another_hook_on_reattach,
         comm_hook_without_ddp=comm_hook_without_ddp,
         negative_cap=negative_cap,
@@ -1266,6 +1296,12 @@ ERRORS = {
     "stateful_hook_two_passes": ["AttachError: layeropt.backward(max_norm=/scaler=) on a DDP "
                                  "model reducing its buckets through comm_hook=feedback_hook",
                                  "opt.no_step()", "Nothing was updated"],
+    "stateful_hook_kept_gradients": [
+        "BackwardStateError: a backward of this DDP model began while torch would still hold "
+        "the gradients step() applied", "comm_hook=feedback_hook", "optimizer.zero_grad()",
+        "Nothing of this backward was applied"],
+    "stateful_hook_kept_unused": ["BackwardStateError: a backward of this DDP model began",
+                                  "the first: 'module.b.weight'"],
     "another_hook_on_reattach": [
         "AttachError: this DDP model reduces its buckets through comm_hook=fp16_compress_hook",
         "layeropt's own average (no comm_hook)", "Pass the same comm_hook"],

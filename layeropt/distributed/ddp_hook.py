@@ -38,8 +38,19 @@ from ..engine.nesting import TaskEnd, _graph_task_id
 from ..engine.transforms import ENTERED
 from ..errors import (
     AttachError,
+    BackwardStateError,
     DDP_JOIN_ERROR,
     DDP_UNUSED_ERROR,
+)
+
+KEPT_HOOK_ERROR = (
+    "a backward of this DDP model began while torch would still hold the gradients "
+    "step() applied to {n} parameter(s) (the first: {name}; no zero_grad() since), and "
+    "its buckets are reduced through {hook}, which keeps state: torch's DDP reduces each "
+    "parameter's .grad through it, those gradients included, where in-backward updating "
+    "has freed them, so the hook's state would differ from torch's. Call "
+    "optimizer.zero_grad() after step() (before the next backward). Nothing of this "
+    "backward was applied."
 )
 
 
@@ -118,6 +129,8 @@ class _HookState:
         with self.lock:
             refs = {id(r): r for r in self.owner.values()} if self.active else {}
             optimizers = [o for o in (r() for r in refs.values()) if o is not None]
+            if not stateless(self.comm_hook):
+                self.refuse_freed_kept(optimizers)
             for opt in optimizers:  # the engine's rules, as for a plain backward (may refuse
                 opt._lo_engine.begin_averaged()  # it: nothing ran yet)
                 if opt._lo_engine.averaged_route() is None:  # held for step(): at its end,
@@ -127,6 +140,21 @@ class _HookState:
             if self.verifying and not self.find_unused:  # (every trainable one has a gradient)
                 self.check_zeroed([p for p in self.owner if p.requires_grad])
             self.fresh = False
+
+    def refuse_freed_kept(self, optimizers: list[Any]) -> None:
+        """A hook that keeps state: torch's DDP reduces every parameter's ``.grad`` through
+        it, a gradient ``step()`` applied and no ``zero_grad()`` removed since included
+        (added onto, or as it is where this backward leaves the parameter unused);
+        in-backward updating freed it. Refused before the hook runs."""
+        for opt in optimizers:
+            if opt._lo_engine.find(Verifier) is not None:  # (torch's .grad stay: its own
+                continue  # check, check_zeroed)
+            owned = [p for p, r in self.owner.items() if r() is opt]
+            kept = opt._lo_engine.freed_kept(owned)
+            if kept:
+                raise BackwardStateError(KEPT_HOOK_ERROR.format(
+                    hook=hook_name(self.comm_hook), n=len(kept),
+                    name=opt._lo_engine.name_of(kept[0])))
 
     def check_zeroed(self, params: list[Tensor]) -> None:
         """LAYEROPT_VERIFY: refuse local gradients accumulated onto the last step's (a

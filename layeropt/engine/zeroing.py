@@ -154,6 +154,15 @@ class Zeroing:
         return ([] if rec.zeroed else rec.stepped) + self.train_step.skipped + [  # their
             p for p in params if p.grad is not None or p in store]  # .grad after step())
 
+    def freed_kept(self, params: list[Tensor]) -> list[Tensor]:
+        """Of ``params``, those whose gradient torch still holds after applying it (no
+        ``zero_grad`` since the ``step()`` or the backward that applied it), where
+        in-backward updating freed it once applied (not a skipped step's: kept)."""
+        rec, step = self.last, self.train_step
+        ids = {id(p) for p in params} - {id(p) for p in step.scaler_skipped}
+        applied = ([] if rec.zeroed else rec.stepped) + step.skipped
+        return list({id(p): p for p in applied if id(p) in ids}.values())
+
     def unused_kept(self, optimizer: Any) -> list[Tensor]:
         """Parameters torch would update on a kept zero gradient at this ``step()`` (not
         those whose held gradient waits in a store: that one is their gradient)."""
