@@ -16,7 +16,7 @@ settings (a mix names the tool):
   ``gradient_clip_val`` by norm or value, schedulers per step or epoch with a
   ``frequency``, ``log_grad_norm``, a ``training_step`` returning ``None``, manual
   optimization, a run stopped, saved and resumed by ``fit(ckpt_path=)`` (``resume``);
-* ``accelerate``: ``LayeroptAccelerator`` - ``accumulate()`` or accumulation by hand (all
+* ``accelerate``: ``LayeroptAccelerator`` - DDP's fp16 comm hook (``DistributedDataParallelKwargs``, under ``--ranks``), ``accumulate()`` or accumulation by hand (all
   but a window's last backward in layeropt's ``no_step()``, or not: refused),
   ``clip_grad_norm_`` / ``clip_grad_value_`` (learned, or given as ``max_grad_norm=`` /
   ``clip_value=``) over ``model.parameters()`` or the param groups' order, on the syncing
@@ -107,7 +107,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                    "given": False, "clip_order": "model", "clip_every": False,
                    "sched": None, "loader": True, "epochs": 1, "max_steps": None,
                    "bucket": None, "verify": False, "offload": False, "ddp": None,
-                   "held": False},
+                   "held": False, "comm": None},
     "hf": {"groups": False, "frozen": None, "rows": 9, "bf16": False, "ga": 1,
            "kind": "trainer", "built": None, "max_grad_norm": 0.0, "weight_decay": 0.0,
            "sched": "linear", "warmup": 0, "eval": False, "stop": ("steps", 3),
@@ -217,6 +217,8 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
         kind, okw = draw_third_party(r)
     if mix == "hf" and drawn["kind"] == "trainer" and drawn["built"] and r.random() < 0.4:
         drawn["built"] = r.choice(HF_MORE_BUILT)
+    if mix == "accelerate" and random.Random(seed + 3 * 10**7).random() < 0.3:
+        drawn["comm"] = "fp16"  # (DDP under --ranks: DistributedDataParallelKwargs' hook)
     v = random.Random(seed + 7 * 10**6)  # (a third of the verified ones: the first 1-2
     if drawn["verify"] and v.random() < 0.35:  # steps, then in backward, as a user's run
         drawn["verify"] = v.randint(1, 2)  # after verify=N)
@@ -412,11 +414,12 @@ def _accelerator(s: dict[str, Any], layer: bool) -> Any:
 
     from layeropt.integrations.accelerate import LayeroptAccelerator
 
-    from accelerate.utils import DistributedDataParallelKwargs
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 
+    hook = {"comm_hook": DDPCommunicationHookType.FP16} if s["comm"] else {}
     kw = {"cpu": True, "mixed_precision": s["mp"],
           "gradient_accumulation_steps": 1 if s["by_hand"] else s["ga"],
-          "kwargs_handlers": [DistributedDataParallelKwargs(**ddp_options(s))]}
+          "kwargs_handlers": [DistributedDataParallelKwargs(**ddp_options(s), **hook)]}
     if not layer:
         return accelerate.Accelerator(**kw)
     clip = s["clip"] or ""
