@@ -968,8 +968,10 @@ def test_training_goes_on_exact_after_the_last_verified_step(monkeypatch, n):
             test_rules.assert_same(*s[what], f"{what} after step {step}")
 
 
+@pytest.mark.parametrize("bucket_schedule", ["cap0", "default-cap"], indirect=True)
 @pytest.mark.parametrize("verify", [0, 3], ids=["alone", "verified"])
-def test_a_layer_frozen_for_a_held_backward_is_hooked_again_at_step_under_verify(verify):
+def test_a_layer_frozen_for_a_held_backward_is_hooked_again_at_step_under_verify(
+        verify, bucket_schedule):
     """Two optimizers attached together (the first layer's, the last one's). A held
     backward with the last layer frozen leaves it without hooks (rule 7); the ``step()``
     applying the held gradients hooks it again. Under verify that ``step()`` is torch's
@@ -1018,9 +1020,11 @@ def test_a_layer_frozen_for_a_held_backward_is_hooked_again_at_step_under_verify
     _same_runs(*runs)
 
 
+@pytest.mark.parametrize("bucket_schedule", ["cap0", "default-cap"], indirect=True)
 @pytest.mark.parametrize("clip", [False, True], ids=["backward", "layeropt.backward(max_norm)"])
 @pytest.mark.parametrize("verify", [0, 1], ids=["alone", "verify=1"])
-def test_kept_zeros_after_the_last_verified_step_are_stepped_once(verify, clip):
+def test_kept_zeros_after_the_last_verified_step_are_stepped_once(verify, clip,
+                                                                  bucket_schedule):
     """``verify=1``: the verified ``step()``, then ``zero_grad(set_to_none=False)`` and a
     loss that does not reach the layer (the head on detached features), clipped: torch's
     ``step()`` updates the layer once on its kept zeros (weight decay, the step count).
@@ -1083,9 +1087,10 @@ def test_verify_names_a_clip_over_the_last_steps_gradient_of_an_unreached_layer(
         layeropt.backward(wrapped(x, False).sum(), max_norm=0.01)
 
 
+@pytest.mark.parametrize("bucket_schedule", ["cap0", "default-cap"], indirect=True)
 @pytest.mark.parametrize("who", ["model", "optimizer"])
 @pytest.mark.parametrize("retain", [False, True], ids=["backward", "retain_graph"])
-def test_zeros_kept_after_the_last_verified_step_are_torchs(retain, who):
+def test_zeros_kept_after_the_last_verified_step_are_torchs(retain, who, bucket_schedule):
     """``verify=1``, then ``zero_grad(set_to_none=False)`` and ``step()`` with no backward:
     torch's step updates on the zeros it keeps (weight decay, the step count), and so
     must the loop once verification has ended (verifyfuzz seed 350,041, a hand-over

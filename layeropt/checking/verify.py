@@ -434,13 +434,17 @@ class Verifier(Wrapper):
         self.left -= 1
         if self.left > 0:
             engine.end_step([])  # (real .grad stays: only what a skipped step dropped is kept)
-        else:  # in backward from here: the step() ends as in-backward updating's does,
-            for p in self.applied[1]:  # leaving no gradient it applied in .grad (torch's
-                p.grad = None  # kept ones were stepped again as new where a layer frozen
-            engine.end_step(leftovers)  # after its forward is reached), and knowing what
-            warn(VERIFY_PASSED.format(n=self.done))  # torch keeps there (the zeros of a
-            self._end()  # zero_grad(set_to_none=False))
-        engine.took_leftovers(leftovers)  # the hooks as in-backward updating's step() leaves them
+        else:
+            # In backward from here: this step() ends as in-backward updating's does. It
+            # leaves no gradient it applied in .grad (kept, they were stepped again as new
+            # where a layer frozen after its forward is reached), and the engine knows
+            # what torch keeps there (the zeros of a zero_grad(set_to_none=False)).
+            for p in self.applied[1]:
+                p.grad = None
+            engine.end_step(leftovers)
+            warn(VERIFY_PASSED.format(n=self.done))
+            self._end()
+        engine.took_leftovers(leftovers)  # (the hooks as in-backward updating's step() leaves them)
         return loss
 
     def detached_step_call(self, engine: Any, torch_step: Callable[[], Any],

@@ -149,8 +149,7 @@ class _HookState:
         for opt in optimizers:
             if opt._lo_engine.find(Verifier) is not None:  # (torch's .grad stay: its own
                 continue  # check, check_zeroed)
-            owned = [p for p, r in self.owner.items() if r() is opt]
-            kept = opt._lo_engine.freed_kept(owned)
+            kept = opt._lo_engine.freed_kept(list(self.owner))  # (this model's alone)
             if kept:
                 raise BackwardStateError(KEPT_HOOK_ERROR.format(
                     hook=hook_name(self.comm_hook), n=len(kept),
@@ -408,10 +407,11 @@ class _Landing:
                         g = self.stale.get(p, self.held.get(p))  # a stale one waits too
                         if g is not None:
                             p.grad = g
-                if steps_held and self.stale:  # LAYEROPT_VERIFY: as without DDP, one the
-                    self.state.check_zeroed([p for p, _ in owned if p in self.stale  # last
-                                             and id(p) not in used])  # step() applied, which
-                    # the step pass would take for a held one (torch's clip measured it)
+                if steps_held and self.stale:
+                    # LAYEROPT_VERIFY, as without DDP: a gradient the last step() applied,
+                    # which the step pass would take for a held one (torch's clip measured it)
+                    self.state.check_zeroed([p for p, _ in owned
+                                             if p in self.stale and id(p) not in used])
                 owned = [(p, view if id(p) in used else now.get(p)) for p, view in owned]
                 owned = [(p, g) for p, g in owned if g is not None]
             for p, view in owned:

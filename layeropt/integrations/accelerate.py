@@ -47,7 +47,7 @@ equal accelerate + ``torch.optim`` on every process, bit for bit
 (:func:`layeropt.attach`'s ``comm_hook``: clipping then needs a stateless one,
 fp16/bf16 compression, not PowerSGD). Other multi-process set-ups
 (FSDP, DeepSpeed plugins) are refused in ``prepare``. Tested with
-accelerate 1.15.
+accelerate 1.15 and 1.16 (the comm hooks with 1.16).
 """
 
 from __future__ import annotations
