@@ -22,8 +22,8 @@ from trainerfuzz import programs_on_ranks, run_block
 # core (a program: Lightning ~0.04 s, accelerate ~0.35 s, Hugging Face ~0.5 s)
 BLOCKS = [
     ("lightning", 150, ["lightning"]),  # LayeroptCallback
-    ("accelerate", 18, ["accelerate"]),  # LayeroptAccelerator
-    ("hf", 11, ["transformers", "accelerate"]),  # LayeroptTrainer, LayeroptCallback
+    ("accelerate", 12, ["accelerate"]),  # LayeroptAccelerator
+    ("hf", 8, ["transformers", "accelerate"]),  # LayeroptTrainer, LayeroptCallback
 ]
 
 
@@ -41,8 +41,8 @@ def test_random_trainer_setups_equal_torch_or_are_refused(mix, n, packages):
 # block: a rank steps the DDP model each tool builds on the gradient averaged over both
 # ranks' batches, never its own. (Hugging Face: a third of its programs use the callback,
 # which refuses DDP - it cannot reach the model the Trainer wraps.)
-RANKED = [("lightning", 22, ["lightning"]), ("accelerate", 11, ["accelerate"]),
-          ("hf", 8, ["transformers", "accelerate"])]
+RANKED = [("lightning", 15, ["lightning"]), ("accelerate", 8, ["accelerate"]),
+          ("hf", 6, ["transformers", "accelerate"])]
 
 
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
