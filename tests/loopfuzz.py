@@ -1075,6 +1075,8 @@ def cli(doc: str, mixes: list[str], draw: Callable[[int, str], dict[str, Any]],
                          "fsdp2; trainerfuzz: under torchrun)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    gc.collect()  # (what the imports made, out of the programs' collections: conftest.py)
+    gc.freeze()
     one = args.replay if args.replay is not None else args.minimize
     if args.ranks > 1:
         if ranked is None and (WRAP == "plain" or args.minimize is not None):
