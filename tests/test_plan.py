@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import importlib.util
 import json
 import logging
@@ -37,7 +38,7 @@ from layeropt.memory import PeakMemory
 from layeropt.models import MLP, UNet
 from layeropt.plan import CATEGORIES, OPTIMIZERS, LiveBytes, Margin, Plan, PlanError, Variant, plan
 from layeropt.plan.link import H200, Link
-from layeropt.plan.execute import Measurement
+from layeropt.plan.execute import Measurement, _older_objects_frozen
 from layeropt.plan.render import parse_gpu_memory
 
 transformers = pytest.importorskip("transformers")
@@ -329,6 +330,25 @@ def test_tracker_counts_what_the_profiler_sees():
         live.start()
         work()
     assert live.peak - live.start_bytes == mem.peak
+
+
+@pytest.mark.parametrize("caller_froze", [False, True])
+def test_planning_leaves_garbage_collection_as_it_found_it(caller_froze):
+    """Planning freezes the objects alive before it (its collections then scan only what
+    it made) and unfreezes them after - not where the caller has frozen objects itself
+    (this suite does, tests/conftest.py): unfreezing would undo theirs."""
+    gc.unfreeze()  # (the suite's freeze, made again below)
+    try:
+        if caller_froze:
+            gc.freeze()
+        before = gc.get_freeze_count()
+        with _older_objects_frozen():
+            inside = gc.get_freeze_count()
+        assert gc.get_freeze_count() == before
+        assert (inside == before) if caller_froze else (before == 0 < inside)
+    finally:
+        gc.collect()
+        gc.freeze()
 
 
 def test_fits_follows_the_real_peaks():
