@@ -502,8 +502,8 @@ def test_cli_is_quiet(tmp_path):
                "layeropt.in_backward(torchao.optim.AdamW4bit)"]
     hf_config("llama").save_pretrained(tmp_path)  # (a small model: the libraries, not its size)
     proc = subprocess.run(
-        [sys.executable, "-m", "layeropt", "plan", str(tmp_path), "--seq", "32", "--gpu-memory",
-         "8GiB",
+        [sys.executable, "-m", "layeropt", "plan", str(tmp_path), "--seq", "32",
+         "--gpu-memory", "8GiB",
          "--optimizer", "torch.optim.AdamW",  # (something to plan without the low-bit extras)
          *(a for name in low_bit for a in ("--optimizer", name))],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
