@@ -71,3 +71,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     later, so nothing a test checks for being collected is frozen."""
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """One gloo process, for DDP and FSDP2 in this process (a module's tests share it)."""
+    from harness import one_process_group
+
+    yield from one_process_group("gloo")

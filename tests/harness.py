@@ -34,7 +34,7 @@ needs_fsdp2 = pytest.mark.skipif(not FSDP2_ON_CPU, reason="FSDP2 runs on CPU fro
 try:
     from torch.distributed.fsdp import fully_shard
 except ImportError:  # torch < 2.6
-    from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed._composable.fsdp import fully_shard  # noqa: F401 - for the tests
 
 # (name, torch class, kwargs): every option torch offers for each optimizer.
 OPTIMIZER_CONFIGS: list[tuple[str, dict[str, Any]]] = [
@@ -327,12 +327,6 @@ def one_process_group(backend: str = "gloo") -> Any:
         yield
     finally:
         dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    """One gloo process, for DDP and FSDP2 in this process."""
-    yield from one_process_group("gloo")
 
 
 def scaled_step(lo: bool, loss: torch.Tensor, opt: Any, scaler: Any) -> None:

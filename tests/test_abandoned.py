@@ -32,7 +32,7 @@ from torch import nn
 import layeropt
 import test_rules
 from layeropt.checking.watch import WATCHERS
-from harness import assert_same, process_group  # noqa: F401 - a fixture
+from harness import assert_same
 
 _TORCH = torch.torch_version.TorchVersion(torch.__version__)
 

@@ -43,7 +43,6 @@ except ImportError:
 
 import layeropt
 from layeropt.engine import nesting as nesting
-from layeropt.engine import landing
 from layeropt import checkpoint, checkpoint_modules
 from layeropt.errors import BackwardStateError
 from layeropt.memory import PeakMemory

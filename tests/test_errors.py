@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import layeropt
-from harness import process_group  # noqa: F401 - a fixture
 from layeropt.errors import AttachError
 
 

@@ -307,6 +307,3 @@ def test_a_split_param_group_on_ddp_refuses_the_step_it_cannot_hold(monkeypatch,
             ddp(x, True).float().pow(2).mean().backward()
     assert not opt.state
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-
-
-from harness import process_group  # noqa: E402,F401  (the fixture)

@@ -11,11 +11,9 @@ registered - when what it sees would race. The CUDA case is in
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from harness import assert_same, fully_shard, needs_fsdp2, process_group  # noqa: F401
+from harness import assert_same, fully_shard, needs_fsdp2
 from torch import nn
 
 import layeropt

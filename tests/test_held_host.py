@@ -624,9 +624,6 @@ def test_plain_hooks_on_a_ddp_models_submodules_are_refused_not_summed_twice(pro
         opt.zero_grad()
 
 
-from harness import process_group  # noqa: E402,F401  (the fixture)
-
-
 # -- memory, in bytes -------------------------------------------------------------
 def _wide(width=384, depth=6):
     torch.manual_seed(0)

@@ -16,8 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import swa_utils
 
 import layeropt
-from harness import (  # noqa: F401 - process_group: a fixture
-    assert_models_equal, assert_same, fully_shard, needs_fsdp2, process_group)
+from harness import assert_models_equal, assert_same, fully_shard, needs_fsdp2
 from test_properties import _plain
 from layeropt.models import make_model
 

@@ -27,7 +27,6 @@ from harness import (
     config_id,
     fully_shard,
     needs_fsdp2,
-    process_group,  # noqa: F401 - a fixture
 )
 from layeropt.engine.fastpath import supported
 from layeropt.engine.subset import _MISSING

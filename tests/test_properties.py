@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import layeropt
-from harness import (  # noqa: F401 - process_group: a fixture
-    SOAK, assert_models_equal, assert_same, fully_shard, needs_fsdp2, process_group)
+from harness import SOAK, assert_models_equal, assert_same, fully_shard, needs_fsdp2
 
 
 class RandomDAG(nn.Module):

@@ -20,8 +20,7 @@ import torch
 import layeropt
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness import (  # noqa: F401 - process_group: a fixture
-    Boom, assert_models_equal, assert_same, fully_shard, needs_fsdp2, process_group)
+from harness import Boom, assert_models_equal, assert_same, fully_shard, needs_fsdp2
 from layeropt.memory import PeakMemory
 from layeropt.models import make_model
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.utils import clip_grad_norm_ as imported_clip_grad_norm_  # as most scripts do
 
 import layeropt
-from harness import FSDP2_ON_CPU, assert_same, fully_shard, process_group  # noqa: F401
+from harness import FSDP2_ON_CPU, assert_same, fully_shard
 
 EXACT = "exact"
 STEPS = 3

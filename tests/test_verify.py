@@ -26,7 +26,7 @@ import torch
 from layeropt.engine.stepper import PLAIN
 import layeropt
 import test_rules
-from harness import process_group, scaled_step  # noqa: F401 - a fixture
+from harness import scaled_step
 
 # Not in the per-step table: loops that never call step(). Under LAYEROPT_VERIFY a
 # backward's update is applied at the loop's next forward or zero_grad()
