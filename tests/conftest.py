@@ -18,6 +18,7 @@
 """
 
 import gc
+import logging
 
 import pytest
 import torch
@@ -79,3 +80,16 @@ def process_group():
     from harness import one_process_group
 
     yield from one_process_group("gloo")
+
+
+@pytest.fixture(autouse=True)
+def _logging_tensor_propagates():
+    """torch's checkpoint ``debug=True`` logs through ``LoggingTensor``, a logger its
+    ``capture_logs`` makes non-propagating for good, with a call whose arguments its own
+    handler reads but a ``%`` format cannot take. pytest >= 9.2 attaches its capture
+    handler to every non-propagating logger when a test starts, which then fails the
+    test on formatting such a record: each test starts with that logger propagating."""
+    yield
+    logger = logging.Logger.manager.loggerDict.get("LoggingTensor")
+    if isinstance(logger, logging.Logger):
+        logger.propagate = True
