@@ -309,3 +309,62 @@ def test_bucket_max_norm_on_a_ddp_model_is_refused_naming_the_fix(process_group)
     with pytest.raises(AttachError, match=r"takes no bucket_max_norm.*max_norm"):
         layeropt.attach(ddp, opt, bucket_max_norm=1.0)
     assert not opt.attached
+
+
+# A plain attachment on the parameters of a one-process DDP model (attach(ddp.module), or
+# attach before wrapping: nothing to refuse at attach, the average of one gradient is that
+# gradient). Its hooks step each gradient as it lands; DDP's reducer then writes its comm
+# hook's result back into .grad at the end of backward - rounded, here, by fp16
+# compression - which torch.optim steps on. Whatever meets that gradient next refuses it.
+ROUNDED_DDP_LOOPS = {
+    "backward, step, zero_grad": ("backward", "step", "zero_grad"),
+    "backward, zero_grad": ("backward", "zero_grad"),
+    "zero_grad, backward": ("zero_grad", "backward"),
+    "backward alone": ("backward",),
+}
+
+
+@pytest.mark.parametrize("loop", list(ROUNDED_DDP_LOOPS))
+@pytest.mark.parametrize("attach_first", [False, True], ids=["attach-module", "attach-then-wrap"])
+@pytest.mark.parametrize("cap", [0.0, 25.0])
+def test_plain_hooks_under_a_rounding_ddp_comm_hook_are_exact_or_refused(
+        process_group, loop, attach_first, cap):
+    """bucket_cap_mb=0 steps every gradient before the reducer's: refused, naming DDP; one
+    bucket of the whole model steps after it, on the rounded gradients: torch's numbers."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    ref = copy.deepcopy(model)
+    ref_ddp = DDP(ref)
+    ref_ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = layeropt.Adam(model.parameters(), lr=1e-2)
+    if attach_first:
+        layeropt.attach(model, opt, bucket_cap_mb=cap)
+    ddp = DDP(model)
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    if not attach_first:
+        layeropt.attach(ddp.module, opt, bucket_cap_mb=cap)
+    calls = {"backward": lambda m, x: m(x).pow(2).sum().backward()}
+    refused = None
+    for _ in range(3):
+        x = torch.randn(8, 16) * 3
+        calls["backward"](ref_ddp, x)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        try:
+            for call in ROUNDED_DDP_LOOPS[loop]:
+                if call == "backward":
+                    calls["backward"](ddp, x)
+                else:
+                    getattr(opt, call)()
+        except layeropt.BackwardStateError as e:
+            refused = e
+            break
+    if refused is None:
+        assert cap != 0.0, "every gradient stepped before DDP's rounding, and nothing said so"
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    else:
+        assert "DistributedDataParallel reducer writing" in str(refused)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import warnings
 from typing import Any
 
@@ -654,9 +655,22 @@ def test_scheduler_before_step_is_refused_and_after_step_is_exact():
 # -- a gradient set after backward already applied one -------------------------
 
 
-def test_gradient_set_after_backward_on_an_updated_parameter_is_refused():
+# Where a loop meets a gradient set on a parameter an attached backward already updated:
+# step(), or - a loop without step() - a zero_grad() or the next backward.
+MEETS_SET_GRADIENT = {
+    "step()": lambda model, opt, again: opt.step(),
+    "optimizer.zero_grad()": lambda model, opt, again: opt.zero_grad(),
+    "model.zero_grad()": lambda model, opt, again: model.zero_grad(),
+    "the next backward": lambda model, opt, again: again().backward(),
+}
+
+
+@pytest.mark.parametrize("meets", list(MEETS_SET_GRADIENT))
+def test_gradient_set_after_backward_on_an_updated_parameter_is_refused(meets):
     """Opacus-style: torch applies one update with the new gradient; layeropt has applied
-    the backward's already, so step() refuses the second one (and applies nothing)."""
+    the backward's already, so what meets it next refuses the second one (and applies
+    nothing): step(), or in a loop without step() - where a backward is a step - the
+    zero_grad() that would drop it or the backward that would add it to its own."""
     model, batch_fn, loss_fn = make_model("mlp")
     opt = layeropt.SGD(model.parameters(), lr=0.1)
     layeropt.attach(model, opt)
@@ -665,9 +679,11 @@ def test_gradient_set_after_backward_on_an_updated_parameter_is_refused():
     after_backward = _snapshot(model)
     first = next(model.parameters())
     first.grad = torch.ones_like(first)
-    with pytest.raises(layeropt.BackwardStateError, match="already updated in this training"):
-        opt.step()
-    assert first.grad is None
+    where = type(model).__name__ + ".zero_grad()" if meets == "model.zero_grad()" else meets
+    with pytest.raises(layeropt.BackwardStateError,
+                       match=re.escape(where) + " found a gradient.*already updated in this"):
+        MEETS_SET_GRADIENT[meets](model, opt, lambda: loss_fn(model, batch_fn(gen)))
+    assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():
         assert torch.equal(v, after_backward[k]), k
 

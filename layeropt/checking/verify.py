@@ -293,6 +293,11 @@ class Verifier(Wrapper):
         self.zeroed(None)
         self.inner.zero_grad(engine, set_to_none, torch_zero_grad)
 
+    def regrown(self, params: list[Tensor]) -> list[Tensor]:
+        """A shadowed update leaves torch's gradient in ``.grad`` for ``step()``: not
+        one written since."""
+        return [p for p in self.inner.regrown(params) if p not in self.shadows]
+
     # -- the in-backward side ---------------------------------------------------
     def shadow(self, optimizer: Any, groups: list[Any], transform: Any) -> list[Tensor]:
         """The in-backward update of ``groups`` (Bucket / Group), on a shadow: computed,

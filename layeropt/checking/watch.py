@@ -234,13 +234,15 @@ def _zero_grad_watcher(original: Callable[..., Any]) -> Callable[..., Any]:
         set_to_none = kwargs.get("set_to_none", args[0] if args else True)
         params = list(self.parameters())
         for engine in list(ENGINES):
-            engine.check_discard(self.parameters, f"{type(self).__name__}.zero_grad()")
+            where = f"{type(self).__name__}.zero_grad()"
+            engine.check_discard(self.parameters, where)
             verifier = engine.find(Verifier)
             optimizer = engine._optimizer()
             if verifier is not None and optimizer is not None and any(  # (LAYEROPT_VERIFY:
                     optimizer.owns(p) for p in params):  # these were zeroed; another
-                verifier.settle(f"{type(self).__name__}.zero_grad()")  # model's are not
+                verifier.settle(where)  # model's are not
                 verifier.zeroed(self.parameters)  # this loop's)
+            engine.refuse_regrown(where, self.parameters)  # (what a verifier held: settled)
             engine.module_zero_grad(params, bool(set_to_none))
         return original(self, *args, **kwargs)
 

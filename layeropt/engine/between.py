@@ -12,8 +12,10 @@ in between therefore need a word (``Engine.step_call`` and
   :func:`check_unchanged` refuses at ``step()`` / ``zero_grad()``. Tensor
   values compare by identity and version counter, never by reading them.
 * **a gradient set on a parameter backward already updated** (Opacus' noise,
-  gradient surgery): torch would update once, with it;
-  :func:`refuse_second_update` drops it and raises.
+  gradient surgery, a DDP reducer behind a plain attachment): torch would update
+  once, with it; :func:`refuse_second_update` drops it and raises - at ``step()``,
+  or where a loop without ``step()`` would lose it: a ``zero_grad()``, the next
+  backward (``StepRules.refuse_regrown``).
 * **``zero_grad(set_to_none=False)``**: torch keeps a zero ``.grad`` for every
   parameter that had one and updates it at each ``step()``, used or not
   (weight decay, momentum). :func:`kept_after_zero_grad` follows which;
@@ -26,11 +28,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch.distributed as dist
 from torch import Tensor
 
 from ..errors import (
     BackwardStateError,
     HYPERPARAMETER_ERROR,
+    REDUCER_HINT,
     SECOND_UPDATE_ERROR,
 )
 
@@ -80,15 +84,18 @@ def check_unchanged(before: list[dict[str, Any]], param_groups: list[dict[str, A
 
 
 # -- a gradient for a parameter already updated ----------------------------------
-def refuse_second_update(stepped: Iterable[Tensor], params: list[Tensor]) -> None:
-    """Raise (dropping those gradients) if any of ``params`` is among ``stepped``."""
+def refuse_second_update(stepped: Iterable[Tensor], params: list[Tensor],
+                         where: str = "step()") -> None:
+    """Raise (dropping those gradients) if any of ``params`` is among ``stepped``
+    (``where``: what found them - ``step()``, a ``zero_grad()``, the next backward)."""
     done = set(map(id, stepped))
     again = [p for p in params if id(p) in done]
     if again:
         for p in again:
             p.grad = None  # not applied: nothing more changes
+        reducer = REDUCER_HINT if dist.is_available() and dist.is_initialized() else ""
         raise BackwardStateError(SECOND_UPDATE_ERROR.format(
-            n=len(again), shape=tuple(again[0].shape)))
+            where=where, n=len(again), shape=tuple(again[0].shape), reducer=reducer))
 
 
 # -- zero_grad(set_to_none=False) ------------------------------------------------

@@ -406,6 +406,23 @@ class StepRules(Zeroing):
         self.calls.add(where)
         self.txn += 1
 
+    def refuse_regrown(self, where: str, params: Callable[[], Iterable[Tensor]] | None = None,
+                       landing: Tensor | None = None) -> None:
+        """Refuse a gradient found on a parameter the latest backward updated, no
+        ``step()`` since, by ``where``: a ``zero_grad()`` (the optimizer's, or a
+        module's over ``params()``) or the next backward (``landing``: the gradient it
+        brings, not one set since). ``step()`` refuses it too (``step_call``); a loop
+        without ``step()`` would drop it here, or add it to the next backward's - a
+        DDP reducer writing its averaged gradients back behind a plain attachment."""
+        if not self.train_step.stepped_backwards:
+            return
+        again = [p for p in self.stepper.regrown(self.last.stepped) if p is not landing]
+        if again and params is not None:
+            ids = {id(p) for p in params()}
+            again = [p for p in again if id(p) in ids]
+        if again:
+            _between.refuse_second_update(again, again, where)
+
     def check_discard(self, params: Callable[[], Iterable[Tensor]] | None, where: str) -> None:
         """Refuse a ``zero_grad`` (``where``: the optimizer's, or ``model.zero_grad()``
         over ``params()``) that discards gradients an attached backward has already

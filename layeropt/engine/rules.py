@@ -285,6 +285,7 @@ class Rules(StepRules):
                     raise BackwardStateError(NESTED_ERROR)
                 if rec is not None:
                     self._abort(rec)  # the previous backward died without being finalized
+                self.refuse_regrown("the next backward", landing=param)
                 rec = self._begin(task)
             except BackwardStateError:
                 if param not in self.train_step.held:

@@ -161,6 +161,11 @@ class Stepper:
         """Around ``optimizer.load_state_dict``."""
         return contextlib.nullcontext()
 
+    def regrown(self, params: list[Tensor]) -> list[Tensor]:
+        """Of ``params``, which this stepper's step calls updated in backward and freed,
+        those with a ``.grad`` again: written since (``StepRules.refuse_regrown``)."""
+        return [p for p in params if p.grad is not None]
+
 
 PLAIN = Stepper()
 
@@ -196,3 +201,6 @@ class Wrapper(Stepper):
 
     def loading(self, optimizer: Any) -> contextlib.AbstractContextManager[None]:
         return self.inner.loading(optimizer)
+
+    def regrown(self, params: list[Tensor]) -> list[Tensor]:
+        return self.inner.regrown(params)

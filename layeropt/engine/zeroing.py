@@ -53,6 +53,7 @@ class Zeroing:
     stepped_since_boundary: bool
     check_boundary: Callable[[str], None]
     check_discard: Callable[..., None]
+    refuse_regrown: Callable[..., None]
     boundary: Callable[[str], None]
     forget_stepped: Callable[[set[int]], None]
 
@@ -62,6 +63,7 @@ class Zeroing:
         checked = attached or DETACHED in self.calls  # (the loop's, as detached_step)
         if checked:
             self.check_boundary("zero_grad()")
+            self.refuse_regrown("optimizer.zero_grad()")
             self.check_discard(None, "optimizer.zero_grad()")
         # what torch holds a .grad for now, and keeps as zeros with set_to_none=False:
         # the latest backward's, the held ones, any set by hand
