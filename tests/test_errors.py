@@ -324,18 +324,26 @@ ROUNDED_DDP_LOOPS = {
 }
 
 
+ROUNDED_DDP_MODELS = {  # (one weight: the next backward's first gradient lands on it)
+    "mlp": lambda: torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                                       torch.nn.Linear(64, 4)),
+    "one weight": lambda: torch.nn.Linear(16, 4, bias=False),
+}
+
+
 @pytest.mark.parametrize("loop", list(ROUNDED_DDP_LOOPS))
 @pytest.mark.parametrize("attach_first", [False, True], ids=["attach-module", "attach-then-wrap"])
 @pytest.mark.parametrize("cap", [0.0, 25.0])
+@pytest.mark.parametrize("build", list(ROUNDED_DDP_MODELS))
 def test_plain_hooks_under_a_rounding_ddp_comm_hook_are_exact_or_refused(
-        process_group, loop, attach_first, cap):
+        process_group, loop, attach_first, cap, build):
     """bucket_cap_mb=0 steps every gradient before the reducer's: refused, naming DDP; one
     bucket of the whole model steps after it, on the rounded gradients: torch's numbers."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    model = ROUNDED_DDP_MODELS[build]()
     ref = copy.deepcopy(model)
     ref_ddp = DDP(ref)
     ref_ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import between as _between
@@ -98,10 +99,12 @@ class StepRecord:
             ``zero_grad(set_to_none=False)`` keeps them as zeros.
         faulted: a backward of it raised after updating parameters: how many and the
             first one's name (:meth:`StepRules.check_boundary` refuses the step's end).
+        regrown: parameters (by ``id``) a backward updated whose ``.grad`` was written
+            again before that backward ended (:meth:`StepRules.note_regrown`).
     """
 
     __slots__ = ("stepped_backwards", "held_backwards", "held_after_step", "held", "hyper",
-                 "hyper_txn", "skipped", "scaler_skipped", "faulted")
+                 "hyper_txn", "skipped", "scaler_skipped", "faulted", "regrown")
 
     def __init__(self) -> None:
         self.stepped_backwards = self.held_backwards = 0
@@ -112,6 +115,7 @@ class StepRecord:
         self.faulted: tuple[int, str] | None = None
         self.hyper: list[dict[str, Any]] | None = None
         self.hyper_txn = -1
+        self.regrown: frozenset[int] = frozenset()
 
 
 class StepRules(Zeroing):
@@ -416,12 +420,24 @@ class StepRules(Zeroing):
         DDP reducer writing its averaged gradients back behind a plain attachment."""
         if not self.train_step.stepped_backwards:
             return
-        again = [p for p in self.stepper.regrown(self.last.stepped) if p is not landing]
+        noted = self.train_step.regrown  # (landing: its gradient holds what was written too)
+        again = [p for p in self.stepper.regrown(self.last.stepped)
+                 if p is not landing or id(p) in noted]
         if again and params is not None:
             ids = {id(p) for p in params()}
             again = [p for p in again if id(p) in ids]
         if again:
             _between.refuse_second_update(again, again, where)
+
+    def note_regrown(self, rec: Any) -> None:
+        """The end of backward ``rec``, after the callbacks queued in it: a DDP reducer's
+        write-back of the averaged gradients came before (nothing else in one process
+        writes ``.grad`` in a backward after its hooks), onto what the hooks updated.
+        Noted for the next backward, whose first gradient lands onto one of them."""
+        if dist.is_available() and dist.is_initialized() and rec.stepped:
+            again = self.stepper.regrown(rec.stepped)
+            if again:
+                self.train_step.regrown = frozenset(map(id, again))
 
     def check_discard(self, params: Callable[[], Iterable[Tensor]] | None, where: str) -> None:
         """Refuse a ``zero_grad`` (``where``: the optimizer's, or ``model.zero_grad()``

@@ -158,8 +158,7 @@ class BackwardRecord:
         self.scaled = self.distributed = False  # (set by whoever begins it)
         self.stepped: list[Tensor] = []
         self.by_backward: int | None = None  # of stepped, the backward's (then step()'s)
-        self.steps = 0
-        self.counted = self.zeroed = False
+        self.steps, self.counted, self.zeroed = 0, False, False
 
 
 class Rules(StepRules):
@@ -487,6 +486,7 @@ class Rules(StepRules):
                 if held and store:  # landed here but not stepped yet (partly landed buckets)
                     store.up([p for p in held if p.grad is not None])
                 self._step(rec.ready + self._leftovers(rec))
+                self.note_regrown(rec)
                 if held:
                     self._step_stored()
                 held.clear()
