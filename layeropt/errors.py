@@ -200,19 +200,11 @@ SECOND_UPDATE_ERROR = (
     "{where} found a gradient on {n} parameter(s) (the first of shape {shape}) that "
     "the attached backward already updated in this training step: code after that "
     "backward set or changed .grad (per-sample clipping and noise as in Opacus, "
-    "gradient surgery{reducer}). torch would apply one update with that gradient in "
+    "gradient surgery). torch would apply one update with that gradient in "
     "its step(); layeropt applied the backward's and drops this one. Change gradients "
     "before they are applied - in a tensor hook (param.register_hook) or with "
     "layeropt.backward's clipping - or run that backward inside `with opt.no_step():` "
     "so that step() applies the final gradient once."
-)
-
-# (SECOND_UPDATE_ERROR's, where torch.distributed runs: DDP writes the averaged gradients
-# into .grad at the end of backward, after plain hooks on its parameters have stepped)
-REDUCER_HINT = (
-    "; or a DistributedDataParallel reducer writing the averaged gradients (its comm hook's: "
-    "fp16-compressed, say) back into .grad after a plain attachment's hooks stepped them: "
-    "attach the DDP model itself, layeropt.attach(ddp_model, opt), not ddp_model.module"
 )
 
 CLIP_AFTER_BACKWARD = (

@@ -12,8 +12,7 @@ in between therefore need a word (``Engine.step_call`` and
   :func:`check_unchanged` refuses at ``step()`` / ``zero_grad()``. Tensor
   values compare by identity and version counter, never by reading them.
 * **a gradient set on a parameter backward already updated** (Opacus' noise,
-  gradient surgery, a DDP reducer behind a plain attachment): torch would update
-  once, with it; :func:`refuse_second_update` drops it and raises - at ``step()``,
+  gradient surgery): torch would update once, with it; :func:`refuse_second_update` drops it and raises - at ``step()``,
   or where a loop without ``step()`` would lose it: a ``zero_grad()``, the next
   backward (``StepRules.refuse_regrown``).
 * **``zero_grad(set_to_none=False)``**: torch keeps a zero ``.grad`` for every
@@ -28,13 +27,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import torch.distributed as dist
 from torch import Tensor
 
 from ..errors import (
     BackwardStateError,
     HYPERPARAMETER_ERROR,
-    REDUCER_HINT,
     SECOND_UPDATE_ERROR,
 )
 
@@ -93,9 +90,8 @@ def refuse_second_update(stepped: Iterable[Tensor], params: list[Tensor],
     if again:
         for p in again:
             p.grad = None  # not applied: nothing more changes
-        reducer = REDUCER_HINT if dist.is_available() and dist.is_initialized() else ""
         raise BackwardStateError(SECOND_UPDATE_ERROR.format(
-            where=where, n=len(again), shape=tuple(again[0].shape), reducer=reducer))
+            where=where, n=len(again), shape=tuple(again[0].shape)))
 
 
 # -- zero_grad(set_to_none=False) ------------------------------------------------

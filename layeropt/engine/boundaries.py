@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import between as _between
@@ -80,6 +79,18 @@ def _autocast_may_change(optimizer: Any) -> bool:
     return base is None or not getattr(optimizer._lo_stepper, "narrow", False)
 
 
+# (raised by StepRules.refuse_written_back alone)
+WRITTEN_BACK_ERROR = (
+    "{n} parameter(s) (the first: {name}) got a gradient again at the end of this "
+    "backward, after layeropt had {taken} with the gradients that landed: a "
+    "DistributedDataParallel reducer writing its averaged gradients back into .grad "
+    "(rounded by its comm hook, if it has one: fp16 compression, PowerSGD) behind a "
+    "plain attachment. torch's step(), clip_grad_norm_ and GradScaler read what it "
+    "wrote. Attach the DDP model itself, after wrapping: layeropt.attach(ddp_model, opt), "
+    "not ddp_model.module or the model before DDP(model)."
+)
+
+
 class StepRecord:
     """One training step at one engine, from a ``step()``/``zero_grad()`` to the next.
 
@@ -99,12 +110,10 @@ class StepRecord:
             ``zero_grad(set_to_none=False)`` keeps them as zeros.
         faulted: a backward of it raised after updating parameters: how many and the
             first one's name (:meth:`StepRules.check_boundary` refuses the step's end).
-        regrown: parameters (by ``id``) a backward updated whose ``.grad`` was written
-            again before that backward ended (:meth:`StepRules.note_regrown`).
     """
 
     __slots__ = ("stepped_backwards", "held_backwards", "held_after_step", "held", "hyper",
-                 "hyper_txn", "skipped", "scaler_skipped", "faulted", "regrown")
+                 "hyper_txn", "skipped", "scaler_skipped", "faulted")
 
     def __init__(self) -> None:
         self.stepped_backwards = self.held_backwards = 0
@@ -115,7 +124,6 @@ class StepRecord:
         self.faulted: tuple[int, str] | None = None
         self.hyper: list[dict[str, Any]] | None = None
         self.hyper_txn = -1
-        self.regrown: frozenset[int] = frozenset()
 
 
 class StepRules(Zeroing):
@@ -135,6 +143,7 @@ class StepRules(Zeroing):
     _step: Callable[[list[Any]], None]  # (Engine._step: one step call)
     placed: Callable[[list[Tensor]], list[Group]]  # (Engine.placed)
     name_of: Callable[[Tensor], str]  # (Engine.name_of)
+    _abort: Callable[[Any], None]  # (Rules._abort: a backward that raised)
     closure: Callable[[], contextlib.AbstractContextManager[None]]  # (Rules.closure)
     on_param_groups_changed: Callable[..., None]  # (Engine.on_param_groups_changed)
 
@@ -420,24 +429,39 @@ class StepRules(Zeroing):
         DDP reducer writing its averaged gradients back behind a plain attachment."""
         if not self.train_step.stepped_backwards:
             return
-        noted = self.train_step.regrown  # (landing: its gradient holds what was written too)
-        again = [p for p in self.stepper.regrown(self.last.stepped)
-                 if p is not landing or id(p) in noted]
+        again = [p for p in self.stepper.regrown(self.last.stepped) if p is not landing]
         if again and params is not None:
             ids = {id(p) for p in params()}
             again = [p for p in again if id(p) in ids]
         if again:
             _between.refuse_second_update(again, again, where)
 
-    def note_regrown(self, rec: Any) -> None:
-        """The end of backward ``rec``, after the callbacks queued in it: a DDP reducer's
-        write-back of the averaged gradients came before (nothing else in one process
-        writes ``.grad`` in a backward after its hooks), onto what the hooks updated.
-        Noted for the next backward, whose first gradient lands onto one of them."""
-        if dist.is_available() and dist.is_initialized() and rec.stepped:
-            again = self.stepper.regrown(rec.stepped)
-            if again:
-                self.train_step.regrown = frozenset(map(id, again))
+    def refuse_written_back(self, rec: Any) -> None:
+        """The end of backward ``rec`` where ``torch.distributed`` runs, after the callbacks
+        queued in it: a gradient in ``.grad`` again on a parameter whose gradient this
+        backward took as it landed - updated with it, or measured it (``layeropt.backward``'s
+        first pass) - was written by a DDP reducer's write-back of its averaged gradients
+        (nothing else in one process writes ``.grad`` in a backward after its hooks).
+        Refused at once (:data:`WRITTEN_BACK_ERROR`): dropped, the backward aborted."""
+        m = self.measure
+        taken = rec.stepped
+        if m is not None:
+            optimizer = self._optimizer()
+            groups = optimizer.param_groups if optimizer is not None else []
+            taken = [p for g in groups for p in g["params"] if id(p) in m.seen]
+        for p in taken:  # (a loop: no call where nothing was written)
+            if p.grad is not None:
+                break
+        else:
+            return
+        again = self.stepper.regrown(taken)
+        if again:
+            for p in again:
+                p.grad = None  # (what torch's step, clip or scaler would read: not read)
+            self._abort(rec)
+            raise BackwardStateError(WRITTEN_BACK_ERROR.format(
+                n=len(again), name=self.name_of(again[0]),
+                taken="updated them" if m is None else "measured them (layeropt.backward)"))
 
     def check_discard(self, params: Callable[[], Iterable[Tensor]] | None, where: str) -> None:
         """Refuse a ``zero_grad`` (``where``: the optimizer's, or ``model.zero_grad()``

@@ -75,19 +75,9 @@ from .zeroing import ZEROS_IN_GRAD
 from .wholestep import whole_step
 from .transforms import ENTERED, Measure, Transform
 from ..errors import (
-    ACCUMULATION_ERROR,
-    FAULT_WARNING,
-    CLOSURE_HOLD_WARNING,
-    DEFER_WARNING,
-    NESTED_ERROR,
-    COMPILED_AUTOGRAD_TWO_PASSES,
-    NO_GRAPH_TASK_ERROR,
-    RETAIN_HOLD_WARNING,
-    SCALER_HOLD_WARNING,
-    SPARSE_ERROR,
-    AttachError,
-    BackwardStateError,
-    warn,
+    ACCUMULATION_ERROR, CLOSURE_HOLD_WARNING, COMPILED_AUTOGRAD_TWO_PASSES, DEFER_WARNING,
+    FAULT_WARNING, NESTED_ERROR, NO_GRAPH_TASK_ERROR, RETAIN_HOLD_WARNING, SCALER_HOLD_WARNING,
+    SPARSE_ERROR, AttachError, BackwardStateError, warn,
 )
 
 __all__ = ["BackwardRecord", "Rules", "hooked_last", "IDLE"]
@@ -284,7 +274,8 @@ class Rules(StepRules):
                     raise BackwardStateError(NESTED_ERROR)
                 if rec is not None:
                     self._abort(rec)  # the previous backward died without being finalized
-                self.refuse_regrown("the next backward", landing=param)
+                if self.train_step.stepped_backwards:  # (a loop without step() meets here
+                    self.refuse_regrown("the next backward", landing=param)  # what's written)
                 rec = self._begin(task)
             except BackwardStateError:
                 if param not in self.train_step.held:
@@ -470,6 +461,8 @@ class Rules(StepRules):
                 return
             if held:
                 store.flush()  # buckets that only partly landed in a holding backward
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                self.refuse_written_back(rec)  # (after a DDP reducer's write-back)
             if self.measure is not None:
                 for p in rec.deferred:
                     if p.grad is not None:
@@ -486,7 +479,6 @@ class Rules(StepRules):
                 if held and store:  # landed here but not stepped yet (partly landed buckets)
                     store.up([p for p in held if p.grad is not None])
                 self._step(rec.ready + self._leftovers(rec))
-                self.note_regrown(rec)
                 if held:
                     self._step_stored()
                 held.clear()
