@@ -176,9 +176,15 @@ def refuse_plain_ddp(params: list[Tensor]) -> None:
         return
     from torch.nn.parallel import DistributedDataParallel
 
+    classes, todo = set(), [DistributedDataParallel]  # (its subclasses too)
+    while todo:
+        cls = todo.pop()
+        if cls not in classes:
+            classes.add(cls)
+            todo += cls.__subclasses__()
     ids = {id(p) for p in params}
     for obj in gc.get_objects():  # (by type: isinstance reads a dead weak proxy's class)
-        if issubclass(type(obj), DistributedDataParallel) and any(
+        if type(obj) in classes and any(
                 id(p) in ids for p in getattr(obj, "module", nn.Module()).parameters()):
             raise AttachError(PLAIN_DDP_ERROR)
 
