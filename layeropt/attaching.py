@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from .distributed.fsdp2 import sharded_of
 from .distributed.fsdp_offload import check_fsdp2_offload
 from .engine.boundaries import refuse_open_updates, take_over
-from .engine.registry import hooked_by, mark_hooked, refuse_plain_ddp, unmark_hooked
+from .engine.registry import hooked_by, mark_hooked, unmark_hooked
 from .checking.watch import WATCHERS
 from .errors import (ATTACHED_TWICE, NO_OWNER_ERROR, NOT_LEAF_ERROR,
                      OWNED_TWICE_ERROR, SPARSE_MODULE_ERROR, AttachError, user_frame, warn)
@@ -259,7 +259,6 @@ class Attachment:
         if self._removed:
             return False
         if self._first_backward and in_backward:
-            refuse_plain_ddp(self._owned)  # (each backward while so: nothing applied)
             self._first_backward = False
             self._take_over("backward")
         changed = False  # (loops, not comprehensions: this runs at every backward's start)

@@ -374,31 +374,12 @@ def _rounded_ddp_run(loop, attach_first, cap, build, unused):
 @pytest.mark.parametrize("attach_first", [False, True], ids=["attach-module", "attach-then-wrap"])
 @pytest.mark.parametrize("cap", [0.0, 25.0])
 @pytest.mark.parametrize("build", list(ROUNDED_DDP_MODELS))
-@pytest.mark.parametrize("unused", [False, True], ids=["", "find_unused"])
-def test_plain_hooks_on_a_one_process_ddp_model_are_refused_at_the_first_backward(
-        process_group, loop, attach_first, cap, build, unused):
-    """Nothing of it applied, whatever the loop, bucket schedule or DDP option."""
-    error, at, before, model, _ = _rounded_ddp_run(loop, attach_first, cap, build, unused)
-    assert isinstance(error, AttachError) and at == 0, (error, at)
-    assert "Attach the DDP model itself" in str(error)
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-
-
-@pytest.mark.parametrize("loop", list(ROUNDED_DDP_LOOPS))
-@pytest.mark.parametrize("cap", [0.0, 25.0])
-@pytest.mark.parametrize("build", list(ROUNDED_DDP_MODELS))
 def test_a_ddp_write_back_behind_plain_hooks_is_refused_at_the_end_of_that_backward(
-        process_group, monkeypatch, loop, cap, build):
-    """The DDP model out of the collector's sight (as ``gc.freeze()`` puts it: here no
-    object is seen): bucket_cap_mb=0 takes every gradient before the reducer's
-    write-back, refused at the end of that backward, naming DDP; one bucket of the whole
-    model steps after it, on the rounded gradients: torch's numbers. (Under
-    find_unused_parameters DDP skips layeropt.backward's second pass and writes nothing
-    back: that hidden case is docs/distributed.md's known gap.)"""
-    from layeropt.engine import registry
-
-    monkeypatch.setattr(registry.gc, "get_objects", lambda: [])
-    error, _, _, model, ref = _rounded_ddp_run(loop, False, cap, build, False)
+        process_group, loop, attach_first, cap, build):
+    """bucket_cap_mb=0 takes every gradient before the reducer's write-back: refused at
+    the end of that backward, naming DDP; one bucket of the whole model steps after it,
+    on the rounded gradients: torch's numbers."""
+    error, _, _, model, ref = _rounded_ddp_run(loop, attach_first, cap, build, False)
     if error is None:
         assert cap != 0.0, "every gradient was taken before DDP's rounding, and nothing said so"
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
@@ -408,25 +389,13 @@ def test_a_ddp_write_back_behind_plain_hooks_is_refused_at_the_end_of_that_backw
         assert "DistributedDataParallel reducer" in str(error)
 
 
-def test_the_search_for_a_ddp_model_passes_over_dead_weak_proxies(process_group):
-    """``refuse_plain_ddp`` looks at every object the collector tracks: a weak proxy whose
-    object died is one (``isinstance`` on it raised ReferenceError in backward)."""
-    import weakref
-
-    class Thing:
-        pass
-
-    thing = Thing()
-    dead = [weakref.proxy(thing)]
-    del thing
-    model = _mlp()
-    opt = layeropt.SGD(model.parameters(), lr=0.1)
-    ref = copy.deepcopy(model)
-    layeropt.attach(model, opt)
-    x = torch.randn(2, 3)
-    model(x).sum().backward()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    ref(x).sum().backward()
-    ref_opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
-    assert len(dead) == 1
+@pytest.mark.xfail(strict=True, reason="docs/distributed.md's known silent case: under "
+                   "find_unused_parameters DDP counts a gradient the hooks freed as unused and "
+                   "writes nothing back, nor reduces layeropt.backward's second pass")
+@pytest.mark.parametrize("loop", ["backward, step, zero_grad",
+                                  "layeropt.backward(max_norm=1e9) alone"])
+def test_plain_hooks_under_ddp_with_find_unused_parameters_are_the_known_silent_case(
+        process_group, loop):
+    error, _, _, model, ref = _rounded_ddp_run(loop, False, 0.0, "one weight", True)
+    assert error is not None or all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))

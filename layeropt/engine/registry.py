@@ -3,10 +3,9 @@
 The bottom of the package (imported by the engine, the attachments and the
 distributed code, importing none of them):
 
-* :func:`world_size`, :func:`is_dtensor`, and the guards the plain hooks run
+* :func:`world_size`, :func:`is_dtensor`, and the guard the plain hooks run
   before touching a gradient under ``torch.distributed``
-  (:func:`check_local_hooks_allowed`, :func:`allow_local_updates`,
-  :func:`refuse_plain_ddp`);
+  (:func:`check_local_hooks_allowed`, :func:`allow_local_updates`);
 * :data:`ENGINES`, every live engine;
 * which :class:`~layeropt.attaching.Attachment` hooks a parameter
   (:func:`hooked_by`). Kept by ``id`` with an identity check, not in a weak
@@ -17,7 +16,6 @@ distributed code, importing none of them):
 
 from __future__ import annotations
 
-import gc
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -32,7 +30,6 @@ __all__ = [
     "is_dtensor",
     "check_local_hooks_allowed",
     "allow_local_updates",
-    "refuse_plain_ddp",
     "hooked_by",
     "mark_hooked",
     "unmark_hooked",
@@ -140,53 +137,6 @@ def check_local_hooks_allowed(param: Tensor) -> None:
         "first, then build the optimizer and attach. If every process deliberately "
         "trains its own model, call layeropt.distributed.allow_local_updates(model)."
     )
-
-
-# (raised by refuse_plain_ddp alone)
-PLAIN_DDP_ERROR = (
-    "layeropt's plain hooks are attached to parameters of a DistributedDataParallel model "
-    "(attach(ddp_model.module), or attach(model) before DDP(model)); on one process nothing "
-    "refused it at attach, but DDP's reducer averages each gradient after the hooks took "
-    "it and writes its result back into .grad - rounded by a comm hook (fp16 compression, "
-    "PowerSGD), or left out for layeropt.backward's second pass - and torch.optim steps on "
-    "that. Attach the DDP model itself, after wrapping: handle.remove(); "
-    "layeropt.attach(ddp_model, opt). Nothing of this backward was applied."
-)
-
-
-def refuse_plain_ddp(params: list[Tensor]) -> None:
-    """Refuse plain hooks on ``params`` where a ``DistributedDataParallel`` model wraps one
-    of them and ``torch.distributed`` runs one process (on several,
-    :func:`check_local_hooks_allowed` refuses plain hooks on any plain tensor).
-
-    Called at an attachment's first backward, before anything of it is applied. The
-    DDP model is looked for among the objects the garbage collector tracks (one pass
-    over them): one that ``gc.freeze()`` moved out of its sight is not found.
-
-    Args:
-        params: the parameters of one plain attachment.
-
-    Raises:
-        AttachError: a DDP model wraps one of ``params``.
-
-    Example:
-        >>> refuse_plain_ddp([torch.nn.Parameter(torch.zeros(2))])  # no process group
-    """
-    if world_size() != 1 or not (dist.is_available() and dist.is_initialized()):
-        return
-    from torch.nn.parallel import DistributedDataParallel
-
-    classes, todo = set(), [DistributedDataParallel]  # (its subclasses too)
-    while todo:
-        cls = todo.pop()
-        if cls not in classes:
-            classes.add(cls)
-            todo += cls.__subclasses__()
-    ids = {id(p) for p in params}
-    for obj in gc.get_objects():  # (by type: isinstance reads a dead weak proxy's class)
-        if type(obj) in classes and any(
-                id(p) in ids for p in getattr(obj, "module", nn.Module()).parameters()):
-            raise AttachError(PLAIN_DDP_ERROR)
 
 
 def allow_local_updates(params: nn.Module | Iterable[Tensor]) -> None:
