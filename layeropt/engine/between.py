@@ -12,9 +12,10 @@ in between therefore need a word (``Engine.step_call`` and
   :func:`check_unchanged` refuses at ``step()`` / ``zero_grad()``. Tensor
   values compare by identity and version counter, never by reading them.
 * **a gradient set on a parameter backward already updated** (Opacus' noise,
-  gradient surgery): torch would update once, with it; :func:`refuse_second_update` drops it and raises - at ``step()``,
-  or where a loop without ``step()`` would lose it: a ``zero_grad()``, the next
-  backward (``StepRules.refuse_regrown``).
+  gradient surgery): torch would update once, with it;
+  :func:`refuse_second_update` drops it and raises - at ``step()``, or where a
+  loop without ``step()`` would lose it: a ``zero_grad()``, the next backward
+  (``StepRules.refuse_regrown``).
 * **``zero_grad(set_to_none=False)``**: torch keeps a zero ``.grad`` for every
   parameter that had one and updates it at each ``step()``, used or not
   (weight decay, momentum). :func:`kept_after_zero_grad` follows which;

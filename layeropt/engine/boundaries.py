@@ -434,7 +434,7 @@ class StepRules(Zeroing):
             ids = {id(p) for p in params()}
             again = [p for p in again if id(p) in ids]
         if again:
-            _between.refuse_second_update(again, again, where)
+            _between.refuse_second_update(self.last.stepped, again, where)
 
     def refuse_written_back(self, rec: Any) -> None:
         """The end of backward ``rec`` where ``torch.distributed`` runs, after the callbacks

@@ -148,7 +148,8 @@ class BackwardRecord:
         self.scaled = self.distributed = False  # (set by whoever begins it)
         self.stepped: list[Tensor] = []
         self.by_backward: int | None = None  # of stepped, the backward's (then step()'s)
-        self.steps, self.counted, self.zeroed = 0, False, False
+        self.steps = 0
+        self.counted = self.zeroed = False
 
 
 class Rules(StepRules):
