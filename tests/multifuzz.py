@@ -54,9 +54,9 @@ sides alike, in a process group of this process alone:
 * ``ddp``: in DistributedDataParallel (``find_unused_parameters=True``), every forward
   through the wrapper (the loss taken outside it). Optimizers that attach the whole model
   attach the wrapper, together (DDP takes one attachment, its communication hook: a
-  second is refused); ``style="sub"`` puts plain hooks on its module's submodules, as
-  one process allows (DDP's reducer may then raise ``loopfuzz.DDP_LIMIT`` on layeropt's
-  side: ``torch-error``); half the programs reduce through a communication hook of the
+  second is refused); ``style="sub"`` puts plain hooks on its module's submodules, which
+  DDP's first forward refuses (layeropt's watcher: ``refused``); half the programs
+  reduce through a communication hook of the
   user's (fp16, or one with state), registered on torch's side and
   given to layeropt's attachments of the wrapper. Every mix runs; torch's reentrant
   checkpoint (``tr``, in the
@@ -400,9 +400,8 @@ class Side:
         self.ckpt = self.model.wire(layer)
         self.top: nn.Module = loopfuzz.wrap(self.model, loopfuzz.wrap_of(prog))
         # DDP: the program's communication hook (a fresh state), given to layeropt's
-        # attachments of the wrapper (not with style="sub": plain hooks on its submodules
-        # step the local gradient, which one process's plain average leaves as it is,
-        # and a hook's rounding does not)
+        # attachments of the wrapper (not with style="sub": plain hooks on its submodules,
+        # refused at DDP's first forward)
         self.comm: dict[str, Any] = {}
         if prog.get("comm") and loopfuzz.wrap_of(prog) == "ddp" and prog["style"] != "sub":
             hook, state = harness.comm_hook(prog["comm"])

@@ -608,29 +608,36 @@ class _Detach(nn.Module):
         return x.detach()
 
 
-def _two_passes_with_plain_hooks(rank: int) -> list[Any]:
-    """A layeropt optimizer attached by plain hooks to a submodule of a DDP model (the
-    trunk), the head trained by a plain optimizer, a loss the trunk does not reach (its
-    output detached) through ``layeropt.backward(max_norm=)``: the two passes left DDP's
-    reducer unarmed for the second, and the head's gradient this rank's own - the
-    replicas drifted apart without an error. Refused now, before anything: the error,
-    and whether the parameters are as they were."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _Detach(), nn.Linear(8, 3))
-    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-    before = [p.detach().clone() for p in model.parameters()]
-    trunk = layeropt.SGD(model[0].parameters(), lr=0.1)
-    handle = layeropt.attach(model[0], trunk)
-    g = torch.Generator().manual_seed(10 + rank)  # (each rank its own batch)
-    x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
-    try:
-        layeropt.backward(((ddp(x) - y) ** 2).mean(), trunk, max_norm=0.1)
-        said = "not refused"
-    except AttachError as e:
-        said = str(e)
-    finally:
-        handle.remove()
-    return [said, all(map(torch.equal, before, model.parameters()))]
+def _two_passes_with_plain_hooks(rank: int) -> dict[str, list[Any]]:
+    """A layeropt optimizer attached by plain hooks to a trunk, the head a DDP model
+    trained by a plain optimizer, a loss the trunk does not reach (its output detached)
+    through ``layeropt.backward(max_norm=)``: the two passes left DDP's reducer unarmed for
+    the second, and the head's gradient this rank's own - the replicas drifted apart
+    without an error. Refused now, before anything, with the trunk inside the DDP model
+    (at DDP's forward) or outside it (by ``layeropt.backward``): per case, the error and
+    whether the parameters are as they were."""
+    out = {}
+    for case in ("inside", "outside"):
+        torch.manual_seed(0)
+        trunk, head = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _Detach()), nn.Linear(8, 3)
+        model = nn.Sequential(trunk, head)
+        ddp = nn.parallel.DistributedDataParallel(model if case == "inside" else head,
+                                                  find_unused_parameters=True)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = layeropt.SGD(trunk.parameters(), lr=0.1)
+        handle = layeropt.attach(trunk, opt)
+        g = torch.Generator().manual_seed(10 + rank)  # (each rank its own batch)
+        x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
+        try:
+            out_ = ddp(x) if case == "inside" else ddp(trunk(x))
+            layeropt.backward(((out_ - y) ** 2).mean(), opt, max_norm=0.1)
+            said = "not refused"
+        except AttachError as e:
+            said = str(e)
+        finally:
+            handle.remove()
+        out[case] = [said, all(map(torch.equal, before, model.parameters()))]
+    return out
 
 
 def _copies(rank: int) -> dict[str, Any]:
@@ -1233,9 +1240,14 @@ def test_copy_of_attached_ddp_is_plain_ddp_and_attachable(ranks, how):
         assert stepped == len(freed) and all(freed)
 
 
-def test_two_passes_with_plain_hooks_on_a_ddp_model_are_refused(ranks):
-    for said, unchanged in (r["two_passes_plain"] for r in ranks):
-        assert "two backward passes go through DDP's reducer" in said, said
+UNDER_DDP = "of this DistributedDataParallel model carries a plain layeropt hook"
+
+
+@pytest.mark.parametrize("case,says", [("inside", UNDER_DDP),
+                                       ("outside", "two backward passes go through DDP's")])
+def test_two_passes_with_plain_hooks_on_a_ddp_model_are_refused(ranks, case, says):
+    for said, unchanged in (r[case] for r in _get(ranks, "two_passes_plain")):
+        assert says in said, said
         assert unchanged
 
 
@@ -1321,8 +1333,8 @@ ERRORS = {
                             "find_unused_parameters=True", "plain torch.optim"],
     "plain_unwrapped_allowed": ["ok"],
     "plain_unwrapped": [LOCAL, "allow_local_updates(model)"],
-    "plain_on_module": [LOCAL, "layeropt.attach(ddp_model, opt)"],
-    "plain_then_wrap": [LOCAL, "layeropt.attach(ddp_model, opt)"],
+    "plain_on_module": [UNDER_DDP, "Nothing was run", "layeropt.attach(ddp_model, opt)"],
+    "plain_then_wrap": [UNDER_DDP, "Nothing was run", "layeropt.attach(ddp_model, opt)"],
 }
 
 

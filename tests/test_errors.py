@@ -313,10 +313,11 @@ def test_bucket_max_norm_on_a_ddp_model_is_refused_naming_the_fix(process_group)
 
 # A plain attachment on the parameters of a one-process DDP model (attach(ddp.module), or
 # attach before wrapping: nothing refuses it at attach, the average of one gradient is that
-# gradient). Its hooks take each gradient as it lands (to update with, or to measure: the
-# first pass of layeropt.backward(max_norm=)); DDP's reducer then writes its comm hook's
+# gradient). Its hooks would take each gradient as it lands (to update with, or to measure:
+# the first pass of layeropt.backward(max_norm=)); DDP's reducer then writes its comm hook's
 # result back into .grad - rounded, here, by fp16 compression - which torch's step() and
-# clip_grad_norm_ read, or skips layeropt.backward's second pass (find_unused_parameters).
+# clip_grad_norm_ read, or (find_unused_parameters) writes nothing back and leaves
+# layeropt.backward's second pass unreduced. Refused at DDP's first forward.
 ROUNDED_DDP_LOOPS = {
     "backward, step, zero_grad": ("backward", "step", "zero_grad"),
     "backward, zero_grad": ("backward", "zero_grad"),
@@ -331,70 +332,53 @@ ROUNDED_DDP_MODELS = {  # (one weight: the next backward's first gradient lands 
 }
 
 
-def _rounded_ddp_run(loop, attach_first, cap, build, unused):
-    """DDP + torch.optim against DDP + a plain attachment, 3 iterations of ``loop``: the
-    layeropt side's error, or None; and both models."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.manual_seed(0)
-    model = ROUNDED_DDP_MODELS[build]()
-    ref = copy.deepcopy(model)
-    ref_ddp = DDP(ref, find_unused_parameters=unused)
-    ref_ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    opt = layeropt.Adam(model.parameters(), lr=1e-2)
-    if attach_first:
-        layeropt.attach(model, opt, bucket_cap_mb=cap)
-    ddp = DDP(model, find_unused_parameters=unused)
-    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    if not attach_first:
-        layeropt.attach(ddp.module, opt, bucket_cap_mb=cap)
-    for _ in range(3):
-        x = torch.randn(8, 16) * 3
-        ref_ddp(x).pow(2).sum().backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)  # (a multiplication by 1)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        try:
-            for call in ROUNDED_DDP_LOOPS[loop]:
-                if call == "backward":
-                    ddp(x).pow(2).sum().backward()
-                elif call == "clip":
-                    layeropt.backward(ddp(x).pow(2).sum(), max_norm=1e9)
-                else:
-                    getattr(opt, call)()
-        except layeropt.LayeroptError as e:
-            return e, model, ref
-    return None, model, ref
+def _run_loop(ddp, opt, loop, x):
+    for call in ROUNDED_DDP_LOOPS[loop]:
+        if call == "backward":
+            ddp(x).pow(2).sum().backward()
+        elif call == "clip":
+            layeropt.backward(ddp(x).pow(2).sum(), max_norm=1e9)
+        else:
+            getattr(opt, call)()
 
 
 @pytest.mark.parametrize("loop", list(ROUNDED_DDP_LOOPS))
 @pytest.mark.parametrize("attach_first", [False, True], ids=["attach-module", "attach-then-wrap"])
 @pytest.mark.parametrize("cap", [0.0, 25.0])
 @pytest.mark.parametrize("build", list(ROUNDED_DDP_MODELS))
-def test_a_ddp_write_back_behind_plain_hooks_is_refused_at_the_end_of_that_backward(
-        process_group, loop, attach_first, cap, build):
-    """bucket_cap_mb=0 takes every gradient before the reducer's write-back: refused at
-    the end of that backward, naming DDP; one bucket of the whole model steps after it,
-    on the rounded gradients: torch's numbers."""
-    error, model, ref = _rounded_ddp_run(loop, attach_first, cap, build, False)
-    if error is None:
-        assert cap != 0.0, "every gradient was taken before DDP's rounding, and nothing said so"
-        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
-    else:
-        assert isinstance(error, layeropt.BackwardStateError), error
-        assert "got a gradient again at the end of this backward" in str(error)
-        assert "DistributedDataParallel reducer" in str(error)
+@pytest.mark.parametrize("unused", [False, True], ids=["", "find-unused"])
+def test_plain_hooks_under_a_ddp_model_are_refused_before_its_forward(
+        process_group, loop, attach_first, cap, build, unused):
+    """Refused at DDP's first forward, nothing run; the fix the message names (remove,
+    attach the DDP model with its comm hook) then trains as DDP + torch.optim, bit for bit."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
-
-@pytest.mark.xfail(strict=True, reason="docs/distributed.md's known silent case: under "
-                   "find_unused_parameters DDP counts a gradient the hooks freed as unused and "
-                   "writes nothing back, nor reduces layeropt.backward's second pass")
-@pytest.mark.parametrize("loop", ["backward, step, zero_grad",
-                                  "layeropt.backward(max_norm=1e9) alone"])
-def test_plain_hooks_under_ddp_with_find_unused_parameters_are_the_known_silent_case(
-        process_group, loop):
-    error, model, ref = _rounded_ddp_run(loop, False, 0.0, "one weight", True)
-    assert error is not None or all(
-        torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    torch.manual_seed(0)
+    model = ROUNDED_DDP_MODELS[build]()
+    ref, start = copy.deepcopy(model), copy.deepcopy(model)
+    ref_ddp = DDP(ref, find_unused_parameters=unused)
+    ref_ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = layeropt.Adam(model.parameters(), lr=1e-2)
+    handle = layeropt.attach(model, opt, bucket_cap_mb=cap) if attach_first else None
+    ddp = DDP(model, find_unused_parameters=unused)
+    if not attach_first:
+        handle = layeropt.attach(ddp.module, opt, bucket_cap_mb=cap)
+    x = torch.randn(8, 16) * 3
+    with pytest.raises(AttachError, match=r"of this DistributedDataParallel model carries "
+                       r"a plain layeropt hook.*Nothing was run.*\.remove\(\).*"
+                       r"layeropt\.attach\(ddp_model, opt\)"):
+        _run_loop(ddp, opt, loop, x)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), start.parameters()))
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+    handle.remove()
+    layeropt.attach(ddp, opt, bucket_cap_mb=cap, comm_hook=default_hooks.fp16_compress_hook)
+    for _ in range(3):
+        ref_ddp(x).pow(2).sum().backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)  # (a multiplication by 1)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        _run_loop(ddp, opt, loop, x)
+        x = torch.randn(8, 16) * 3
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))

@@ -307,3 +307,65 @@ def test_a_split_param_group_on_ddp_refuses_the_step_it_cannot_hold(monkeypatch,
             ddp(x, True).float().pow(2).mean().backward()
     assert not opt.state
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+class _TwoParts(torch.nn.Module):
+    """A trunk and a head, each its optimizer's, a loss on either alone (a GAN's two
+    players in one model, an actor and a critic)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.head, self.aux = (torch.nn.Linear(6, 6), torch.nn.Linear(6, 3),
+                                           torch.nn.Linear(6, 3))
+
+    def forward(self, x, part):
+        if part == "trunk":
+            return self.trunk(x).pow(2).mean()
+        out = self.head(x).pow(2).mean()
+        return out + self.aux(x).pow(2).mean() if part == "head+aux" else out
+
+
+# Loops over a DDP model (find_unused_parameters=True, one process) whose backwards reach
+# one optimizer each: a plain backward leaves the optimizer it gives nothing alone.
+# Until 2026-12-06 each DDP backward began every attached optimizer's step: the first
+# loop was refused as a second backward, the second stepped aux's kept zeros once less.
+TWO_PART_LOOPS = {
+    "a loss for each, then both steps": [("head", "trunk", "step 2", "step 1", "zg 1",
+                                          "zg 2 keep")] * 3,
+    "zeros kept for a part the last backward missed": [
+        ("head+aux", "trunk", "step 2", "step 1", "zg 2 keep", "head", "step 2")],
+}
+
+
+@pytest.mark.parametrize("loop", list(TWO_PART_LOOPS))
+@pytest.mark.parametrize("cap", [0.0, 1.0])
+def test_ddp_backwards_that_reach_one_of_two_optimizers_are_exact(process_group, loop, cap):
+    import layeropt
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    base = _TwoParts()
+    runs = []
+    for lo in (False, True):
+        model = copy.deepcopy(base)
+        ddp = DDP(model, find_unused_parameters=True)
+        cls = layeropt.Adagrad if lo else torch.optim.Adagrad
+        opts = {"1": cls(model.trunk.parameters(), lr=0.05, lr_decay=0.01),
+                "2": cls([*model.head.parameters(), *model.aux.parameters()], lr=0.1,
+                         lr_decay=0.01)}
+        if lo:
+            layeropt.attach(ddp, list(opts.values()), bucket_cap_mb=cap)
+        gen = torch.Generator().manual_seed(1)
+        for iteration in TWO_PART_LOOPS[loop]:
+            for op in iteration:
+                if op.startswith("step"):
+                    opts[op[-1]].step()
+                elif op.startswith("zg"):
+                    opts[op.split()[1]].zero_grad(set_to_none=not op.endswith("keep"))
+                else:
+                    ddp(torch.randn(4, 6, generator=gen), op).backward()
+        runs.append((model, opts))
+    (ref, ref_opts), (ours, lo_opts) = runs
+    assert_models_equal(ref, ours)
+    for n in ref_opts:
+        assert_same(ref_opts[n].state_dict(), lo_opts[n].state_dict())

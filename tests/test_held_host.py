@@ -31,7 +31,7 @@ from harness import (
     config_id,
 )
 from layeropt.offload.held import HostHeld
-from layeropt.errors import LayeroptError
+from layeropt.errors import AttachError, LayeroptError
 from layeropt.memory import PeakMemory
 from layeropt.models import make_model
 from layeropt.offload import offload_state
@@ -603,9 +603,9 @@ def test_plain_hooks_on_a_ddp_models_submodules_are_refused_not_summed_twice(pro
     """A DDP model (one process) whose submodules are attached one by one with plain
     hooks: DDP's reducer writes each gradient back into ``.grad`` at the end of backward,
     after it was moved to host memory, and the step added both (multifuzz's DDP
-    ``offload`` mix, seed 260,214: silently different before). Refused at that backward,
-    the copies dropped and the sums kept; the DDP model attached as a whole is exact
-    (above)."""
+    ``offload`` mix, seed 260,214: silently different before). DDP's forward refuses such
+    a model; attached after that forward, its backward is refused, the copies dropped and
+    the sums kept. The DDP model attached as a whole is exact (above)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -613,8 +613,16 @@ def test_plain_hooks_on_a_ddp_models_submodules_are_refused_not_summed_twice(pro
     handles = [layeropt.attach(model[0], opt), layeropt.attach(model[2], opt)]
     off = offload_state(opt)
     try:
+        with opt.no_step(), pytest.raises(AttachError, match="DistributedDataParallel model "
+                                          "carries a plain layeropt hook"):
+            ddp(torch.randn(4, 6))
+        assert not off.held
+        for h in handles:
+            h.remove()
+        loss = ddp(torch.randn(4, 6)).square().mean()
+        handles = [layeropt.attach(model[0], opt), layeropt.attach(model[2], opt)]
         with opt.no_step(), pytest.raises(LayeroptError, match="written back into .grad"):
-            ddp(torch.randn(4, 6)).square().mean().backward()
+            loss.backward()
         assert all(p.grad is None for p in model.parameters())
         assert len(off.held) == 4  # (every sum kept in host memory)
     finally:

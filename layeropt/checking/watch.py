@@ -29,6 +29,10 @@ own) decides whether the loop's numbers would differ from torch's:
 * any optimizer's ``step`` (torch's global step pre-hook): a plain optimizer
   about to step a parameter an attached backward already updated and freed,
   which it would skip.
+* ``DistributedDataParallel.forward``: a DDP model whose parameters carry plain
+  hooks (attached before wrapping, or on ``ddp_model.module``) would have each
+  gradient applied before DDP averages it, then DDP's average written back
+  into ``.grad``: refused before that forward runs (:func:`refuse_plain_hooks`).
 
 Also torch's reentrant ``CheckpointFunction.forward`` (``layeropt/engine/nesting.py``).
 :data:`WATCHERS` installs them all when the first attachment is made and undoes
@@ -49,12 +53,13 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..engine.registry import ENGINES
+from ..engine.registry import ENGINES, HOOKED, hooked_by
 from ..engine.subset import INSIDE
 from .verify import Verifier
 from ..errors import (
     CLIP_EMPTY,
     ALSO_APPLIED,
+    AttachError,
     BackwardStateError,
     CLIP_AFTER_BACKWARD,
     CLIP_HELD_ON_HOST,
@@ -63,7 +68,8 @@ from ..errors import (
     warn,
 )
 
-__all__ = ["WATCHERS", "Watchers", "scaled_backward", "graph_kept", "CLIP_AFTER_BACKWARD"]
+__all__ = ["WATCHERS", "Watchers", "scaled_backward", "graph_kept", "refuse_plain_hooks",
+           "CLIP_AFTER_BACKWARD"]
 
 _SCALED: list[weakref.ref] = []  # outputs of GradScaler.scale still alive
 _CALLING: list[str] = []  # guarded clipping functions running now (the outermost checks)
@@ -249,6 +255,39 @@ def _zero_grad_watcher(original: Callable[..., Any]) -> Callable[..., Any]:
     return zero_grad
 
 
+PLAIN_UNDER_DDP = (
+    "parameter {name!r} of this DistributedDataParallel model carries a plain layeropt "
+    "hook, of {other} (attached before DDP(model), or to ddp_model.module): it would "
+    "update with this process's gradient as it lands, before DDP averages it (and rounds "
+    "it, with a comm hook), and DDP would write its average back into .grad after. "
+    "Nothing was run. {release}, then attach the DDP model itself, after wrapping: "
+    "layeropt.attach(ddp_model, opt)."
+)
+
+
+def refuse_plain_hooks(ddp: torch.nn.Module) -> None:
+    """Refuse a DDP model a parameter of which (one DDP reduces: trainable, not in
+    ``_ddp_params_and_buffers_to_ignore``) carries a plain attachment's hook."""
+    for name, p in ddp.module.named_parameters():
+        other = hooked_by(p) if id(p) in HOOKED else None
+        if other is not None and p.requires_grad and not getattr(p, "_ddp_ignored", False):
+            raise AttachError(PLAIN_UNDER_DDP.format(name=name, other=other.describe(),
+                                                     release=other.release))
+
+
+def _ddp_forward_watcher(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``DistributedDataParallel.forward``: :func:`refuse_plain_hooks` first (a dict's
+    truth where no plain attachment lives)."""
+
+    @functools.wraps(original)
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if HOOKED:
+            refuse_plain_hooks(self)
+        return original(self, *args, **kwargs)
+
+    return forward
+
+
 def _scale_watcher(original: Callable[..., Any]) -> Callable[..., Any]:
     """``GradScaler.scale``: its outputs recorded (:func:`scaled_backward`)."""
 
@@ -308,6 +347,7 @@ class Watchers:
         self._replace(torch.nn.Module, "zero_grad", _zero_grad_watcher)
         self._replace(torch.amp.GradScaler, "scale", _scale_watcher)
         self.undo.append(register_optimizer_step_pre_hook(_before_any_step).remove)
+        self._replace(torch.nn.parallel.DistributedDataParallel, "forward", _ddp_forward_watcher)
         checkpoint_cls = _nesting.checkpoint_function()
         if checkpoint_cls is not None:
             self._replace(checkpoint_cls, "forward", _nesting.segment_watcher)

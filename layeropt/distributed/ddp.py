@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from ..attaching import (Attachment, _start_verifying, hand_over, layer_buckets,
                          refuse_open_updates, resolve_owners)
 from ..engine.landing import Settings
-from ..engine.registry import hooked_by
+from ..checking.watch import refuse_plain_hooks
 from ..errors import AttachError
 from .ddp_hook import _allreduce_then_step, _Copied, _HookState, hook_name
 
@@ -126,12 +126,7 @@ def _check_ddp(ddp: nn.Module) -> None:
                 "Construct DistributedDataParallel without it, or keep a plain "
                 "torch.optim optimizer for this model."
             )
-    if any(hooked_by(p) is not None for p in ddp.parameters()):
-        raise AttachError(
-            "some parameters of this DDP model carry plain layeropt hooks (attached "
-            "before wrapping, or on ddp_model.module), which would step on local "
-            "gradients. Call .remove() on that attachment, then attach the DDP model."
-        )
+    refuse_plain_hooks(ddp)
 
 
 def attach_ddp(

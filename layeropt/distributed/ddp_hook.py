@@ -3,7 +3,9 @@
 One training step begins at the first bucket after a DDP forward
 (:meth:`_HookState.begin`; DDP runs one synchronised backward per forward, its
 buckets possibly landing in several autograd graph tasks when reentrant
-checkpoints nest backwards). For each bucket, :func:`_allreduce_then_step`
+checkpoints nest backwards); under ``find_unused_parameters`` it begins at each
+optimizer once it reaches one of its parameters (:meth:`_HookState.begin_engine`).
+For each bucket, :func:`_allreduce_then_step`
 sorts its parameters (:class:`_Landing`: stepped by their optimizer - their
 local ``.grad``, already copied into the bucket, freed at once - measured by
 ``layeropt.backward``'s first pass, or written back as DDP would), scales it by
@@ -41,6 +43,7 @@ from ..errors import (
     BackwardStateError,
     DDP_JOIN_ERROR,
     DDP_UNUSED_ERROR,
+    LayeroptError,
 )
 
 KEPT_HOOK_ERROR = (
@@ -98,6 +101,9 @@ class _HookState:
         self.ddp = weakref.ref(ddp)
         self.bucket_view = bool(ddp.gradient_as_bucket_view)
         self.fired: set[int] = set()
+        self.begun: set[int] = set()  # ids of the engines this training step reached
+        self.refused: LayeroptError | None = None  # by an engine begun in a bucket's hook
+        self.flushing = False  # in flush(): an engine begun there refuses at once
         if self.find_unused:  # (a hook reaches this state weakly: it holds the parameters)
             fired = partial(_fired, weakref.ref(self))
             for p in ddp.parameters():
@@ -131,15 +137,41 @@ class _HookState:
             optimizers = [o for o in (r() for r in refs.values()) if o is not None]
             if not stateless(self.comm_hook):
                 self.refuse_freed_kept(optimizers)
-            for opt in optimizers:  # the engine's rules, as for a plain backward (may refuse
-                opt._lo_engine.begin_averaged()  # it: nothing ran yet)
-                if opt._lo_engine.averaged_route() is None:  # held for step(): at its end,
-                    Variable._execution_engine.queue_callback(  # the zeros torch keeps, in
-                        partial(_show_kept, weakref.ref(opt._lo_engine)))  # .grad (as _end)
+            self.begun, self.refused = set(), None
+            for opt in optimizers:  # every one gets a gradient (DDP requires it), or one
+                if not self.find_unused or not _ordinary(opt._lo_engine):  # of layeropt.
+                    self.begin_engine(opt)  # backward's passes: each engine's rules now
             self.verifying = any(o._lo_engine.find(Verifier) is not None for o in optimizers)
             if self.verifying and not self.find_unused:  # (every trainable one has a gradient)
                 self.check_zeroed([p for p in self.owner if p.requires_grad])
             self.fresh = False
+
+    def begin_engine(self, opt: Any) -> None:
+        """This training step reaches ``opt``: its engine's rules, as for a plain backward
+        (they may refuse it: nothing of it was applied yet), once per step.
+
+        Under ``find_unused_parameters`` an ordinary backward begins an engine only once
+        it reaches one of its parameters - a gradient accumulated here when its bucket
+        is handed over, or (:meth:`_Landing.apply`) one some process used - as a plain
+        backward that gives an optimizer nothing leaves its engine alone: its latest
+        backward stays the one that reached it (the gradients ``zero_grad`` keeps as
+        zeros; no refusal of a second backward for a loss that missed it). Its refusal
+        then waits for :meth:`flush`, where every process knows which ones were reached
+        (one raising in a bucket's hook would leave the others waiting in all-reduces)."""
+        engine = opt._lo_engine
+        if id(engine) in self.begun:
+            return
+        self.begun.add(id(engine))
+        try:
+            engine.begin_averaged()
+        except LayeroptError as e:
+            if not self.find_unused or self.flushing:
+                raise  # (every engine begun at once, or in the flush)
+            self.refused = self.refused or e
+            return
+        if engine.averaged_route() is None:  # held for step(): at its end, the zeros
+            Variable._execution_engine.queue_callback(  # torch keeps, in .grad (as _end)
+                partial(_show_kept, weakref.ref(engine)))
 
     def refuse_freed_kept(self, optimizers: list[Any]) -> None:
         """A hook that keeps state: torch's DDP reduces every parameter's ``.grad`` through
@@ -164,6 +196,7 @@ class _HookState:
             ref = self.owner.get(p)  # (None: no layeropt optimizer's)
             opt = None if ref is None else ref()
             if opt is not None:
+                self.begin_engine(opt)  # (a gradient of it: this step reaches it)
                 by_owner.setdefault(id(opt), (opt, []))[1].append(p)
         for opt, owned in by_owner.values():
             engine = opt._lo_engine
@@ -196,13 +229,20 @@ class _HookState:
         deferred, self.deferred = self.deferred, []
         self.flush_task = _NONE
         used = self._used_anywhere([landing for landing, _ in deferred])
+        if self.refused is not None:  # (after the all-reduce every process joins)
+            refused, self.refused = self.refused, None
+            raise refused
         engines: dict[Any, None] = {}
         with _stepping(self):
-            for landing, fut in deferred:
-                fut.wait()  # re-raises a failed all-reduce
-                for opt, params in landing.apply(used).items():
-                    opt._lo_engine.land_averaged(params, self.settings)
-                    engines[opt._lo_engine] = None
+            self.flushing = True
+            try:
+                for landing, fut in deferred:
+                    fut.wait()  # re-raises a failed all-reduce
+                    for opt, params in landing.apply(used).items():
+                        opt._lo_engine.land_averaged(params, self.settings)
+                        engines[opt._lo_engine] = None
+            finally:
+                self.flushing = False
             for engine in engines:
                 engine.step_ready()
 
@@ -325,8 +365,8 @@ class _Landing:
     bucket's all-reduce has landed.
     """
 
-    __slots__ = ("device", "held", "measures", "params", "stale", "state", "steps",
-                 "write_back")
+    __slots__ = ("device", "held", "measures", "params", "pending", "stale", "state",
+                 "steps", "write_back")
 
     def __init__(self, state: _HookState, bucket: Any, buffer: Tensor) -> None:
         self.state = state
@@ -342,35 +382,54 @@ class _Landing:
         # zeros zero_grad(set_to_none=False) left; DDP leaves them in .grad if no process
         # used the parameter, for the next step()
         self.stale: dict[Tensor, Tensor] = {}
+        # find_unused_parameters: those of optimizers this step has not reached yet,
+        # sorted by apply() once it knows whether some process used them
+        self.pending: list[tuple[Tensor, Tensor, weakref.ref]] = []
         owner = state.owner if state.active else {}
+        here = {id(owner.get(p)) for p in params if id(p) in state.fired}  # (reached)
         modes: dict[int, Any] = {}  # id(owner ref) -> what its parameters get, this bucket
         for p, g in zip(params, bucket.gradients()):
-            view = _grad_view(p, g)
             ref = owner.get(p)
             mode = modes.get(id(ref), _WRITE_BACK if ref is None else None)
-            if mode is None:  # the optimizer's first parameter in this bucket: its engine
-                opt = ref()  # type: ignore[misc]  # says where averaged gradients go now
-                route = None if opt is None else opt._lo_engine.averaged_route()
-                if route is None:  # held for step() (or no optimizer): as DDP would
-                    mode = _WRITE_BACK
-                elif route is opt._lo_engine:
-                    mode = self.steps.setdefault(opt, [])
-                else:  # layeropt.backward's measure pass
-                    mode = route
-                modes[id(ref)] = mode
-            if mode is _WRITE_BACK:
-                self.write_back.append((p, view))
-            elif p.grad is None and not state.find_unused:
-                raise AttachError(DDP_UNUSED_ERROR)
-            elif type(mode) is list:
-                mode.append((p, view))
-                if state.find_unused and p.grad is not None and id(p) not in state.fired:
-                    kept = self.stale if state.verifying and (  # (or torch's kept zeros)
-                        _applied_by_step(ref(), p) or not p.grad.any()) else self.held
-                    kept[p] = p.grad
-                p.grad = None  # the bucket holds it now
+            if mode is None:  # the optimizer's first parameter in this bucket
+                opt = ref()  # type: ignore[misc]
+                mode = modes[id(ref)] = (
+                    _PENDING if opt is not None and state.find_unused and id(ref) not in here
+                    and id(opt._lo_engine) not in state.begun else self._mode(opt))
+            if mode is _PENDING:
+                self.pending.append((p, _grad_view(p, g), ref))
             else:
-                self.measures.append((mode, p, view))
+                self._sort(p, _grad_view(p, g), mode, ref)
+
+    def _mode(self, opt: Any) -> Any:
+        """Where ``opt``'s averaged gradients go in this bucket (its engine says, begun
+        now if this step had not reached it): stepped, measured, or written back."""
+        if opt is None:
+            return _WRITE_BACK
+        self.state.begin_engine(opt)
+        route = opt._lo_engine.averaged_route()
+        if route is None:  # held for step(): as DDP would
+            return _WRITE_BACK
+        if route is opt._lo_engine:
+            return self.steps.setdefault(opt, [])
+        return route  # layeropt.backward's measure pass
+
+    def _sort(self, p: Tensor, view: Tensor, mode: Any, ref: Any) -> None:
+        """``p`` to ``mode``'s list; a gradient to step leaves ``.grad`` now."""
+        state = self.state
+        if mode is _WRITE_BACK:
+            self.write_back.append((p, view))
+        elif p.grad is None and not state.find_unused:
+            raise AttachError(DDP_UNUSED_ERROR)
+        elif type(mode) is list:
+            mode.append((p, view))
+            if state.find_unused and p.grad is not None and id(p) not in state.fired:
+                kept = self.stale if state.verifying and (  # (or torch's kept zeros)
+                    _applied_by_step(ref(), p) or not p.grad.any()) else self.held
+                kept[p] = p.grad
+            p.grad = None  # the bucket holds it now
+        else:
+            self.measures.append((mode, p, view))
 
     def then(self, fut: Any) -> Tensor:
         """``.then()`` callback: the all-reduce has landed; step this bucket alone."""
@@ -389,6 +448,14 @@ class _Landing:
         Returns the parameters to step, by optimizer (their ``.grad`` are the
         bucket's averaged slices: no memory of their own).
         """
+        if self.pending:  # an optimizer some process used is reached (others: left alone)
+            begun, reached = self.state.begun, {id(r) for p, _, r in self.pending
+                                                 if used is None or id(p) in used}
+            for p, view, ref in self.pending:
+                opt = ref()
+                if opt is not None and (id(ref) in reached or id(opt._lo_engine) in begun):
+                    self._sort(p, view, self._mode(opt), ref)
+            self.pending = []
         for p, view in self.write_back:
             if used is None or id(p) in used:
                 _write_back(p, view, None if used is None else self.state.bucket_view)
@@ -428,6 +495,12 @@ def _steps_held(engine: Any) -> bool:
     return engine.transform is not None and engine.transform is not ENTERED
 
 
+def _ordinary(engine: Any) -> bool:
+    """Neither of ``layeropt.backward``'s passes: an engine such a backward need not
+    reach (the passes measure and step the held gradients of every engine)."""
+    return engine.measure is None and engine.transform is None
+
+
 @contextlib.contextmanager
 def _stepping(state: _HookState) -> Iterator[None]:
     """Bucket steps: one at a time (``.then()`` may run on comm threads), without grad."""
@@ -441,3 +514,4 @@ def _stepping(state: _HookState) -> Iterator[None]:
 
 
 _WRITE_BACK = object()  # _Landing: leave the averaged gradient in .grad, as DDP would
+_PENDING = object()  # _Landing: an optimizer this step has not reached yet

@@ -79,18 +79,6 @@ def _autocast_may_change(optimizer: Any) -> bool:
     return base is None or not getattr(optimizer._lo_stepper, "narrow", False)
 
 
-# (raised by StepRules.refuse_written_back alone)
-WRITTEN_BACK_ERROR = (
-    "{n} parameter(s) (the first: {name}) got a gradient again at the end of this "
-    "backward, after layeropt had {taken} with the gradients that landed: a "
-    "DistributedDataParallel reducer writing its averaged gradients back into .grad "
-    "(rounded by its comm hook, if it has one: fp16 compression, PowerSGD) behind a "
-    "plain attachment. torch's step(), clip_grad_norm_ and GradScaler read what it "
-    "wrote. Attach the DDP model itself, after wrapping: layeropt.attach(ddp_model, opt), "
-    "not ddp_model.module or the model before DDP(model)."
-)
-
-
 class StepRecord:
     """One training step at one engine, from a ``step()``/``zero_grad()`` to the next.
 
@@ -425,8 +413,7 @@ class StepRules(Zeroing):
         ``step()`` since, by ``where``: a ``zero_grad()`` (the optimizer's, or a
         module's over ``params()``) or the next backward (``landing``: the gradient it
         brings, not one set since). ``step()`` refuses it too (``step_call``); a loop
-        without ``step()`` would drop it here, or add it to the next backward's - a
-        DDP reducer writing its averaged gradients back behind a plain attachment."""
+        without ``step()`` would drop it here, or add it to the next backward's."""
         if not self.train_step.stepped_backwards:
             return
         again = [p for p in self.stepper.regrown(self.last.stepped) if p is not landing]
@@ -435,33 +422,6 @@ class StepRules(Zeroing):
             again = [p for p in again if id(p) in ids]
         if again:
             _between.refuse_second_update(self.last.stepped, again, where)
-
-    def refuse_written_back(self, rec: Any) -> None:
-        """The end of backward ``rec`` where ``torch.distributed`` runs, after the callbacks
-        queued in it: a gradient in ``.grad`` again on a parameter whose gradient this
-        backward took as it landed - updated with it, or measured it (``layeropt.backward``'s
-        first pass) - was written by a DDP reducer's write-back of its averaged gradients
-        (nothing else in one process writes ``.grad`` in a backward after its hooks).
-        Refused at once (:data:`WRITTEN_BACK_ERROR`): dropped, the backward aborted."""
-        m = self.measure
-        taken = rec.stepped
-        if m is not None:
-            optimizer = self._optimizer()
-            groups = optimizer.param_groups if optimizer is not None else []
-            taken = [p for g in groups for p in g["params"] if id(p) in m.seen]
-        for p in taken:  # (a loop: no call where nothing was written)
-            if p.grad is not None:
-                break
-        else:
-            return
-        again = self.stepper.regrown(taken)
-        if again:
-            for p in again:
-                p.grad = None  # (what torch's step, clip or scaler would read: not read)
-            self._abort(rec)
-            raise BackwardStateError(WRITTEN_BACK_ERROR.format(
-                n=len(again), name=self.name_of(again[0]),
-                taken="updated them" if m is None else "measured them (layeropt.backward)"))
 
     def check_discard(self, params: Callable[[], Iterable[Tensor]] | None, where: str) -> None:
         """Refuse a ``zero_grad`` (``where``: the optimizer's, or ``model.zero_grad()``

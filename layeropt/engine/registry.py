@@ -39,8 +39,8 @@ __all__ = [
 
 # Attribute set on parameters declared for local updates (a plain value: picklable).
 _LOCAL_OK = "_layeropt_local_updates"
-# id(parameter) -> the attachment whose hook it carries (weakly)
-_HOOKED: dict[int, weakref.ref] = {}
+# id(parameter) -> the plain attachment whose hook it carries (weakly)
+HOOKED: dict[int, weakref.ref] = {}
 
 
 class WeakOrderedSet(weakref.WeakKeyDictionary):
@@ -59,7 +59,7 @@ ENGINES = WeakOrderedSet()
 
 def hooked_by(param: Tensor) -> Any:
     """The live attachment whose hook ``param`` carries, or ``None``."""
-    ref = _HOOKED.get(id(param))
+    ref = HOOKED.get(id(param))
     attachment = None if ref is None else ref()
     if attachment is None or not attachment.hooks(param):
         return None  # a stale entry: that parameter (or attachment) is gone
@@ -67,13 +67,13 @@ def hooked_by(param: Tensor) -> Any:
 
 
 def mark_hooked(param: Tensor, attachment: Any) -> None:
-    _HOOKED[id(param)] = weakref.ref(attachment)
+    HOOKED[id(param)] = weakref.ref(attachment)
 
 
 def unmark_hooked(param: Tensor, attachment: Any) -> None:
-    ref = _HOOKED.get(id(param))
+    ref = HOOKED.get(id(param))
     if ref is not None and ref() in (attachment, None):
-        del _HOOKED[id(param)]
+        del HOOKED[id(param)]
 
 
 def world_size() -> int:

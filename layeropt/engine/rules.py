@@ -462,8 +462,6 @@ class Rules(StepRules):
                 return
             if held:
                 store.flush()  # buckets that only partly landed in a holding backward
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                self.refuse_written_back(rec)  # (after a DDP reducer's write-back)
             if self.measure is not None:
                 for p in rec.deferred:
                     if p.grad is not None:
