@@ -32,7 +32,9 @@ goes on to a ``zero_grad()`` or to its next forward instead (a forward
 pre-hook on each attached model while verifying): there
 (:meth:`Verifier.settle`) the pending step is applied with torch's ``step``
 and compared, a warning says the loop steps in backward, and verification
-ends - the loop trains as it does without ``LAYEROPT_VERIFY``. After a
+ends - the loop trains as it does without ``LAYEROPT_VERIFY``; a ``step()``
+after that forward (a loop with a loss for each of two optimizers before
+their steps) warns that the steps since were not verified. After a
 ``zero_grad()`` the verifier stays, updating in backward, to see whether the
 loop calls ``step()`` after all: then that ``zero_grad()`` discarded a
 backward that in-backward updating had already applied (a skipped first
@@ -72,6 +74,15 @@ from ..errors import (
 )
 
 __all__ = ["Verifier", "verify", "verify_steps"]
+
+VERIFY_STEP_AFTER_FORWARD = (
+    "LAYEROPT_VERIFY: step() after verification ended at a forward: the loop went on to "
+    "a forward between a backward and this step() (another loss's), which verify took for "
+    "a loop without step() ({n} training step(s) verified), so the steps since were not "
+    "verified and a difference there (gradients not zeroed between steps, say) would not "
+    "be found. To verify them, call step() before that forward, or verify each "
+    "optimizer's loss in a loop of its own."
+)
 
 # The causes errors.VERIFY_CAUSES names, and those the loop's order of calls decides.
 CAUSES = {
@@ -273,6 +284,7 @@ class Verifier(Wrapper):
         # (held, not ids: an id of a freed tensor is another tensor's later)
         self.applied: tuple[Any, list[Tensor]] = (None, [])
         self.discarded: tuple[str, int] | None = None  # settled at a zero_grad(): see settle
+        self.ended_at: int | None = None  # settled at a forward: steps verified by then
         self.forward_hooks: dict[int, Any] = {}  # id(model) -> its forward pre-hook's handle
         self.grad_hooks: dict[int, Any] = {}  # id(param) -> its tensor hook's handle
         # (a verifier dropped while verifying, its optimizer deleted: its hooks go with it)
@@ -283,8 +295,9 @@ class Verifier(Wrapper):
     # -- the stepper ---------------------------------------------------------------
     def step(self, engine: Any, optimizer: Any, groups: list[Any], params: list[Tensor],
              transform: Any) -> list[Tensor]:
-        if self.discarded is not None:  # (settled: updating in backward, watching step())
-            return self.inner.step(engine, optimizer, groups, params, transform)
+        if self.discarded is not None or self.ended_at is not None:  # (settled: updating
+            return self.inner.step(engine, optimizer, groups, params, transform)  # in
+        # backward, watching step())
         return self.shadow(optimizer, groups, transform)
 
     def zero_grad(self, engine: Any, set_to_none: bool,
@@ -427,6 +440,10 @@ class Verifier(Wrapper):
             self._end()
             raise VerifyError(VERIFY_ERROR.format(name=name, step=step, size="-",
                                                   cause=CAUSES["skipped"]))
+        if self.ended_at is not None:  # (settle: that forward came before this step())
+            self._end()
+            warn(VERIFY_STEP_AFTER_FORWARD.format(n=self.ended_at))
+            return self.inner.step_call(engine, closure)
         optimizer = engine._optimizer()
         _alone(engine)
         loss = None
@@ -467,10 +484,12 @@ class Verifier(Wrapper):
         each backward is its own training step. Apply this one as ``step()`` would,
         compare, and end verification (the loop updates in backward from now on).
 
-        At a ``zero_grad()`` (``discards``) the verifier stays, updating in backward:
-        torch drops those gradients there, so a loop that calls ``step()`` later was not
-        one without ``step()`` - its ``zero_grad()`` discarded a backward (a skipped first
-        batch) that in-backward updating applied, and that ``step()`` raises."""
+        The verifier stays, updating in backward, to see whether the loop calls
+        ``step()`` after all. At a ``zero_grad()`` (``discards``) torch drops those
+        gradients, so that ``zero_grad()`` discarded a backward (a skipped first batch)
+        that in-backward updating applied, and that ``step()`` raises. At a forward, that
+        forward came between a backward and its ``step()`` (another loss's): the steps
+        since were not verified, and that ``step()`` says so (a warning)."""
         engine = self.engine
         optimizer = engine._optimizer()
         if not engine.attachments:  # detached: nothing of it acts any more
@@ -488,9 +507,9 @@ class Verifier(Wrapper):
         warn(VERIFY_NO_STEP.format(where=where, n=self.done))
         if discards:
             self.discarded = (name, self.done)
-            self._unwatch()
         else:
-            self._end()
+            self.ended_at = self.done
+        self._unwatch()
 
     def _watch_forwards(self) -> None:
         """A forward pre-hook on each attached model: a loop's next forward is where a
