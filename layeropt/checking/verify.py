@@ -229,6 +229,17 @@ def _zero_watch(verifier: Verifier, param: Tensor) -> Callable[[Tensor], None]:
     return hook
 
 
+def _say_at_next_step(optimizer: Any, done: int) -> None:
+    """:data:`VERIFY_STEP_AFTER_FORWARD` at ``optimizer``'s next ``step()``, once."""
+    handle: list[Any] = []
+
+    def said(*_: Any) -> None:
+        handle.pop().remove()
+        warn(VERIFY_STEP_AFTER_FORWARD.format(n=done))
+
+    handle.append(optimizer.register_step_pre_hook(said))
+
+
 def _remove_hooks(handles: dict[int, Any]) -> None:
     for handle in handles.values():
         handle.remove()
@@ -284,7 +295,6 @@ class Verifier(Wrapper):
         # (held, not ids: an id of a freed tensor is another tensor's later)
         self.applied: tuple[Any, list[Tensor]] = (None, [])
         self.discarded: tuple[str, int] | None = None  # settled at a zero_grad(): see settle
-        self.ended_at: int | None = None  # settled at a forward: steps verified by then
         self.forward_hooks: dict[int, Any] = {}  # id(model) -> its forward pre-hook's handle
         self.grad_hooks: dict[int, Any] = {}  # id(param) -> its tensor hook's handle
         # (a verifier dropped while verifying, its optimizer deleted: its hooks go with it)
@@ -295,9 +305,8 @@ class Verifier(Wrapper):
     # -- the stepper ---------------------------------------------------------------
     def step(self, engine: Any, optimizer: Any, groups: list[Any], params: list[Tensor],
              transform: Any) -> list[Tensor]:
-        if self.discarded is not None or self.ended_at is not None:  # (settled: updating
-            return self.inner.step(engine, optimizer, groups, params, transform)  # in
-        # backward, watching step())
+        if self.discarded is not None:  # (settled: updating in backward, watching step())
+            return self.inner.step(engine, optimizer, groups, params, transform)
         return self.shadow(optimizer, groups, transform)
 
     def zero_grad(self, engine: Any, set_to_none: bool,
@@ -440,10 +449,6 @@ class Verifier(Wrapper):
             self._end()
             raise VerifyError(VERIFY_ERROR.format(name=name, step=step, size="-",
                                                   cause=CAUSES["skipped"]))
-        if self.ended_at is not None:  # (settle: that forward came before this step())
-            self._end()
-            warn(VERIFY_STEP_AFTER_FORWARD.format(n=self.ended_at))
-            return self.inner.step_call(engine, closure)
         optimizer = engine._optimizer()
         _alone(engine)
         loss = None
@@ -484,12 +489,13 @@ class Verifier(Wrapper):
         each backward is its own training step. Apply this one as ``step()`` would,
         compare, and end verification (the loop updates in backward from now on).
 
-        The verifier stays, updating in backward, to see whether the loop calls
-        ``step()`` after all. At a ``zero_grad()`` (``discards``) torch drops those
-        gradients, so that ``zero_grad()`` discarded a backward (a skipped first batch)
-        that in-backward updating applied, and that ``step()`` raises. At a forward, that
-        forward came between a backward and its ``step()`` (another loss's): the steps
-        since were not verified, and that ``step()`` says so (a warning)."""
+        At a ``zero_grad()`` (``discards``) the verifier stays, updating in backward:
+        torch drops those gradients there, so a loop that calls ``step()`` later was not
+        one without ``step()`` - its ``zero_grad()`` discarded a backward (a skipped first
+        batch) that in-backward updating applied, and that ``step()`` raises. At a
+        forward, verification ends; a ``step()`` after it says that forward came between
+        a backward and its ``step()`` (another loss's), and that the steps since were not
+        verified (a warning, by a step pre-hook of the optimizer's that goes with it)."""
         engine = self.engine
         optimizer = engine._optimizer()
         if not engine.attachments:  # detached: nothing of it acts any more
@@ -507,9 +513,10 @@ class Verifier(Wrapper):
         warn(VERIFY_NO_STEP.format(where=where, n=self.done))
         if discards:
             self.discarded = (name, self.done)
+            self._unwatch()
         else:
-            self.ended_at = self.done
-        self._unwatch()
+            self._end()
+            _say_at_next_step(optimizer, self.done)
 
     def _watch_forwards(self) -> None:
         """A forward pre-hook on each attached model: a loop's next forward is where a
