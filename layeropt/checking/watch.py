@@ -269,7 +269,7 @@ def refuse_plain_hooks(ddp: torch.nn.Module) -> None:
     """Refuse a DDP model a parameter of which (one DDP reduces: trainable, not in
     ``_ddp_params_and_buffers_to_ignore``) carries a plain attachment's hook."""
     for name, p in ddp.module.named_parameters():
-        other = hooked_by(p) if id(p) in HOOKED else None
+        other = hooked_by(p)
         if other is not None and p.requires_grad and not getattr(p, "_ddp_ignored", False):
             raise AttachError(PLAIN_UNDER_DDP.format(name=name, other=other.describe(),
                                                      release=other.release))

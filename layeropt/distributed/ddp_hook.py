@@ -102,8 +102,7 @@ class _HookState:
         self.bucket_view = bool(ddp.gradient_as_bucket_view)
         self.fired: set[int] = set()
         self.begun: set[int] = set()  # ids of the engines this training step reached
-        self.refused: LayeroptError | None = None  # by an engine begun in a bucket's hook
-        self.flushing = False  # in flush(): an engine begun there refuses at once
+        self.refused: LayeroptError | None = None  # by an engine begun: raised at the flush
         if self.find_unused:  # (a hook reaches this state weakly: it holds the parameters)
             fired = partial(_fired, weakref.ref(self))
             for p in ddp.parameters():
@@ -156,8 +155,9 @@ class _HookState:
         backward that gives an optimizer nothing leaves its engine alone: its latest
         backward stays the one that reached it (the gradients ``zero_grad`` keeps as
         zeros; no refusal of a second backward for a loss that missed it). Its refusal
-        then waits for :meth:`flush`, where every process knows which ones were reached
-        (one raising in a bucket's hook would leave the others waiting in all-reduces)."""
+        then waits for :meth:`flush`, where every process knows which ones were reached,
+        before any bucket lands (one raising in a bucket's hook would leave the others
+        waiting in all-reduces)."""
         engine = opt._lo_engine
         if id(engine) in self.begun:
             return
@@ -165,8 +165,8 @@ class _HookState:
         try:
             engine.begin_averaged()
         except LayeroptError as e:
-            if not self.find_unused or self.flushing:
-                raise  # (every engine begun at once, or in the flush)
+            if not self.find_unused:
+                raise  # (every engine begun at once, at the first bucket)
             self.refused = self.refused or e
             return
         if engine.averaged_route() is None:  # held for step(): at its end, the zeros
@@ -229,20 +229,18 @@ class _HookState:
         deferred, self.deferred = self.deferred, []
         self.flush_task = _NONE
         used = self._used_anywhere([landing for landing, _ in deferred])
-        if self.refused is not None:  # (after the all-reduce every process joins)
-            refused, self.refused = self.refused, None
+        for landing, _ in deferred:
+            landing.reach(used)
+        if self.refused is not None:  # (after the all-reduce every process joins, before
+            refused, self.refused = self.refused, None  # any bucket lands)
             raise refused
         engines: dict[Any, None] = {}
         with _stepping(self):
-            self.flushing = True
-            try:
-                for landing, fut in deferred:
-                    fut.wait()  # re-raises a failed all-reduce
-                    for opt, params in landing.apply(used).items():
-                        opt._lo_engine.land_averaged(params, self.settings)
-                        engines[opt._lo_engine] = None
-            finally:
-                self.flushing = False
+            for landing, fut in deferred:
+                fut.wait()  # re-raises a failed all-reduce
+                for opt, params in landing.apply(used).items():
+                    opt._lo_engine.land_averaged(params, self.settings)
+                    engines[opt._lo_engine] = None
             for engine in engines:
                 engine.step_ready()
 
@@ -431,6 +429,14 @@ class _Landing:
         else:
             self.measures.append((mode, p, view))
 
+    def reach(self, used: set[int] | None) -> None:
+        """The flush (``find_unused_parameters``): begin the optimizers of the parameters
+        waiting here that some process used."""
+        for p, _, ref in self.pending:
+            opt = ref()
+            if opt is not None and used is not None and id(p) in used:
+                self.state.begin_engine(opt)
+
     def then(self, fut: Any) -> Tensor:
         """``.then()`` callback: the all-reduce has landed; step this bucket alone."""
         buffer = fut.value()[0]  # re-raises a failed all-reduce
@@ -448,14 +454,11 @@ class _Landing:
         Returns the parameters to step, by optimizer (their ``.grad`` are the
         bucket's averaged slices: no memory of their own).
         """
-        if self.pending:  # an optimizer some process used is reached (others: left alone)
-            begun, reached = self.state.begun, {id(r) for p, _, r in self.pending
-                                                 if used is None or id(p) in used}
-            for p, view, ref in self.pending:
-                opt = ref()
-                if opt is not None and (id(ref) in reached or id(opt._lo_engine) in begun):
-                    self._sort(p, view, self._mode(opt), ref)
-            self.pending = []
+        for p, view, ref in self.pending:  # of the optimizers reached (others: left alone)
+            opt = ref()
+            if opt is not None and id(opt._lo_engine) in self.state.begun:
+                self._sort(p, view, self._mode(opt), ref)
+        self.pending = []
         for p, view in self.write_back:
             if used is None or id(p) in used:
                 _write_back(p, view, None if used is None else self.state.bucket_view)
