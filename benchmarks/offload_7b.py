@@ -118,7 +118,11 @@ def build(config: LlamaConfig, device: torch.device, dtype: torch.dtype,
         torch.set_default_dtype(default)
     if initial is not None:
         model.load_state_dict(initial)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # (the older name is deprecated there)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model.train()
 
 

@@ -256,8 +256,9 @@ DEFER_WARNING = (
     "segment; to stay exact, layeropt holds every gradient of this backward and steps "
     "them all when it ends, so in-backward updates save no memory here. Use "
     "layeropt.checkpoint(fn, *args) or use_reentrant=False (Hugging Face: "
-    "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
-    "False})) to update layers during backward again."
+    "activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': "
+    "False}), in older releases gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+    "...)) to update layers during backward again."
 )
 
 NESTED_ERROR = (

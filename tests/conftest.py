@@ -2,7 +2,9 @@
 
 * Every test starts from the same global seed.
 * Tests use tiny tensors, for which one intra-op thread is fastest and keeps
-  the 2-core CI machine from oversubscribing.
+  the 2-core CI machine from oversubscribing; the processes tests start (the
+  examples, benchmarks, ranks, doc blocks) inherit ``OMP_NUM_THREADS=1`` unless
+  it is set.
 * Bucket schedules. ``layeropt.attach`` defaults to ``bucket_cap_mb=0`` in
   tests: every layer is stepped the moment its gradient completes, the
   strictest schedule, which finds ordering bugs (with the library default of
@@ -19,6 +21,7 @@
 
 import gc
 import logging
+import os
 
 import pytest
 import torch
@@ -26,6 +29,7 @@ import torch
 import layeropt
 
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 BOTH_SCHEDULES = {"test_exact", "test_rules", "test_memory_core", "test_accumulate",
                   "test_properties", "test_training_step", "test_checkpoint", "test_clip_amp", "test_loop",

@@ -42,11 +42,11 @@ from layeropt.errors import AttachError
 import test_properties
 import test_rules
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available())
     or "fork" not in mp.get_all_start_methods(),
     reason="needs torch.distributed with gloo and the fork start method",
-)
+), pytest.mark.xdist_group("two-ranks")]  # (the module's two-rank job runs once: one worker)
 
 if dist.is_available():
     import torch.distributed.checkpoint as dcp

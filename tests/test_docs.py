@@ -133,6 +133,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return json.loads(proc.stdout.rsplit("RESULTS", 1)[1])
 
 
+@pytest.mark.xdist_group("doc-blocks")  # (every block runs in the fixture: one worker)
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_doc_code_block_runs(results, name):
     if name in NEEDS and TORCH < tuple(int(v) for v in NEEDS[name].split(".")):

@@ -79,6 +79,7 @@ def _same(ranks: list[dict[str, Any]], case: str) -> list[tuple[dict, dict]]:
     return pairs
 
 
+@pytest.mark.xdist_group("ddp-tools-accelerate")  # (one launch per tool: one worker)
 @pytest.mark.parametrize("case", list(ACCELERATE))
 def test_accelerate_under_ddp_equals_torch_optim(runs, case):
     for ref, got in _same(runs("accelerate"), case):
@@ -92,6 +93,7 @@ def test_accelerate_under_ddp_equals_torch_optim(runs, case):
             assert not all(map(torch.equal, ref["params"], ref_plain["params"]))
 
 
+@pytest.mark.xdist_group("ddp-tools-hf")  # (one launch per tool: one worker)
 @pytest.mark.parametrize("case", [c for c in HF if not HF[c].get("callback")
                                   and not HF[c].get("refused")])
 def test_hf_trainer_under_ddp_equals_torch_optim(runs, case):
@@ -103,6 +105,7 @@ def test_hf_trainer_under_ddp_equals_torch_optim(runs, case):
             assert len(got["norms"]) == 3
 
 
+@pytest.mark.xdist_group("ddp-tools-hf")  # (one launch per tool: one worker)
 def test_hf_callback_under_ddp_is_refused(runs):
     for r in runs("hf"):
         outcome = r["callback-refused/layeropt"]
@@ -111,6 +114,7 @@ def test_hf_callback_under_ddp_is_refused(runs):
         assert "Use LayeroptTrainer" in outcome["error"]
 
 
+@pytest.mark.xdist_group("ddp-tools-hf")  # (one launch per tool: one worker)
 def test_hf_trainer_with_fsdp_is_refused(runs):
     """LayeroptTrainer under FSDP (``fsdp=True``, two processes): refused, naming the way
     out, before anything is stepped (README, docs/integrations.md)."""
@@ -120,6 +124,7 @@ def test_hf_trainer_with_fsdp_is_refused(runs):
         assert "not FSDP or DeepSpeed" in outcome["error"], outcome
 
 
+@pytest.mark.xdist_group("ddp-tools-lightning")  # (one launch per tool: one worker)
 @pytest.mark.parametrize("case", list(LIGHTNING))
 def test_lightning_under_ddp_equals_torch_optim(runs, case):
     _same(runs("lightning"), case)

@@ -12,6 +12,7 @@ plan models.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import gc
@@ -443,27 +444,45 @@ def test_factory_needs_inputs_and_loss():
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-# The command line's plans, each computed once per argument set in this process: the CLI
-# tests repeat the same plan (the short table, --all's, --json's) and check the CLI, not
-# the numbers, which the tests above compare with real runs; the planner is
-# deterministic (fake tensors). Tests that call plan() itself are not cached.
-_PLANS: dict[str, Any] = {}
+# The rows of a plan of a config file, each measured once per worker: the command line's
+# tests repeat the same rows (the short table, --all's, --json's, another GPU size, margin
+# or link) and check the command line, not the numbers, which the tests above compare
+# with real runs; the planner is deterministic (fake tensors), and a row's measurement
+# does not depend on the rows planned beside it. Plans of a model built by a factory are
+# not cached. The tests that plan the small config file run in one worker (its
+# xdist_group, pyproject's --dist loadgroup), so that they share these rows.
+_ROWS: dict[str, Any] = {}  # repr((shape, variant)): its Measurement
+_CONFIG_FILE = contextvars.ContextVar("_CONFIG_FILE", default=False)
+PLANS_TINY_CONFIG = pytest.mark.xdist_group("plan-tiny-config")
 
 
 @pytest.fixture(autouse=True)
-def _cli_plans_once(monkeypatch):
-    real = layeropt.plan.plan
+def _config_file_rows_once(monkeypatch):
+    real_plan, real_simulate = layeropt.plan.plan, layeropt.plan.simulate
 
-    def cached(model: Any, **kw: Any) -> Any:
-        if not isinstance(model, (str, pathlib.Path)):
-            return real(model, **kw)
-        key = repr((str(model), sorted((k, v) for k, v in kw.items()
-                                       if k not in ("progress", "jobs"))))
-        if key not in _PLANS:
-            _PLANS[key] = real(model, **kw)
-        return copy.deepcopy(_PLANS[key])
+    def planned(model: Any, **kw: Any) -> Any:
+        token = _CONFIG_FILE.set(isinstance(model, (str, pathlib.Path)))
+        try:
+            return real_plan(model, **kw)
+        finally:
+            _CONFIG_FILE.reset(token)
 
-    monkeypatch.setattr(layeropt.plan, "plan", cached)
+    def simulated(workload: Any, variants: list[Variant], **kw: Any) -> Any:
+        if not _CONFIG_FILE.get():
+            return real_simulate(workload, variants, **kw)
+        shape = (workload.name, workload.description, workload.seq, workload.batch,
+                 sorted((k, v) for k, v in kw.items() if k not in ("progress", "jobs")))
+        missing = [v for v in variants if repr((shape, v)) not in _ROWS]
+        if missing:
+            n_params, rows = real_simulate(workload, missing, **kw)
+            _ROWS.update((repr((shape, v)), r) for v, r in zip(missing, rows))
+            _ROWS[repr((shape, "parameters"))] = n_params
+        return (_ROWS[repr((shape, "parameters"))],
+                [copy.deepcopy(_ROWS[repr((shape, v))]) for v in variants])
+
+    monkeypatch.setattr(layeropt.plan, "plan", planned)
+    monkeypatch.setattr(layeropt.plan, "simulate", simulated)
+    monkeypatch.setitem(globals(), "plan", planned)
 
 
 @pytest.fixture(scope="module")
@@ -481,6 +500,7 @@ def _plan_json(capsys, *args):
     return json.loads(captured.out)
 
 
+@PLANS_TINY_CONFIG
 def test_cli_gpu_memory_gb_is_gib_and_units_may_stand_apart(tiny_config, capsys):
     base = [tiny_config, "--seq", SEQ, "--optimizer", "layeropt.AdamW"]
     assert main(["plan", *map(str, base), "--gpu-memory", "24", "GB", "--no-progress"]) == 0
@@ -738,6 +758,7 @@ def test_short_table_fits_120_columns_and_shows_what_to_weigh():
     assert "peak (MiB)" in head and [x[0].split()[0] for x in table] == ["512.0", "307.2"]
 
 
+@PLANS_TINY_CONFIG
 def test_cli_default_is_short_all_is_every_row_json_is_whole(tiny_config, capsys):
     """``layeropt plan``: the short table by default, every row with ``--all``, and
     ``--json`` as before - every planned row, the keys docs/plan.md lists."""
@@ -790,6 +811,7 @@ def test_plan_md_samples_are_the_short_table():
         assert "\nwhy: " in sample
 
 
+@PLANS_TINY_CONFIG
 def test_cli_seq_beyond_positions_names_the_override(tiny_config, capsys):
     args = ["plan", str(tiny_config), "--seq", "256", "--optimizer", "layeropt.AdamW",
             "--no-progress"]  # fmt: skip
@@ -819,6 +841,7 @@ def _from_json(out, gpu_memory=None, margin=Margin()):
     return Plan(out["model"], out["parameters"], rows, gpu_memory=gpu_memory, margin=margin)
 
 
+@PLANS_TINY_CONFIG
 def test_cli_recommendation_and_why_agree(tiny_config, capsys):
     """The recommendation follows the stated rule, and its why tells exactly its changes."""
     out = _plan_json(capsys, tiny_config, "--seq", SEQ)
@@ -1198,6 +1221,7 @@ def test_link_floor_is_the_tightest_of_its_three_rates(down, up, seconds):
     assert Link(50, 25, 60).seconds(down, up) == pytest.approx(seconds)
 
 
+@PLANS_TINY_CONFIG
 def test_link_h200_is_the_measured_link_and_the_default(tiny_config, capsys):
     """The floor column is ``Link.seconds`` of each row's bytes at the rates given
     (default: the H200's measured ones), and the notes say which rates."""

@@ -26,7 +26,6 @@ from layeropt.models import make_model
 from layeropt.offload.state import StateOffload
 from streamsim import MODES, Sim, SimEvent, SimStream, offload_in_mode, simulate
 
-CAPS = pytest.mark.parametrize("cap", [0.0, 1.0], ids=["cap0", "default-cap"])
 
 def _train(monkeypatch: Any, kw: dict[str, Any], cap: float, micro: int, clip: float | None,
            query: Any = lambda: False, steps: int = 3):
@@ -130,9 +129,15 @@ def test_reading_host_state_without_synchronize_races(monkeypatch):
 
 
 # -- every mode: ordered, and torch's numbers ----------------------------------------------
-@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
-@pytest.mark.parametrize("micro", [1, 3])
-@CAPS
+# each mode under every pair of (schedule, micro-batches, clipping) values: the four rows
+# of a pairwise covering array (the eight combinations, less the ones no pair needs;
+# test_generated_modes_are_ordered_and_exact draws any combination)
+PAIRWISE = [(0.0, 1, None), (0.0, 3, 0.05), (1.0, 1, 0.05), (1.0, 3, None)]
+
+
+@pytest.mark.parametrize("cap,micro,clip", PAIRWISE, ids=[
+    f"{'cap0' if cap == 0 else 'default-cap'}-{micro}-{'clip' if clip else 'no-clip'}"
+    for cap, micro, clip in PAIRWISE])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_every_mode_is_ordered_and_exact(monkeypatch, mode, cap, micro, clip):
     ref, ref_opt, ours, state, sim, handle = _train(monkeypatch, MODES[mode], cap, micro, clip)

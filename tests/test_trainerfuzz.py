@@ -10,18 +10,20 @@ many programs. A tool that is not installed skips its block.
 
 from __future__ import annotations
 
+import importlib.util
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from harness import SOAK
 from loopfuzz import assert_block
-from trainerfuzz import programs_on_ranks, run_block
+from trainerfuzz import draw_program, run_block, run_on_ranks
 
 # (mix, programs, packages): what each mix draws is in trainerfuzz.DRAWS; about 25 s on one
 # core (a program: Lightning ~0.04 s, accelerate ~0.35 s, Hugging Face ~0.5 s)
 BLOCKS = [
-    ("lightning", 150, ["lightning"]),  # LayeroptCallback
+    ("lightning", 100, ["lightning"]),  # LayeroptCallback
     ("accelerate", 12, ["accelerate"]),  # LayeroptAccelerator
     ("hf", 8, ["transformers", "accelerate"]),  # LayeroptTrainer, LayeroptCallback
 ]
@@ -37,21 +39,35 @@ def test_random_trainer_setups_equal_torch_or_are_refused(mix, n, packages):
     assert_block(outcomes, "trainerfuzz.py", mix, 1 / 2)
 
 
-# The same on two processes under torchrun (trainerfuzz.programs_on_ranks), 15-25 s a
-# block: a rank steps the DDP model each tool builds on the gradient averaged over both
-# ranks' batches, never its own. (Hugging Face: a third of its programs use the callback,
-# which refuses DDP - it cannot reach the model the Trainer wraps.)
-RANKED = [("lightning", 15, ["lightning"]), ("accelerate", 8, ["accelerate"]),
-          ("hf", 6, ["transformers", "accelerate"])]
+# The same on two processes under torchrun (trainerfuzz.run_on_ranks), every tool's
+# programs in one launch (its start, about 10 s, once): a rank steps the DDP model each
+# tool builds on the gradient averaged over both ranks' batches, never its own. (Hugging
+# Face: a third of its programs use the callback, which refuses DDP - it cannot reach the
+# model the Trainer wraps.)
+RANKED = [("lightning", 10, ["lightning"]), ("accelerate", 5, ["accelerate"]),
+          ("hf", 4, ["transformers", "accelerate"])]
+
+
+@pytest.fixture(scope="module")
+def on_two_processes() -> dict[str, list[dict[str, Any]]]:
+    """Each installed tool's programs (``RANKED``) on two processes, by mix."""
+    blocks = [(mix, n * SOAK) for mix, n, packages in RANKED
+              if all(importlib.util.find_spec(p) is not None for p in packages)]
+    outcomes = run_on_ranks([draw_program(seed, mix) for mix, n in blocks for seed in range(n)])
+    by_mix, at = {}, 0
+    for mix, n in blocks:
+        by_mix[mix], at = outcomes[at:at + n], at + n
+    return by_mix
 
 
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                     reason="needs torch.distributed with gloo")
+@pytest.mark.xdist_group("trainerfuzz-two-processes")  # (one launch: one worker)
 @pytest.mark.parametrize("mix,n,packages", RANKED, ids=[b[0] for b in RANKED])
-def test_random_trainer_setups_on_two_processes(mix, n, packages):
+def test_random_trainer_setups_on_two_processes(mix, n, packages, on_two_processes):
     for package in packages:
         pytest.importorskip(package)
-    outcomes = programs_on_ranks(mix, 0, n * SOAK)
+    outcomes = on_two_processes[mix]
     counts = assert_block(outcomes, "trainerfuzz.py --ranks 2", mix, 1 / 3)
     # what trained, trained on the DDP model the tool built (none where a resumed run had no
     # step left to take)
