@@ -369,6 +369,23 @@ def test_fits_follows_the_real_peaks():
     assert "with the fewest changes: layeropt.AdamW (fused) + checkpointing" in told
 
 
+def test_a_row_is_the_same_planned_alone_beside_others_or_in_forked_jobs():
+    """What ``jobs`` (the command line's default: one per core) and the command line's
+    tests below rest on: a row's measurement does not depend on the rows planned before
+    it on the same fake model, nor on the process that planned it."""
+    from layeropt.plan.execute import simulate as measure  # (not the tests' cached one)
+    from layeropt.plan.variants import default_variants
+    from layeropt.plan.workloads import hf_workload
+
+    workload = hf_workload(hf_config("llama"), seq=SEQ, batch=1, dtype=torch.bfloat16)
+    rows = default_variants(workload, ["torch.optim.AdamW", "layeropt.AdamW"])
+    assert len(rows) >= 6 and any(r.offload for r in rows) and any(r.checkpointing for r in rows)
+    n, together = measure(workload, rows, jobs=1)
+    assert measure(workload, rows, jobs=2) == (n, together)
+    for i in (len(rows) - 1, len(rows) // 2):  # rows that followed others, now alone
+        assert measure(workload, [rows[i]], jobs=1) == (n, [together[i]]), rows[i].label
+
+
 # -- command line ------------------------------------------------------------
 def test_cli_json_for_a_config_file(tmp_path, capsys):
     cfg = hf_config("llama")
