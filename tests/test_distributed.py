@@ -505,6 +505,24 @@ def _errors(rank: int) -> dict[str, str]:
             opt.zero_grad()  # (not opt_b's)
             F.mse_loss(ddp(x, (True, False)), y).backward()
 
+    def reached_on_one_rank():  # b used on rank 1 alone, its optimizer neither stepped nor
+        ddp = DDP(_Branchy(), process_group=group, find_unused_parameters=True)  # zeroed
+        b = list(ddp.module.b.parameters())  # since its last backward: every rank refuses,
+        opt_b = layeropt.Adam(b)  # at the flush (the used flags all-reduced), before any
+        opt = layeropt.Adam([p for p in ddp.parameters() if all(p is not q for q in b)])
+        with layeropt.attach(ddp, [opt, opt_b]):  # bucket lands
+            x, y = torch.randn(4, 8), torch.randn(4, 3)
+            for o in ([opt, opt_b], [opt]):  # (a loop calling step(): not step-less)
+                F.mse_loss(ddp(x, (True, True)), y).backward()
+                for each in o:
+                    each.step()
+                    each.zero_grad()
+            before = [p.detach().clone() for p in ddp.parameters()]
+            try:
+                F.mse_loss(ddp(x, (True, rank == 1)), y).backward()
+            finally:
+                assert all(torch.equal(a, p) for a, p in zip(before, ddp.parameters()))
+
     def another_hook_on_reattach():
         ddp = DDP(_model(), process_group=group)
         opt = layeropt.Adam(ddp.parameters())
@@ -527,6 +545,7 @@ def _errors(rank: int) -> dict[str, str]:
         stateful_hook_two_passes=stateful_hook_two_passes,
         stateful_hook_kept_gradients=stateful_hook_kept_gradients,
         stateful_hook_kept_unused=stateful_hook_kept_unused,
+        reached_on_one_rank=reached_on_one_rank,
         another_hook_on_reattach=another_hook_on_reattach,
         comm_hook_without_ddp=comm_hook_without_ddp,
         negative_cap=negative_cap,
@@ -1331,6 +1350,7 @@ ERRORS = {
     "global_clipping": ["ok"],  # layeropt.backward clips under DDP too
     "static_graph_unused": ["AttachError: a parameter DDP synchronises got no gradient",
                             "find_unused_parameters=True", "plain torch.optim"],
+    "reached_on_one_rank": ["torch would sum these gradients into one step", "no_step()"],
     "plain_unwrapped_allowed": ["ok"],
     "plain_unwrapped": [LOCAL, "allow_local_updates(model)"],
     "plain_on_module": [UNDER_DDP, "Nothing was run", "layeropt.attach(ddp_model, opt)"],
