@@ -373,6 +373,8 @@ class Engine(Rules):
     def add_attachment(self, attachment: Any) -> None:
         """``attachment`` steps some of this optimizer's parameters (kept alive here:
         the hooks reach it only weakly); called again when it re-hooks."""
+        if attachment not in self.attachments:
+            self.take_kept(list(attachment.owned))
         self.attachments[attachment] = None
         self._places = None
 

@@ -114,6 +114,23 @@ class Zeroing:
                 p.grad = torch.zeros_like(p)
             del kept[id(p)]
 
+    def take_kept(self, params: list[Tensor]) -> None:
+        """An attachment begins: the zero ``.grad`` of this optimizer's ``params`` (the
+        kept zeros an attachment's ``remove()`` gave back, or a ``zero_grad(
+        set_to_none=False)`` while none was attached) are kept zeros again, as after an
+        attached ``zero_grad(set_to_none=False)``: ``step()`` updates on them, a backward
+        that misses them leaves them to it (not a gradient set by hand, which
+        ``layeropt.backward`` clips and steps with the gradients it holds)."""
+        optimizer = self._optimizer()
+        if optimizer is None:
+            return
+        zeros = [p for p in params if type(p.grad) is Tensor and optimizer.owns(p)
+                 and not p.grad.any()]
+        if zeros:
+            self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, zeros, False)
+            for p in zeros:
+                p.grad = None
+
     def warn_unwatched(self) -> None:
         """The last attachment left between ``step()`` and ``zero_grad()`` in a loop whose
         latest ``zero_grad`` kept zeros: what torch then keeps depends on the module
