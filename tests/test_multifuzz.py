@@ -210,3 +210,24 @@ def test_programs_found_on_ddp(case):
         out = run_program({**_DDP, **setup, "ops": ops})
     assert out["status"] == status, out
     assert status != "refused" or "VerifyError" in out["error"], out
+
+
+# Found in a sweep on 2026-12-07 (seeds 541,000+, one process), differing from torch
+# without an error, not fixed yet: each a strict xfail, so that its fix shows here (then
+# move it to the blocks' exact programs). Shrink with
+# ``python tests/multifuzz.py --mix MIX --minimize SEED``.
+OPEN_SILENT = [
+    ("handover", 541156),  # torch's o2 holds state for two parameters layeropt's never stepped
+    ("offload", 541054),  # exp_avg / exp_avg_sq off by one rounding (3.7e-9) with offload
+]
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="a silent difference found 2026-12-07, not fixed yet")
+@pytest.mark.parametrize("mix,seed", OPEN_SILENT, ids=[f"{m}-{s}" for m, s in OPEN_SILENT])
+def test_open_silent_differences(mix, seed):
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = run_block(mix, seed, 1)[0]
+    assert out["status"] != "diff", out
