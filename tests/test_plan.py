@@ -345,8 +345,11 @@ def test_planning_leaves_garbage_collection_as_it_found_it(caller_froze):
         before = gc.get_freeze_count()
         with _older_objects_frozen():
             inside = gc.get_freeze_count()
-        assert gc.get_freeze_count() == before
-        assert (inside == before) if caller_froze else (before == 0 < inside)
+        after = gc.get_freeze_count()
+        if caller_froze:  # (frozen objects another thread frees - xdist's - leave the
+            assert 0 < after <= inside <= before  # count: it only falls; more frozen, or
+        else:  # none left, would be planning's doing)
+            assert before == after == 0 < inside
     finally:
         gc.collect()
         gc.freeze()
