@@ -124,8 +124,9 @@ class Zeroing:
         optimizer = self._optimizer()
         if optimizer is None:
             return
+        held, store = self.train_step.held, self.stepper.held  # (a held sum is no kept zero)
         zeros = [p for p in params if type(p.grad) is Tensor and optimizer.owns(p)
-                 and not p.grad.any()]
+                 and p not in held and p not in store and not p.grad.any()]
         if zeros:
             self.kept_grads = _between.kept_after_zero_grad(self.kept_grads, zeros, False)
             for p in zeros:
