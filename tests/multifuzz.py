@@ -106,6 +106,10 @@ WHY = {
     "unkept": "What cannot be detected: remove() before zero_grad() - a module's "
               "zero_grad(set_to_none=False) after it finds no gradient of that step to "
               "keep as zeros (torch's next step() updates on zeros)",
+    "deleted-unkept": "What cannot be detected: an optimizer deleted before zero_grad() in "
+                      "a loop whose latest zero_grad() set gradients to None - a later "
+                      "zero_grad(set_to_none=False) finds no gradient of its last step to "
+                      "keep as zeros (torch's next step() updates on zeros)",
     "deleted": "A model another optimizer trained: an open training step is refused at "
                "attach, or the earlier optimizer deleted to train on from the parameters "
                "as they are",
@@ -608,6 +612,9 @@ class Watch:
         self.stepped: set[str] = set()  # called step() (this optimizer, not one before it)
         self.pending: dict[str, None] = {}  # a backward gave it gradients since its step()
         self.grads: list[torch.Tensor | None] = []
+        # torch holds their gradient, layeropt freed it, and the optimizer that applied it
+        # was deleted in a loop whose latest zero_grad set gradients to None
+        self.left: set[int] = set()
 
     def _lo_ids(self, n: str) -> set[int]:
         return {id(p) for p in self.t.params(n)} if self.t.prog["layer"][n] else set()
@@ -633,9 +640,18 @@ class Watch:
         elif name == "mzg" and not a["stn"] and self.removed and any(
                 p.grad is not None and self._applied(q) for p, q in self.pairs):
             return "unkept"
+        elif name in ("zg", "mzg") and not a["stn"] and any(
+                id(p) in self.left and p.grad is not None
+                for p in (t.model.parameters() if name == "mzg" else t.params(a["o"]))):
+            return "deleted-unkept"
         elif name == "handover":
             self.removed = True
             n = a["o"]
+            if a["how"] == "del" and self.t.prog["layer"][n] and (
+                    self.lo.opts[n]._lo_engine.kept_grads is None):
+                mine = {id(p) for p in t.params(n)}
+                self.left |= {id(p) for p, q in self.pairs if id(p) in mine
+                              and p.grad is not None and self._applied(q)}
             if n in self.open and a["how"] == "del":
                 return "deleted"
             if n in self.updated and n not in self.stepped:
@@ -655,11 +671,13 @@ class Watch:
                     & self._lo_ids(n)
             elif name == "zg":
                 self.applied -= {id(p) for p in self.t.params(n)}
+                self.left -= {id(p) for p in self.t.params(n)}
             else:
                 self.stepped.discard(n)
                 self.updated.discard(n)
         elif name == "mzg":
             self.applied.clear()
+            self.left.clear()
             self.open.clear()
             self.pending.clear()
 
@@ -705,7 +723,8 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
 # between backward and step() - verified, it reads torch's; remove() inside a step; an
 # optimizer handed over or deleted open, whose verifier goes with it, and a gradient it
 # applied stepped again by the new one)
-VERIFY_BLIND = ("reads-updated", "unkept", "step-less", "deleted", "handed-over")
+VERIFY_BLIND = ("reads-updated", "unkept", "step-less", "deleted", "handed-over",
+                "deleted-unkept")
 # a step() after verification ended at a forward warns that the steps since were not
 # verified (docs/rules.md): a difference there is said, not found
 ENDED_AT_FORWARD = "step() after verification ended at a forward"

@@ -196,8 +196,8 @@ class Engine(Rules):
         self.stepper: Stepper = PLAIN  # how a step call updates (features wrap it)
         self.regrouped = False  # param_groups edited in place in this backward: hooks stale
         Rules.__init__(self)
-        # deleted without remove(): the kept zero gradients go back to .grad, as remove()'s
-        weakref.finalize(optimizer, self.give_back_kept).atexit = False
+        # deleted: what torch's .grad would hold of it goes back there (remove() and more)
+        weakref.finalize(optimizer, self.let_go).atexit = False
 
     def wrap(self, outer: Wrapper) -> None:
         """Install a feature: ``outer`` wraps the stepper (``layeropt/engine/stepper.py``)."""

@@ -94,18 +94,19 @@ class Zeroing:
         return (kept is not None and id(p) in kept and type(grad) is Tensor
                 and not grad.any())
 
-    def give_back_kept(self, owned: set[int] | None = None) -> None:
+    def give_back_kept(self, owned: set[int] | None = None, wait: bool = True) -> None:
         """Torch's ``.grad`` carries the kept zero gradients from here (``owned``'s: an
         attachment is removed; all: a ``zero_grad`` with none left): a zero ``.grad`` for
         each kept parameter that has none. Not yet for those the latest backward stepped
-        when no ``step()`` came after it: torch still holds their gradient, for that
-        ``step()`` (this optimizer's ``zero_grad`` gives them back). Once a ``step()``
-        came, the next ``zero_grad`` - any optimizer's, or the model's - finds zeros, as
-        it finds torch's gradients."""
+        when no ``step()`` came after it (``wait``): torch still holds their gradient,
+        for that ``step()`` (this optimizer's ``zero_grad`` gives them back). Once a
+        ``step()`` came, the next ``zero_grad`` - any optimizer's, or the model's - finds
+        zeros, as it finds torch's gradients."""
         kept = self.kept_grads
         if not kept:
             return
-        waiting = {id(p) for p in self._this_step()} if self.stepped_since_boundary else ()
+        waiting = ({id(p) for p in self._this_step()} if wait and self.stepped_since_boundary
+                   else ())
         held = self.stepper.held
         given = [p for i, p in kept.items() if i not in waiting
                  and (owned is None or i in owned) and p not in held]
@@ -113,6 +114,21 @@ class Zeroing:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             del kept[id(p)]
+
+    def let_go(self) -> None:
+        """The optimizer was deleted (its finalizer): no ``zero_grad`` of its own comes
+        any more, so ``.grad`` carries from here what torch's would hold at one. In a loop
+        that zeroes with ``set_to_none=False``, that is a zero for every kept parameter
+        and for each whose gradient torch still holds - the latest training step's,
+        applied and freed in backward: a new optimizer's ``zero_grad(set_to_none=False)``
+        (or a module's) leaves torch zeros there that its ``step()`` updates on
+        (multifuzz handover seed 541,156). A loop that has not zeroed that way is left
+        as it is: torch's next plain ``zero_grad()`` drops those gradients (docs/rules.md,
+        what cannot be detected)."""
+        if self.kept_grads is not None:
+            self.kept_grads = _between.kept_after_zero_grad(self.kept_grads,
+                                                            self._held_now([]), False)
+        self.give_back_kept(wait=False)
 
     def take_kept(self, params: list[Tensor]) -> None:
         """An attachment begins: the zero ``.grad`` of this optimizer's ``params`` (the
