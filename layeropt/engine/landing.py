@@ -375,7 +375,10 @@ class Engine(Rules):
         the hooks reach it only weakly); called again when it re-hooks."""
         if attachment not in self.attachments:
             self.take_kept(list(attachment.owned))
-        self.attachments[attachment] = None
+        store = self.stepper.held  # sums held in a store for layers frozen now: back in
+        if store:  # .grad, where autograd adds onto them once unfrozen, before any hook
+            store.up([p for p in attachment.owned if p in store and not p.requires_grad])
+        self.attachments[attachment] = None  # (multifuzz offload seed 541,054)
         self._places = None
 
     def remove_attachment(self, attachment: Any) -> None:
