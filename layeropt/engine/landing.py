@@ -378,7 +378,7 @@ class Engine(Rules):
         store = self.stepper.held  # sums held in a store for layers frozen now: back in
         if store:  # .grad, where autograd adds onto them once unfrozen, before any hook
             store.up([p for p in attachment.owned if p in store and not p.requires_grad])
-        self.attachments[attachment] = None  # (multifuzz offload seed 541,054)
+        self.attachments[attachment] = None  # (multifuzz seed 541,054: g1 + (g3 + g4))
         self._places = None
 
     def remove_attachment(self, attachment: Any) -> None:
