@@ -769,8 +769,10 @@ class NeverZeroed:
         (rules.md's "``step()`` twice on one backward's gradients": Adam moves on zeros).
         ``zeros-again`` where the gradients applied again unchanged are all zeros: verify
         takes those for gradients zeroed in place (``p.grad.zero_()``); ``held-onto``: a
-        backward in ``no_step()`` adds to them (verify finds it at the ``step()``; where a
-        ``zero_grad(set_to_none=False)`` comes first, layeropt keeps torch's zeros)."""
+        backward that holds - in ``no_step()``, or keeping its graph alone (``retain``) -
+        adds to them (verify finds it at the ``step()``, or not where ``remove()`` comes
+        first: verifyfuzz chaos seed 546,138; where a ``zero_grad(set_to_none=False)``
+        comes first, layeropt keeps torch's zeros)."""
         if name not in ("step", "fb", "clip"):
             return None
         stale = [(p.grad, self.applied[id(p)]) for p in self.side.model.parameters()
@@ -778,7 +780,8 @@ class NeverZeroed:
         if name != "step":
             if not any(bool(g.any()) for g, _ in stale):
                 return None
-            return "held-onto" if a is not None and a.get("ns") else "never-zeroed"
+            holds = a is not None and (a.get("ns") or a.get("mode") == "retain")
+            return "held-onto" if holds else "never-zeroed"
         same = [g for g, was in stale if g.shape == was.shape and torch.equal(g, was)]
         if not stale:
             return None
