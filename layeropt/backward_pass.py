@@ -21,6 +21,8 @@ bucket_max_norm=...)``) needs no extra pass.
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -322,8 +324,11 @@ class _Unhooked:
         # strays: trainable parameters of the layeropt optimizers left out (not attached,
         # with the default optimizer=None): a gradient of theirs would go unclipped
         ids = {id(o) for o in optimizers}
-        self.strays = [p for o in (live_optimizers() if strays else ()) if id(o) not in ids
-                       for g in o.param_groups for p in g["params"] if p.requires_grad]
+        left_out = [o for o in (live_optimizers() if strays else ()) if id(o) not in ids]
+        self.strays = [p for o in left_out for g in o.param_groups for p in g["params"]
+                       if p.requires_grad]
+        self._stray_owners = [weakref.ref(o) for o in left_out]
+        del left_out
         candidates = {id(p): p for p in parameters}
         for o in optimizers:
             for g in o.param_groups:
@@ -391,6 +396,11 @@ class _Unhooked:
         (its step() would apply their gradient unclipped and unscaled)."""
         reached = [p for p in self.strays if p.grad is not None and (
             self.before.get(p) is None or not torch.equal(self.before[p], p.grad))]
+        if reached:  # (an optimizer nothing references but a reference cycle - one
+            gc.collect()  # bitsandbytes' load_state_dict makes - is no left-out one:
+            alive = {id(p) for o in (r() for r in self._stray_owners) if o is not None
+                     for g in o.param_groups for p in g["params"]}  # collected, its
+            reached = [p for p in reached if id(p) in alive]  # parameters are leaves)
         if reached:
             raise LayeroptError(
                 f"layeropt.backward(max_norm=/scaler=) reached {len(reached)} parameter(s) "
