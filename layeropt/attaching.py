@@ -8,6 +8,7 @@ post-accumulate-grad hook per parameter. What the hook does is in
 
 from __future__ import annotations
 
+import gc
 import os
 import weakref
 from collections.abc import Callable, Iterable
@@ -50,6 +51,10 @@ def resolve_owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer
     if optimizer is None:
         params = list(model.parameters())
         optimizers = [o for o in live_optimizers() if any(o.owns(p) for p in params)]
+        if len(optimizers) > 1:  # (one nothing references but a reference cycle - as
+            optimizers.clear()  # bitsandbytes' load_state_dict leaves it - is no owner)
+            gc.collect()
+            optimizers = [o for o in live_optimizers() if any(o.owns(p) for p in params)]
         if not optimizers:
             raise AttachError(NO_OWNER_ERROR)
     else:
