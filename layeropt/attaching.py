@@ -8,7 +8,6 @@ post-accumulate-grad hook per parameter. What the hook does is in
 
 from __future__ import annotations
 
-import gc
 import os
 import weakref
 from collections.abc import Callable, Iterable
@@ -25,7 +24,7 @@ from .checking.watch import WATCHERS
 from .errors import (ATTACHED_TWICE, NO_OWNER_ERROR, NOT_LEAF_ERROR,
                      OWNED_TWICE_ERROR, SPARSE_MODULE_ERROR, AttachError, user_frame, warn)
 from .engine.landing import Bucket, Settings, drop_dead_hooks
-from .optim import (InBackwardOptimizer, check_groups, in_backward_spelling, live_optimizers,
+from .optim import (InBackwardOptimizer, check_groups, in_backward_spelling, owners_of,
                     optimizer_list)
 from .checking.verify import Verifier, verify_steps
 from .checking.verify import verify as start_verifying
@@ -49,12 +48,7 @@ def hand_over(kind: type, attach_wrapper: Callable[..., Any]) -> None:
 def resolve_owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer]:
     """The layeropt optimizers to attach ``model`` to (checked; see ``attach``)."""
     if optimizer is None:
-        params = list(model.parameters())
-        optimizers = [o for o in live_optimizers() if any(o.owns(p) for p in params)]
-        if len(optimizers) > 1:  # (one nothing references but a reference cycle - as
-            optimizers.clear()  # bitsandbytes' load_state_dict leaves it - is no owner)
-            gc.collect()
-            optimizers = [o for o in live_optimizers() if any(o.owns(p) for p in params)]
+        optimizers = owners_of(list(model.parameters()))
         if not optimizers:
             raise AttachError(NO_OWNER_ERROR)
     else:

@@ -13,6 +13,7 @@ counterpart: same constructor, same ``step``, same ``state_dict`` format.
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -510,3 +511,18 @@ def live_optimizers() -> list[InBackwardOptimizer]:
     """Every layeropt optimizer still alive, in the order they were made (used by
     ``attach(model)``)."""
     return [o for o in (e._optimizer() for e in list(ENGINES)) if o is not None]
+
+
+def owners_of(params: list[Tensor]) -> list[InBackwardOptimizer]:
+    """The live layeropt optimizers owning any of ``params`` (``attach(model)``, the
+    Hugging Face callback). Where there are several, garbage is collected first: one
+    that only a reference cycle keeps alive (bitsandbytes' ``load_state_dict`` leaves
+    one) was deleted by its user, and is no owner."""
+    def find() -> list[InBackwardOptimizer]:
+        return [o for o in live_optimizers() if any(o.owns(p) for p in params)]
+    owners = find()
+    if len(owners) > 1:
+        owners.clear()  # (no reference of ours keeps one alive)
+        gc.collect()
+        owners = find()
+    return owners

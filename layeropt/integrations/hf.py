@@ -70,7 +70,7 @@ from ..optim import (
     InBackwardOptimizer,
     in_backward,
     in_backward_spelling,
-    live_optimizers,
+    owners_of,
     unwrap_optimizer,
 )
 from . import attach_kwargs, offload_state_once, two_pass_compile
@@ -399,8 +399,7 @@ class LayeroptCallback(TrainerCallback):
     def _find(self, model: nn.Module, optimizer: Any) -> InBackwardOptimizer:
         opt = unwrap_optimizer(optimizer)
         if opt is None:  # the Trainer builds its own: look for a live layeropt one
-            params = list(model.parameters())
-            owners = [o for o in live_optimizers() if any(o.owns(p) for p in params)]
+            owners = owners_of(list(model.parameters()))
             opt = owners[0] if len(owners) == 1 else None
         if not isinstance(opt, InBackwardOptimizer):
             raise TrainerSetupError(
