@@ -327,8 +327,7 @@ class _Unhooked:
         left_out = [o for o in (live_optimizers() if strays else ()) if id(o) not in ids]
         self.strays = [p for o in left_out for g in o.param_groups for p in g["params"]
                        if p.requires_grad]
-        self._stray_owners = [weakref.ref(o) for o in left_out]
-        del left_out
+        self._stray_owners = [weakref.ref(o) for o in left_out]  # (weakly: see refuse_strays)
         candidates = {id(p): p for p in parameters}
         for o in optimizers:
             for g in o.param_groups:
