@@ -32,7 +32,7 @@ from torch import Tensor
 from .checking.verify import Verifier
 from .distributed import TwoPasses
 from .distributed.fsdp2 import sharded_of
-from .errors import TWO_PASSES_ERROR, LayeroptError
+from .errors import DONATED_BUFFERS_ERROR, TWO_PASSES_ERROR, LayeroptError
 from .engine.transforms import Transform, prepare_grads, reduce_grad
 from .optim import InBackwardOptimizer, live_optimizers, no_step_all, optimizer_list
 
@@ -232,7 +232,12 @@ def backward(
         reached: list[Any] = []
         try:
             with ddp.measure():
-                loss.backward(retain_graph=True)
+                try:
+                    loss.backward(retain_graph=True)
+                except RuntimeError as exc:  # torch.compile's one-pass backward
+                    if "donated buffers" not in str(exc):
+                        raise
+                    raise LayeroptError(DONATED_BUFFERS_ERROR.format(error=exc)) from exc
         finally:
             for e in engines + others:
                 if e.measure is not None and e.measure.seen:

@@ -110,6 +110,15 @@ TWO_PASSES_ERROR = (
     "which needs one pass."
 )
 
+DONATED_BUFFERS_ERROR = (
+    "layeropt.backward(loss, max_norm=... or scaler=...) runs backward twice over one "
+    "graph (a measure pass that keeps it, then the step pass), and torch.compile built this "
+    "graph's backward with AOTAutograd's donated buffers, which let it run only once "
+    "({error}). Nothing was updated. Compile and train inside `with "
+    "layeropt.two_pass_compile():` (the model compiles afresh in it; the numbers do not "
+    "change), or clip with attach(..., bucket_max_norm=...) per layer, which needs one pass."
+)
+
 FAULT_WARNING = (
     "a backward raised after layeropt had already updated {n} parameter(s) in it (the "
     "first: {name}): torch.optim would have applied none of this backward, so the model "

@@ -169,6 +169,33 @@ def test_compiled_model_no_step_accumulation():
         _accumulate_and_clip_through_compiled_model()
 
 
+def test_two_passes_over_a_one_pass_compiled_backward_are_refused_nothing_lost():
+    """Without ``two_pass_compile()``, ``layeropt.backward(max_norm=)``'s measure pass
+    meets torch's "compiled with non-empty donated buffers" (docs/faq.md): a layeropt
+    error that names the fix, nothing updated, the held micro-batch's gradient where
+    torch has it."""
+    from torch._functorch import config as functorch_config
+
+    if not getattr(functorch_config, "donated_buffer", False):
+        pytest.skip("this torch donates no buffers")
+    model, ref, lo_opt, _, batch_fn, loss_fn, _ = make_pair("mlp", "AdamW", dict(lr=1e-2))
+    c_ref = torch.compile(ref, backend="aot_eager")
+    c_lo = torch.compile(model, backend="aot_eager")
+    gen = torch.Generator().manual_seed(1)
+    first, last = batch_fn(gen), batch_fn(gen)
+    (loss_fn(c_ref, first) / 2).backward()  # torch.optim: the first micro-batch's .grad
+    with layeropt.attach(c_lo, lo_opt):
+        with lo_opt.no_step():
+            (loss_fn(c_lo, first) / 2).backward()
+        with pytest.raises(layeropt.LayeroptError, match=r"layeropt\.two_pass_compile\(\)"):
+            layeropt.backward(loss_fn(c_lo, last) / 2, max_norm=0.1)
+        assert lo_opt.stepped_in_backward == 0 and not lo_opt.state
+        for p, q in zip(ref.parameters(), model.parameters()):
+            assert_same(p.detach(), q.detach())
+            assert_same(p.grad, q.grad)
+        lo_opt.zero_grad()
+
+
 def _accumulate_and_clip_through_compiled_model():
     model, ref, lo_opt, ref_opt, batch_fn, loss_fn, _ = make_pair("mlp", "AdamW", dict(lr=1e-2))
     counter = CompileCounterWithBackend("aot_eager")
