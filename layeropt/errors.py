@@ -48,6 +48,15 @@ EARLY_DISCARD_ERROR = (
     "drops its gradients as torch does."
 )
 EARLY_DISCARD_APPLIED = "This step() itself was applied as torch's."
+EARLY_DISCARD_BACKWARD_ERROR = (
+    "this backward's update raised {error}, on optimizer state that an earlier attached "
+    "backward's update made before a zero_grad() discarded that backward's gradients. If "
+    "this loop calls step(), torch dropped those gradients (a batch skipped before the "
+    "first step, say) and never made that state, so the results differ from there on: "
+    "skip a batch before its backward, or run that backward inside `with opt.no_step():` "
+    "so that zero_grad() drops its gradients as torch does. (In a loop without step(), "
+    "where each backward is a step, this is torch's own error.)"
+)
 
 REMOVE_OPEN_WARNING = (
     "remove() inside a training step: an attached backward since the last step() or "

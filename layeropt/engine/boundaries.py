@@ -39,11 +39,13 @@ from ..errors import (
     AttachError,
     DISCARD_ERROR,
     EARLY_DISCARD_APPLIED,
+    EARLY_DISCARD_BACKWARD_ERROR,
     EARLY_DISCARD_ERROR,
     FAULT_ERROR,
     SAVE_OPEN_WARNING,
     SCALED_CLIP_ERROR,
     BackwardStateError,
+    LayeroptError,
     warn,
 )
 
@@ -306,6 +308,17 @@ class StepRules(Zeroing):
         self.calls.discard(_EARLY_DISCARD)
         self.calls.add(_STEP_TRIED)
         return early
+
+    def refuse_after_early_discard(self, error: BaseException) -> None:
+        """A backward's update raised ``error`` (torch's RMSprop finding no momentum buffer
+        in state an earlier backward's update made, a scheduler having set momentum since)
+        after a ``zero_grad()`` discarded the gradients of an attached backward, before the
+        loop's first ``step()``: the discard, not what it tripped on (as
+        :func:`_refused_first` says at that ``step()``)."""
+        if (_EARLY_DISCARD in self.calls and "step()" not in self.calls
+                and isinstance(error, Exception) and not isinstance(error, LayeroptError)):
+            raise BackwardStateError(EARLY_DISCARD_BACKWARD_ERROR.format(
+                error=f"{type(error).__name__}: {error}")) from error
 
     def saving(self) -> None:
         """``optimizer.state_dict()`` (a checkpoint, say) inside a training step of a loop

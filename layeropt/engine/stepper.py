@@ -126,11 +126,12 @@ class Stepper:
             else:
                 optimizer._lo_stepper(optimizer, params, engine.txn)
             optimizer._opt_called = True  # an LR scheduler sees that a step happened
-        except BaseException:
+        except BaseException as e:
             held = engine.train_step.held
             for p in params:  # refused or failed: drop these gradients, as an abort would
                 if p not in held:
                     p.grad = None
+            engine.refuse_after_early_discard(e)
             raise
         for p in params:
             p.grad = None
