@@ -951,8 +951,11 @@ def run_program(prog: dict[str, Any], side: type[Side] = Side, classify: bool = 
                     or _unkept_after_remove(t, lo, name, a) and "remove-unkept"
                     or _unwatched_dropped(t, lo, name, a) and "remove-dropped"
                     or _saved_ahead(lo, name) and "saved-ahead")
-                if why:
-                    return {**out, "status": "undetectable", "at": i, "why": why}
+                if why:  # (what ran before it, between steps, is compared)
+                    found = [] if pending else _differences(t, lo)
+                    return ({**out, "status": "diff", "at": i, "before": why,
+                             "differences": found[:6]} if found else
+                            {**out, "status": "undetectable", "at": i, "why": why})
                 ended = play_both(t, lo, name, a, lambda: t.do("step", {}))
                 if ended is not None:
                     return {**out, **ended, "at": i, "op": name}
