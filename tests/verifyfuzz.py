@@ -79,6 +79,8 @@ def run_program(prog: dict[str, Any]) -> dict[str, Any]:
     """The outcome (module docstring); ``plain``: layeropt's alone, run on past the
     undetectable cases; ``why``: the first undetectable case it reached, if one."""
     first = loopfuzz.run_program(prog)
+    if first["status"] == "diff":  # (layeropt alone, before the undetectable case it reached)
+        return first
     why = first.get("why")
     if why in ("never-zeroed", "zeros-again", "held-onto") and (
             _detached(prog, first["at"]) or _unzeroed_while_detached(prog)):
