@@ -291,6 +291,48 @@ def test_kept_zero_gradients_are_clipped_with_the_others(loss_scale, subset):
     torch.testing.assert_close(opt.state_dict()["state"], ref_opt.state_dict()["state"], **same)
 
 
+@pytest.mark.parametrize("micro", [2, 3])
+@pytest.mark.parametrize("kind, kw", [("SGD", dict(lr=0.1, momentum=0.9)),
+                                      ("RMSprop", dict(lr=0.01, centered=True))],
+                         ids=["SGD", "RMSprop"])
+def test_kept_zeros_no_clipped_backward_reaches_are_stepped_once(kind, kw, micro):
+    """``a``'s kept zeros (``zero_grad(set_to_none=False)``) and backwards that reach only
+    ``b``, another optimizer's, each clipped (``layeropt.backward(max_norm=)``, torch's
+    clip_grad_norm_ after each backward): torch steps ``a`` once, at ``step()``, on
+    clipped zeros. The second backward took the first one's clipped zeros for gradients
+    held in ``.grad`` and stepped them, and ``step()`` stepped them again (multifuzz
+    multi / handover seed 571,312: RMSprop's ``step`` one ahead, silently)."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 3), "b": torch.nn.Linear(4, 2)})
+    ref = copy.deepcopy(model)
+    opts = {}
+    for m, lib in ((ref, torch.optim), (model, layeropt)):
+        opts[id(m)] = (getattr(lib, kind)(m["a"].parameters(), **kw),
+                       torch.optim.SGD(m["b"].parameters(), lr=0.1))
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(5, 4, generator=gen) for _ in range(micro + 1)]
+    with layeropt.attach(model, opts[id(model)][0]):
+        for m in (ref, model):
+            opt_a, opt_b = opts[id(m)]
+            (m["a"](xs[0]).sum() + m["b"](xs[0]).square().sum()).backward()
+            opt_a.step()
+            opt_b.step()
+            opt_a.zero_grad(set_to_none=False)
+            opt_b.zero_grad()
+            for x in xs[1:]:  # ("a" not reached: its kept zeros)
+                loss = m["b"](x).square().sum()
+                if m is ref:
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)
+                else:
+                    layeropt.backward(loss, max_norm=0.01)
+            opt_a.step()
+            opt_b.step()
+    assert_models_equal(model, ref)
+    for ours, torchs in zip(opts[id(model)], opts[id(ref)]):
+        assert_same(ours.state_dict()["state"], torchs.state_dict()["state"])
+
+
 @pytest.mark.parametrize("seed", [12, 25, 32])
 def test_held_scaled_backward_shows_the_kept_zeros_to_the_loops_clip(seed):
     """torch's own recipe on an attached optimizer (``scaler.scale(loss).backward();
