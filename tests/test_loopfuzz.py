@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness import FSDP2_ON_CPU, SOAK
-from loopfuzz import (assert_block, assert_wrapped_block, batch_seed, draw_program,
+from loopfuzz import (_diff, assert_block, assert_wrapped_block, batch_seed, draw_program,
                       installed_third_party, on_ranks, programs_on_ranks, run_block,
                       run_program)
 
@@ -132,3 +132,22 @@ def test_programs_found_on_ddp_and_fsdp2_are_exact(case):
         warnings.simplefilter("ignore")
         out = run_program(prog)
     assert out["status"] == "exact", out
+
+
+_NAN, _INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("a, b, same", [
+    ([1.0, _NAN], [1.0, _NAN], True),  # (a run that diverged the same way on both sides)
+    ([1.0, _NAN], [_NAN, 1.0], False),
+    ([1.0, _NAN], [2.0, _NAN], False),
+    ([_INF, _NAN], [_INF, _NAN], True),
+    ([_INF, 0.0], [-_INF, 0.0], False),
+    ([0.0, _NAN], [0.0, 0.0], False),
+])
+def test_the_comparison_takes_nans_where_the_other_has_them_for_equal(a, b, same):
+    """The fuzzers' comparison (``loopfuzz._diff``): torch.equal calls NaN unequal to
+    itself, so two runs that diverged to NaN the same way were a "diff" (trainerfuzz
+    lightning seed 582,528)."""
+    found = _diff({"p": torch.tensor(a)}, {"p": torch.tensor(b)})
+    assert (found == []) == same, found
