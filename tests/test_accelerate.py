@@ -478,7 +478,7 @@ def _by_hand(lo: bool, backwards: int, window: int | None, clip: str | None, giv
     ``backwards`` micro-batches, ``opt.step()`` and ``zero_grad()`` after every ``window``
     of them (``None``: never, as when an epoch ends before its first window does),
     clipping by norm and value before each step (``window``) or after every backward
-    (``every``); ``held``: layeropt's loop runs all but a window's last backward inside
+    (``every``; ``every-value``: by value alone); ``held``: layeropt's loop runs all but a window's last backward inside
     ``opt.no_step()``. The model, and what raised at which micro-batch."""
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -494,8 +494,9 @@ def _by_hand(lo: bool, backwards: int, window: int | None, clip: str | None, giv
         try:
             with unwrap(opt).no_step() if lo and held and not ends else contextlib.nullcontext():
                 acc.backward(torch.nn.functional.mse_loss(prepared(x), y) / 4)
-            if clip == "every" or (clip == "window" and ends):
-                acc.clip_grad_norm_(prepared.parameters(), 0.3)
+            if clip in ("every", "every-value") or (clip == "window" and ends):
+                if clip != "every-value":
+                    acc.clip_grad_norm_(prepared.parameters(), 0.3)
                 acc.clip_grad_value_(prepared.parameters(), 0.02)
             if ends:
                 opt.step()
@@ -532,9 +533,16 @@ BY_HAND = {
     (8, 4, "window", "learned", True): None,
     (8, 4, "window", "given", True): None,
     (8, 4, None, "offload", True): None,
+    # ... and clipped after every backward: the held ones' partial sums clipped for real,
+    # as torch's (trainerfuzz accelerate seed 581,367: with clipping given, taken for the
+    # step's own clip, done in backward - silently different; learned: refused)
+    (8, 4, "every", "learned", True): None,
+    (8, 4, "every", "given", True): None,
+    (8, 4, "every-value", "given-value", True): None,
 }
 _BY_HAND_GIVEN = {"learned": {}, "offload": dict(offload_state=True),
-                  "given": dict(max_grad_norm=0.3, clip_value=0.02)}
+                  "given": dict(max_grad_norm=0.3, clip_value=0.02),
+                  "given-value": dict(clip_value=0.02)}
 
 
 @pytest.mark.parametrize("backwards,window,clip,given,held", list(BY_HAND),

@@ -343,7 +343,7 @@ class LayeroptAccelerator(Accelerator):
         if not opts or not any(o.attached for o in opts):
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         parameters = list(parameters)
-        if not self.sync_gradients:  # a micro-batch's partial sum, held in .grad: torch's
+        if not self.sync_gradients or self._holding(opts):  # a micro-batch's partial sum,
             return self._clip_held(super().clip_grad_norm_, parameters, max_norm, norm_type)
         key = (float(max_norm), float(norm_type))
         self._check_order("clip_grad_norm_")
@@ -366,6 +366,14 @@ class LayeroptAccelerator(Accelerator):
         self._check_clipped_parameters(parameters, opts)
         self._lo_unasked.discard("clip_grad_norm_")
         return opts[0].last_grad_norm
+
+    def _holding(self, opts: list[Any]) -> bool:
+        """Whether a backward of this step held its gradients for a later one (inside
+        ``no_step()``: accumulation by hand, ``gradient_accumulation_steps=1``), outside the
+        learning step: a partial sum in ``.grad``, which torch's clip clips (trainerfuzz
+        accelerate seed 581,367: taken for the step's own, clipped in backward, silently)."""
+        return not self._learning_now() and any(o.attached and o._lo_engine.holds_gradients
+                                                for o in opts)
 
     def _clip_held(self, clip: Any, *args: Any) -> Any:
         """Clip on a micro-batch that does not sync: the held partial sum, for real (it is
@@ -409,7 +417,7 @@ class LayeroptAccelerator(Accelerator):
         if not opts or not any(o.attached for o in opts):
             return super().clip_grad_value_(parameters, clip_value)
         parameters = list(parameters)
-        if not self.sync_gradients:  # a micro-batch's partial sum, held in .grad: torch's
+        if not self.sync_gradients or self._holding(opts):  # a micro-batch's partial sum,
             return self._clip_held(super().clip_grad_value_, parameters, clip_value)
         self._check_order("clip_grad_value_")
         learning = self._learning_now() and self._lo_value is _UNSET
