@@ -291,7 +291,7 @@ def backward(
             for o in optimizers:  # torch's clip scales them (0 * a NaN coefficient: NaN)
                 for p in () if o._lo_engine in skipped else o._lo_engine.unused_kept(o):
                     if clipped is None or id(p) in clipped:  # (only those it is given)
-                        p.grad = torch.zeros_like(p).mul_(coef.to(p.device, p.dtype))
+                        _clip_kept_zeros(o._lo_engine.train_step.clipped_zeros, p, coef)
         for e, before in verifying.items():  # LAYEROPT_VERIFY: the real side, torch's recipe
             o = e._optimizer()
             if any(o is f for f in fused):  # (scaler.step's kernel divides by the scale)
@@ -307,6 +307,16 @@ def backward(
     for o in optimizers:
         o.last_grad_norm = total
     return total
+
+
+def _clip_kept_zeros(written: dict[int, Tensor], p: Tensor, coef: Tensor) -> None:
+    """``p``'s kept zero gradient scaled as torch's clip scales it, in ``.grad`` for
+    ``step()``; the zeros an earlier clip of this step wrote (``written``) are scaled
+    again, as torch's clips compound (0 * a NaN coefficient: NaN, which stays)."""
+    zeros = p.grad
+    if zeros is None or written.get(id(p)) is not zeros:
+        zeros = torch.zeros_like(p)
+    p.grad = written[id(p)] = zeros.mul_(coef.to(p.device, p.dtype))
 
 
 class _Unhooked:

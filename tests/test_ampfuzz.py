@@ -86,6 +86,20 @@ FOUND = {
              "norm_type": 2.0, "inject": None, "autocast": None, "stn": True, "n": 3,
              "m": 1, "reduction": "mean", "scaler": False, "form": "with",
              "early_branch": True, "inj_at": 0}]}),
+    # a GradScaler step (its gradients in .grad), zero_grad(set_to_none=False), then a
+    # LoopAccumulator clipping an inf's NaN norm: the kept zeros of the branch it does not
+    # reach are NaN in torch's step. A first fix of multifuzz seed 571,312 (kept zeros
+    # stepped twice) left these to step() unclipped (caught by this fuzzer, seed 581,528)
+    "kept zeros in .grad clipped by a loop's non-finite norm": (581528, "all", {
+        "opt": "AdamW", "okw": {"lr": 0.1, "amsgrad": False, "weight_decay": 0.1},
+        "akw": {}, "dtype": "fp32", "init_scale": 65536.0, "growth_interval": 1,
+        "iters": [
+            {"body": "amp", "seed": 929392, "branch": True, "max_norm": None,
+             "norm_type": 2.0, "inject": None, "autocast": None, "stn": False},
+            {"body": "loop", "seed": 583833, "branch": False, "max_norm": 0.01,
+             "norm_type": 2.0, "inject": "xinf", "autocast": None, "stn": True, "n": 1,
+             "m": 2, "reduction": "mean", "scaler": False, "form": "step",
+             "early_branch": False, "inj_at": 0}]}),
 }
 
 

@@ -100,10 +100,13 @@ class StepRecord:
             ``zero_grad(set_to_none=False)`` keeps them as zeros.
         faulted: a backward of it raised after updating parameters: how many and the
             first one's name (:meth:`StepRules.check_boundary` refuses the step's end).
+        clipped_zeros: the kept zeros ``layeropt.backward`` clipped into ``.grad`` (by
+            ``id`` of the parameter), which ``step()`` updates on: not gradients a later
+            clipped backward of the step holds and steps.
     """
 
     __slots__ = ("stepped_backwards", "held_backwards", "held_after_step", "held", "hyper",
-                 "hyper_txn", "skipped", "scaler_skipped", "faulted")
+                 "hyper_txn", "skipped", "scaler_skipped", "faulted", "clipped_zeros")
 
     def __init__(self) -> None:
         self.stepped_backwards = self.held_backwards = 0
@@ -114,6 +117,7 @@ class StepRecord:
         self.faulted: tuple[int, str] | None = None
         self.hyper: list[dict[str, Any]] | None = None
         self.hyper_txn = -1
+        self.clipped_zeros: dict[int, Tensor] = {}
 
 
 class StepRules(Zeroing):

@@ -228,9 +228,10 @@ class Rules(StepRules):
         for attachment in list(self.attachments):  # a gradient already in .grad (set by
             if getattr(attachment, "averaged", False):  # hand, or from before the layer
                 continue  # was hooked) is summed and clipped as a held one (DDP's: its own)
-            for p in attachment.owned:  # (not the zeros torch keeps: step() steps them)
+            clipped = self.train_step.clipped_zeros  # (not the kept zeros: step()'s)
+            for p in attachment.owned:
                 if (p.grad is not None and p not in held and optimizer.owns(p)
-                        and not self.kept_zeros(p)):
+                        and clipped.get(id(p)) is not p.grad):
                     held[p] = None
         # torch's reentrant segments deliver a gradient in several pieces, which torch
         # adds to the accumulated one in turn ((held + a) + b): measured in place then,
