@@ -120,6 +120,14 @@ FOUND = {
         [("apg", {"lr": 0.1}), ("remove", {}), _fb(401939, extra=True), ("attach", {}),
          ("step", {}), ("zg", {"who": "model", "stn": False}), ("remove", {}),
          _fb(116196, ns=True)]),
+    # ... of a layer frozen since and rebuilt without it (a param group added): remove()
+    # gave back the kept zeros of the parameters it hooks now only (loopfuzz all on DDP,
+    # seed 583,695; verifyfuzz called it verify-silent)
+    "ddp: kept zeros of a layer frozen since, then remove()": _program(
+        583695, "all", "ddp", {"opt": "Adam", "okw": {"lr": 0.01, "amsgrad": True}},
+        [_clip(753564, 1e9), ("step", {}), ("freeze", {"layer": "l1", "flag": False}),
+         ("zg", {"who": "model", "stn": False}), ("apg", {"lr": 0.1}), ("remove", {}),
+         _fb(353456, ns=True)]),
 }
 
 

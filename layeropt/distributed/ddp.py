@@ -74,6 +74,9 @@ class DDPAttachment(Attachment):
                 "from ddp_model.parameters() before attaching."
             )
         self.params = self._owned = list(owner)  # (owned: kept by _release, for remove())
+        # (and those frozen now, whose kept zeros remove() gives back all the same)
+        self.covered = [p for p in ddp.parameters() if id(p) in managed
+                        and any(o.owns(p) for o in self.optimizers)]
         self.named = [(n, p) for n, p in ddp.named_parameters() if p in owner]
         for opt in self.optimizers:
             opt._lo_engine.add_attachment(self)  # opt.attached; add_param_group -> _rebuild

@@ -385,7 +385,8 @@ class Engine(Rules):
         store = self.stepper.held  # sums held in a store, not in .grad: back in .grad, where
         if store:  # torch's are, and the backwards from here add to them as autograd does
             store.up([p for p in attachment.owned if p in store])
-        self.give_back_kept({id(p) for p in attachment.owned})
+        covered = getattr(attachment, "covered", None)  # (its layers frozen now too)
+        self.give_back_kept({id(p) for p in (attachment.owned if covered is None else covered)})
         self.attachments.pop(attachment, None)
         self._places = None
         if not self.attachments:
