@@ -232,12 +232,7 @@ def backward(
         reached: list[Any] = []
         try:
             with ddp.measure():
-                try:
-                    loss.backward(retain_graph=True)
-                except RuntimeError as exc:  # torch.compile's one-pass backward
-                    if "donated buffers" not in str(exc):
-                        raise
-                    raise LayeroptError(DONATED_BUFFERS_ERROR.format(error=exc)) from exc
+                loss.backward(retain_graph=True)
         finally:
             for e in engines + others:
                 if e.measure is not None and e.measure.seen:
@@ -248,8 +243,10 @@ def backward(
         unhooked.refuse_strays()
         if scaler is not None:
             _refuse_unscaled([e for e in reached if any(e is o for o in others)])
-    except BaseException:
+    except BaseException as exc:
         undo_pass_1()
+        if isinstance(exc, RuntimeError) and "donated buffers" in str(exc):  # torch.compile's
+            raise LayeroptError(DONATED_BUFFERS_ERROR.format(error=exc)) from exc  # 1 pass
         raise
 
     total = None
@@ -287,11 +284,9 @@ def backward(
                     raise
                 raise LayeroptError(TWO_PASSES_ERROR.format(error=exc)) from exc
         unhooked.prepare(transform)
-        if coef is not None:  # kept zeros (set_to_none=False) step() updates: clipped as
-            for o in optimizers:  # torch's clip scales them (0 * a NaN coefficient: NaN)
-                for p in () if o._lo_engine in skipped else o._lo_engine.unused_kept(o):
-                    if clipped is None or id(p) in clipped:  # (only those it is given)
-                        _clip_kept_zeros(o._lo_engine.train_step.clipped_zeros, p, coef)
+        for o in optimizers if coef is not None else ():  # kept zeros step() updates
+            if o._lo_engine not in skipped:
+                o._lo_engine.clip_kept(o, coef, clipped)
         for e, before in verifying.items():  # LAYEROPT_VERIFY: the real side, torch's recipe
             o = e._optimizer()
             if any(o is f for f in fused):  # (scaler.step's kernel divides by the scale)
@@ -307,16 +302,6 @@ def backward(
     for o in optimizers:
         o.last_grad_norm = total
     return total
-
-
-def _clip_kept_zeros(written: dict[int, Tensor], p: Tensor, coef: Tensor) -> None:
-    """``p``'s kept zero gradient scaled as torch's clip scales it, in ``.grad`` for
-    ``step()``; the zeros an earlier clip of this step wrote (``written``) are scaled
-    again, as torch's clips compound (0 * a NaN coefficient: NaN, which stays)."""
-    zeros = p.grad
-    if zeros is None or written.get(id(p)) is not zeros:
-        zeros = torch.zeros_like(p)
-    p.grad = written[id(p)] = zeros.mul_(coef.to(p.device, p.dtype))
 
 
 class _Unhooked:

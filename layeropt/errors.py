@@ -48,15 +48,6 @@ EARLY_DISCARD_ERROR = (
     "drops its gradients as torch does."
 )
 EARLY_DISCARD_APPLIED = "This step() itself was applied as torch's."
-EARLY_DISCARD_BACKWARD_ERROR = (
-    "this backward's update raised {error}, on optimizer state that an earlier attached "
-    "backward's update made before a zero_grad() discarded that backward's gradients. If "
-    "this loop calls step(), torch dropped those gradients (a batch skipped before the "
-    "first step, say) and never made that state, so the results differ from there on: "
-    "skip a batch before its backward, or run that backward inside `with opt.no_step():` "
-    "so that zero_grad() drops its gradients as torch does. (In a loop without step(), "
-    "where each backward is a step, this is torch's own error.)"
-)
 
 REMOVE_OPEN_WARNING = (
     "remove() inside a training step: an attached backward since the last step() or "
@@ -111,21 +102,17 @@ AUTOCAST_STEP_ERROR = (
 )
 
 TWO_PASSES_ERROR = (
-    "layeropt.backward(loss, max_norm=... or scaler=...) runs backward twice over one "
-    "graph (a measure pass that keeps it, then the step pass), and an op in this graph "
-    "lets its backward run only once ({error}). Use ops whose backward can run twice: for "
-    "layeropt.losses.linear_cross_entropy, impl='chunked' (the default takes torch's own "
-    "op where there is one); or clip with attach(..., bucket_max_norm=...) per layer, "
-    "which needs one pass."
+    "layeropt.backward(loss, max_norm=... or scaler=...) runs backward twice over one graph (a "
+    "measure pass that keeps it, then the step pass), and an op in this graph lets its backward "
+    "run only once ({error}). Use ops whose backward can run twice: for "
+    "layeropt.losses.linear_cross_entropy, impl='chunked' (the default takes torch's own op where "
+    "there is one); or clip with attach(..., bucket_max_norm=...) per layer, which needs one pass."
 )
 
 DONATED_BUFFERS_ERROR = (
-    "layeropt.backward(loss, max_norm=... or scaler=...) runs backward twice over one "
-    "graph (a measure pass that keeps it, then the step pass), and torch.compile built this "
-    "graph's backward with AOTAutograd's donated buffers, which let it run only once "
-    "({error}). Nothing was updated. Compile and train inside `with "
-    "layeropt.two_pass_compile():` (the model compiles afresh in it; the numbers do not "
-    "change), or clip with attach(..., bucket_max_norm=...) per layer, which needs one pass."
+    "layeropt.backward(max_norm=/scaler=) runs backward twice over one graph; torch.compile "
+    "built this one with AOTAutograd's donated buffers, which let it run once ({error}). "
+    "Nothing was updated: compile and train inside `with layeropt.two_pass_compile():`."
 )
 
 FAULT_WARNING = (

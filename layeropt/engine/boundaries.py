@@ -39,7 +39,6 @@ from ..errors import (
     AttachError,
     DISCARD_ERROR,
     EARLY_DISCARD_APPLIED,
-    EARLY_DISCARD_BACKWARD_ERROR,
     EARLY_DISCARD_ERROR,
     FAULT_ERROR,
     SAVE_OPEN_WARNING,
@@ -54,6 +53,15 @@ __all__ = ["StepRecord", "StepRules", "Group", "take_over", "refuse_open_updates
 # in ``calls``: a zero_grad() discarded applied gradients before the loop's first step()
 _EARLY_DISCARD = "discarded before the first step()"
 _STEP_TRIED = "step() called"  # (its first may be refused: a loop that calls step())
+EARLY_DISCARD_BACKWARD_ERROR = (
+    "this backward's update raised {error}, on optimizer state that an earlier attached "
+    "backward's update made before a zero_grad() discarded that backward's gradients. If "
+    "this loop calls step(), torch dropped those gradients (a batch skipped before the "
+    "first step, say) and never made that state, so the results differ from there on: "
+    "skip a batch before its backward, or run that backward inside `with opt.no_step():` "
+    "so that zero_grad() drops its gradients as torch does. (In a loop without step(), "
+    "where each backward is a step, this is torch's own error.)"
+)
 _STEP_EXPECTED = "step() expected"  # (expect_step(): the loop is known to call step())
 REMOVE_WARNED = "remove() warned"  # (REMOVE_OPEN_WARNING, said once per optimizer)
 SAVE_WARNED = "state_dict() warned"  # (a checkpoint ahead of torch's, said once)

@@ -85,6 +85,20 @@ class Zeroing:
                 self.kept_grads = {i: p for i, p in self.kept_grads.items()  # unwatched
                                    if p.grad is None}  # while detached, may drop)
 
+    def clip_kept(self, optimizer: Any, coef: Tensor, clipped: set[int] | None) -> None:
+        """``layeropt.backward``'s clip of the kept zeros ``step()`` updates on (those of
+        ``clipped``, by ``id``; ``None``: all): scaled as torch's clip scales them (0 * a
+        NaN coefficient: NaN), in ``.grad`` for ``step()``. Zeros an earlier clip of this
+        step wrote are scaled again, as torch's clips compound, and stay ``step()``'s
+        (``StepRecord.clipped_zeros``: not a gradient a later clipped backward holds)."""
+        written = self.train_step.clipped_zeros
+        for p in self.unused_kept(optimizer):
+            if clipped is None or id(p) in clipped:
+                zeros = p.grad
+                if zeros is None or written.get(id(p)) is not zeros:
+                    zeros = torch.zeros_like(p)
+                p.grad = written[id(p)] = zeros.mul_(coef.to(p.device, p.dtype))
+
     def kept_zeros(self, p: Tensor) -> bool:
         """Whether ``p.grad`` is the zeros torch keeps, nothing added onto them: a compiled
         region's backward fires the hooks of parameters it gives no gradient. (Asked in
