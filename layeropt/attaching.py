@@ -240,6 +240,11 @@ class Attachment:
         """The model's parameters owned by the attached optimizers (trainable or not)."""
         return self._owned
 
+    @property
+    def covered(self) -> list[Tensor]:
+        """The parameters whose kept zeros ``remove()`` gives back: :attr:`owned`."""
+        return self.owned
+
     def sync(self, in_backward: bool = False) -> bool:
         """Follow what changed since the hooks were registered.
 

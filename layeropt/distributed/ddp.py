@@ -56,6 +56,7 @@ class DDPAttachment(Attachment):
                  settings: Settings) -> None:
         self._state = state
         self.params: list[Tensor] = []
+        self._covered: list[Tensor] = []  # (set with the hooks: covered)
         super().__init__(ddp, optimizers, settings)
 
     def _hook_all(self) -> None:
@@ -75,8 +76,8 @@ class DDPAttachment(Attachment):
             )
         self.params = self._owned = list(owner)  # (owned: kept by _release, for remove())
         # (and those frozen now, whose kept zeros remove() gives back all the same)
-        self.covered = [p for p in ddp.parameters() if id(p) in managed
-                        and any(o.owns(p) for o in self.optimizers)]
+        self._covered = [p for p in ddp.parameters() if id(p) in managed
+                         and any(o.owns(p) for o in self.optimizers)]
         self.named = [(n, p) for n, p in ddp.named_parameters() if p in owner]
         for opt in self.optimizers:
             opt._lo_engine.add_attachment(self)  # opt.attached; add_param_group -> _rebuild
@@ -95,6 +96,8 @@ class DDPAttachment(Attachment):
         return self._owned
 
     owned = property(_taken, doc="The parameters DDP synchronises that the optimizers own.")
+    covered = property(lambda self: self._covered, doc="Those and the ones frozen since: "
+                       "DDP synchronises them still, and remove() gives back their kept zeros.")
     averaged = True  # (its gradients come averaged through DDP's comm hook)
 
     def _release(self) -> None:

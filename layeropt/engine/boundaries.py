@@ -53,6 +53,9 @@ __all__ = ["StepRecord", "StepRules", "Group", "take_over", "refuse_open_updates
 # in ``calls``: a zero_grad() discarded applied gradients before the loop's first step()
 _EARLY_DISCARD = "discarded before the first step()"
 _STEP_TRIED = "step() called"  # (its first may be refused: a loop that calls step())
+_STEP_EXPECTED = "step() expected"  # (expect_step(): the loop is known to call step())
+REMOVE_WARNED = "remove() warned"  # (REMOVE_OPEN_WARNING, said once per optimizer)
+SAVE_WARNED = "state_dict() warned"  # (a checkpoint ahead of torch's, said once)
 EARLY_DISCARD_BACKWARD_ERROR = (
     "this backward's update raised {error}, on optimizer state that an earlier attached "
     "backward's update made before a zero_grad() discarded that backward's gradients. If "
@@ -62,9 +65,6 @@ EARLY_DISCARD_BACKWARD_ERROR = (
     "so that zero_grad() drops its gradients as torch does. (In a loop without step(), "
     "where each backward is a step, this is torch's own error.)"
 )
-_STEP_EXPECTED = "step() expected"  # (expect_step(): the loop is known to call step())
-REMOVE_WARNED = "remove() warned"  # (REMOVE_OPEN_WARNING, said once per optimizer)
-SAVE_WARNED = "state_dict() warned"  # (a checkpoint ahead of torch's, said once)
 
 
 class Group(NamedTuple):

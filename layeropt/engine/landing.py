@@ -385,8 +385,7 @@ class Engine(Rules):
         store = self.stepper.held  # sums held in a store, not in .grad: back in .grad, where
         if store:  # torch's are, and the backwards from here add to them as autograd does
             store.up([p for p in attachment.owned if p in store])
-        covered = getattr(attachment, "covered", None)  # (its layers frozen now too)
-        self.give_back_kept({id(p) for p in (attachment.owned if covered is None else covered)})
+        self.give_back_kept({id(p) for p in attachment.covered})
         self.attachments.pop(attachment, None)
         self._places = None
         if not self.attachments:
