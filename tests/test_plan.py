@@ -20,6 +20,7 @@ import importlib.util
 import json
 import logging
 import pathlib
+import pickle
 import re
 import subprocess
 import sys
@@ -372,10 +373,25 @@ def test_fits_follows_the_real_peaks():
     assert "with the fewest changes: layeropt.AdamW (fused) + checkpointing" in told
 
 
-def test_a_row_is_the_same_planned_alone_beside_others_or_in_forked_jobs():
+FORKED_JOBS = """
+import pickle, sys, torch, transformers
+from layeropt.plan.execute import simulate
+from layeropt.plan.parallel import can_fork
+from layeropt.plan.variants import default_variants
+from layeropt.plan.workloads import hf_workload
+assert can_fork()  # (a fresh process: one thread)
+workload = hf_workload(transformers.AutoConfig.from_pretrained(sys.argv[1]), seq=int(sys.argv[2]),
+                       batch=1, dtype=torch.bfloat16)
+rows = default_variants(workload, ["torch.optim.AdamW", "layeropt.AdamW"])
+sys.stdout.buffer.write(pickle.dumps(simulate(workload, rows, jobs=2, bucket_cap_mb=0.0)))
+"""
+
+
+def test_a_row_is_the_same_planned_alone_beside_others_or_in_forked_jobs(tmp_path):
     """What ``jobs`` (the command line's default: one per core) and the command line's
     tests below rest on: a row's measurement does not depend on the rows planned before
-    it on the same fake model, nor on the process that planned it."""
+    it on the same fake model, nor on the process that planned it. (Forked workers from
+    a fresh process: a test runner's worker has a second thread, where plan forks none.)"""
     from layeropt.plan.execute import simulate as measure  # (not the tests' cached one)
     from layeropt.plan.variants import default_variants
     from layeropt.plan.workloads import hf_workload
@@ -383,8 +399,12 @@ def test_a_row_is_the_same_planned_alone_beside_others_or_in_forked_jobs():
     workload = hf_workload(hf_config("llama"), seq=SEQ, batch=1, dtype=torch.bfloat16)
     rows = default_variants(workload, ["torch.optim.AdamW", "layeropt.AdamW"])
     assert len(rows) >= 6 and any(r.offload for r in rows) and any(r.checkpointing for r in rows)
-    n, together = measure(workload, rows, jobs=1)
-    assert measure(workload, rows, jobs=2) == (n, together)
+    n, together = measure(workload, rows, jobs=1, bucket_cap_mb=0.0)  # (the subprocess's too)
+    hf_config("llama").save_pretrained(tmp_path)
+    forked = subprocess.run([sys.executable, "-c", FORKED_JOBS, str(tmp_path), str(SEQ)],
+                            capture_output=True, timeout=300)  # fmt: skip
+    assert forked.returncode == 0, forked.stderr.decode()
+    assert pickle.loads(forked.stdout) == (n, together)
     for i in (len(rows) - 1, len(rows) // 2):  # rows that followed others, now alone
         assert measure(workload, [rows[i]], jobs=1) == (n, [together[i]]), rows[i].label
 

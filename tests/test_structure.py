@@ -76,7 +76,7 @@ def test_importing_layeropt_or_making_an_optimizer_patches_nothing_in_torch():
         "assert seen() == before, 'patched by importing or by an optimizer'\n"
     )
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
 def test_the_last_attachment_leaves_torch_as_it_found_it():
@@ -101,7 +101,7 @@ def test_the_last_attachment_leaves_torch_as_it_found_it():
         "assert seen() == before\n"
     )
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
 def _engine_report():

@@ -129,8 +129,9 @@ def simulate(
         bucket_cap_mb: ``layeropt.attach``'s ``bucket_cap_mb`` (``None``:
             the library default).
         progress: called as ``progress(i, n, variant)`` before each variant.
-        jobs: worker processes sharing the variants (forked, Linux only;
-            each builds its own fake model; the numbers do not depend on it).
+        jobs: worker processes sharing the variants (forked, Linux only, from
+            a process with no other Python thread; each builds its own fake
+            model; the numbers do not depend on it).
         accumulate: micro-batches per training step (the same batch each time).
 
     Returns:

@@ -5,11 +5,19 @@ worker forks from the planning process (the workload's functions need no
 pickling), builds its own fake model, measures its share of the
 configurations and sends back the measurements. The numbers do not depend on
 the sharing: every measurement is of its own steady-state step.
+
+A fork copies one thread: a lock another thread held stays held in the child
+for good. So workers are forked only from a process with no other Python
+thread (a notebook's kernel, a test runner's worker: the rows run in the
+process instead), each child runs torch on one thread (as DataLoader's
+workers do: a parent's OpenMP pool is not there), and a worker that dies
+without a word is an error rather than a wait.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import pickle
 import sys
 import traceback
@@ -22,8 +30,11 @@ __all__ = ["can_fork", "run_sharded"]
 
 
 def can_fork() -> bool:
-    """Whether workers can be forked here (Linux)."""
-    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+    """Whether workers can be forked here: Linux, and this the process's one Python thread
+    (threads started with ``_thread`` too: :func:`sys._current_frames` has them all)."""
+    return (sys.platform.startswith("linux")
+            and "fork" in multiprocessing.get_all_start_methods()
+            and len(sys._current_frames()) == 1)
 
 
 def _cost(unit: list[Any]) -> float:
@@ -44,21 +55,24 @@ def _shards(units: list[list[Any]], jobs: int) -> list[list[Any]]:
     return [s for s in shards if s]
 
 
-def _worker(simulate: Callable[..., Any], workload: Any, variants: list[Any], queue: Any,
+def _worker(simulate: Callable[..., Any], workload: Any, variants: list[Any], conn: Any,
             options: dict[str, Any]) -> None:  # fmt: skip
+    import torch
+
+    torch.set_num_threads(1)  # (the parent's OpenMP pool did not come with the fork)
     try:
         result = simulate(
-            workload, variants, jobs=1, progress=lambda i, n, v: queue.put(("tick", v)),
+            workload, variants, jobs=1, progress=lambda i, n, v: conn.send(("tick", v)),
             **options,
         )  # fmt: skip
-        queue.put(("done", result))
+        conn.send(("done", result))
     except BaseException as e:  # sent to the parent, raised there
         try:
             pickle.dumps(e)
-            queue.put(("error", e))
+            conn.send(("error", e))
         except Exception:
             text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-            queue.put(("error", PlanError(text)))
+            conn.send(("error", PlanError(text)))
 
 
 def run_sharded(
@@ -74,38 +88,53 @@ def run_sharded(
 
     Raises:
         Whatever a worker raised (a :class:`PlanError` with its traceback
-        when the exception cannot be sent).
+        when the exception cannot be sent); a :class:`PlanError` for a worker
+        that ended without its measurements (killed, out of memory).
     """
     ctx = multiprocessing.get_context("fork")
-    queue = ctx.SimpleQueue()
-    shards = _shards(units, jobs)
-    workers = [
-        ctx.Process(target=_worker, args=(simulate, workload, shard, queue, options), daemon=True)
-        for shard in shards
-    ]
-    for w in workers:
+    pending: dict[Any, Any] = {}  # a worker's pipe -> the worker, until it answers
+    workers = []
+    for shard in _shards(units, jobs):
+        reader, writer = ctx.Pipe(duplex=False)
+        w = ctx.Process(target=_worker, args=(simulate, workload, shard, writer, options),
+                        daemon=True)  # fmt: skip
         w.start()
+        writer.close()  # (the child's copy stays open: a dead child reads as end of file)
+        pending[reader] = w
+        workers.append((reader, w))
     results: dict[Any, Any] = {}
-    n_params, done, ticks, error = 0, 0, 0, None
+    n_params, ticks, error = 0, 0, None
     try:
-        while done < len(workers):
-            kind, payload = queue.get()
-            if kind == "tick":
-                if progress is not None:
-                    progress(ticks, len(variants), payload)
-                ticks += 1
-            elif kind == "done":
-                n_params = payload[0]
-                results.update((m.variant, m) for m in payload[1])
-                done += 1
-            else:
-                error = error or payload
-                done += 1
+        while pending:
+            for reader in multiprocessing.connection.wait(list(pending)):
+                try:
+                    kind, payload = reader.recv()
+                except EOFError:  # it ended without "done" or "error"
+                    w = pending.pop(reader)
+                    w.join(timeout=5)
+                    kind, payload = "error", PlanError(
+                        f"a plan worker process ended without its measurements (exit code "
+                        f"{w.exitcode}: killed, or out of memory?); rerun with --jobs 1 "
+                        "(plan(jobs=1)) to measure in one process"
+                    )
+                if kind == "tick":
+                    if progress is not None:
+                        progress(ticks, len(variants), payload)
+                    ticks += 1
+                    continue
+                pending.pop(reader, None)
+                if kind == "done":
+                    n_params = payload[0]
+                    results.update((m.variant, m) for m in payload[1])
+                else:
+                    error = error or payload
     finally:
-        for w in workers:
-            w.join(timeout=5)
+        for reader, w in workers:
+            w.join(timeout=5 if reader not in pending else 0)
             if w.is_alive():
                 w.terminate()
+                w.join()
+            reader.close()
     if error is not None:
         raise error
     return n_params, [results[v] for v in variants]
