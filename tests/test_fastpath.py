@@ -9,6 +9,8 @@ thing on both sides between steps.
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -84,6 +86,23 @@ def test_fused_adam_calls_torch_kernel_directly_for_one_device_and_dtype():
     _, _, _, lo_opt = train_pair("mlp", "Adam", dict(lr=0.01, fused=True), steps=3)
     entries = list(_fast(lo_opt)._entries.values())
     assert entries and all(c.device is not None for e in entries for c in e.chunks)
+
+
+def test_the_classes_served_do_not_depend_on_what_was_built_before():
+    """torch's ``Optimizer.__init__`` sets ``AdamW.step`` to its profiling wrapper of Adam's
+    step when an AdamW is built before any Adam: the classes served are the same after it
+    (the check for torch < 2.6's own AdamW step took that wrapper for one, and a process
+    that built a torch.optim.AdamW first never took the fast path). A fresh process: this
+    one's classes were wrapped long ago."""
+    code = ("import torch\n"
+            "torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())\n"
+            "assert 'step' in vars(torch.optim.AdamW)\n"
+            "from layeropt.engine.fastpath import supported\n"
+            "print(sorted(c.__name__ for c in supported()))\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == str(sorted(c.__name__ for c in supported()))
 
 
 def test_default_bucket_cap_takes_the_fast_path(monkeypatch):

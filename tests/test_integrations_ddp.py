@@ -131,8 +131,23 @@ def test_lightning_under_ddp_equals_torch_optim(runs, case):
 
 
 def test_lightning_forking_its_own_processes_equals_torch_optim():
-    """``strategy="ddp_notebook"``: Lightning forks the ranks; rank 0's weights come back."""
-    L = pytest.importorskip("lightning")
+    """``strategy="ddp_notebook"``: Lightning forks the ranks; rank 0's weights come back.
+    Run in a fresh process, as a notebook's: Lightning forks from it and sets its
+    ``MASTER_PORT`` (a test runner's worker has a second thread, and its later tests
+    would inherit the port), and a rank left waiting fails the test at the timeout."""
+    pytest.importorskip("lightning")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(WORKER.parent), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    code = "import test_integrations_ddp as t; t.lightning_forking_its_own_processes()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert done.stdout.splitlines()[-1] == "equal to torch.optim", done.stdout[-3000:]
+
+
+def lightning_forking_its_own_processes() -> None:
+    """The test above, in its own process."""
+    import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
     import layeropt
@@ -170,3 +185,4 @@ def test_lightning_forking_its_own_processes_equals_torch_optim():
     start = Net(torch.optim.AdamW)
     assert not all(torch.equal(p, q) for p, q in zip(ref.parameters(), start.parameters()))
     assert_same(list(got.parameters()), list(ref.parameters()), "params vs torch.optim")
+    print("equal to torch.optim")

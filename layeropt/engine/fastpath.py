@@ -176,8 +176,9 @@ def supported() -> dict[type, _Kind]:
             call = inspect.signature(fn).parameters
         except (AttributeError, TypeError, ValueError):
             continue  # an older torch without this class or function
-        if module == "adamw" and "step" in vars(cls):
-            continue  # torch < 2.6: AdamW has its own step and functional
+        if module == "adamw" and inspect.unwrap(cls.step).__qualname__ != "Adam.step":
+            continue  # torch < 2.6: AdamW has its own step and functional (unwrapped: the
+            # first AdamW built sets AdamW.step to torch's profiling wrapper of Adam's)
         if tuple(init)[1:] != ("group", "params_with_grad" if cls_name != "SGD" else "params",
                                "grads", *init_args):  # fmt: skip
             continue
