@@ -1,8 +1,8 @@
 """``plan``'s forked workers (``layeropt.plan.parallel``): never a wait without end.
 
 A fork copies one thread, so workers are forked only from a process with no
-other Python thread, and a worker that dies without its measurements is a
-``PlanError``. Run in a fresh process: a test runner's worker has a second
+other Python thread and no CUDA context, and a worker that dies without its
+measurements is a ``PlanError``. Run in a fresh process: a test runner's worker has a second
 thread (where ``plan`` forks none), and the code before waited for a dead
 worker for good (the subprocess's timeout fails the test).
 """
@@ -53,6 +53,11 @@ print("another thread", not can_fork())
 stop.set()
 thread.join()
 print("it ended", can_fork())
+import torch
+initialized = torch.cuda.is_initialized
+torch.cuda.is_initialized = lambda: True  # (no GPU here: what a process that used one says)
+print("a CUDA context", not can_fork())
+torch.cuda.is_initialized = initialized
 """
 
 EXPECTED = {  # what each line says: True where plan does what it should
@@ -61,6 +66,7 @@ EXPECTED = {  # what each line says: True where plan does what it should
     "a worker killed": "True",  # (a PlanError naming the exit code and the way round it)
     "another thread": "True",  # (no fork: the rows run in the planning process)
     "it ended": "True",
+    "a CUDA context": "True",  # (a forked child cannot use it: no fork either)
 }
 
 

@@ -149,9 +149,9 @@ def plan(
             library's).
         progress: called as ``progress(i, n, variant)`` before each row.
         jobs: processes sharing the rows (forked workers, Linux only, from a
-            process with no other Python thread; elsewhere the rows run in this
-            one; the numbers do not depend on it). The command line uses one
-            per core, up to 4.
+            process with no other Python thread and no CUDA context; elsewhere
+            the rows run in this one; the numbers do not depend on it). The
+            command line uses one per core, up to 4.
         accumulate: micro-batches per training step (gradient accumulation:
             torch.optim sums them, layeropt holds all but the last with
             ``no_step()``); above 1, state offload rows come twice, with the held

@@ -130,8 +130,8 @@ def simulate(
             the library default).
         progress: called as ``progress(i, n, variant)`` before each variant.
         jobs: worker processes sharing the variants (forked, Linux only, from
-            a process with no other Python thread; each builds its own fake
-            model; the numbers do not depend on it).
+            a process with no other Python thread and no CUDA context; each
+            builds its own fake model; the numbers do not depend on it).
         accumulate: micro-batches per training step (the same batch each time).
 
     Returns:

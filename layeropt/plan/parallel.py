@@ -8,8 +8,8 @@ the sharing: every measurement is of its own steady-state step.
 
 A fork copies one thread: a lock another thread held stays held in the child
 for good. So workers are forked only from a process with no other Python
-thread (a notebook's kernel, a test runner's worker: the rows run in the
-process instead), each child runs torch on one thread (as DataLoader's
+thread and no CUDA context (a notebook's kernel, a test runner's worker, a
+process that trained on the GPU: the rows run in the process instead), each child runs torch on one thread (as DataLoader's
 workers do: a parent's OpenMP pool is not there), and a worker that dies
 without a word is an error rather than a wait.
 """
@@ -30,11 +30,15 @@ __all__ = ["can_fork", "run_sharded"]
 
 
 def can_fork() -> bool:
-    """Whether workers can be forked here: Linux, and this the process's one Python thread
-    (threads started with ``_thread`` too: :func:`sys._current_frames` has them all)."""
+    """Whether workers can be forked here: Linux, this the process's one Python thread
+    (threads started with ``_thread`` too: :func:`sys._current_frames` has them all), and
+    CUDA not initialized (a forked child cannot use it)."""
+    import torch
+
     return (sys.platform.startswith("linux")
             and "fork" in multiprocessing.get_all_start_methods()
-            and len(sys._current_frames()) == 1)
+            and len(sys._current_frames()) == 1
+            and not torch.cuda.is_initialized())
 
 
 def _cost(unit: list[Any]) -> float:
