@@ -43,9 +43,9 @@ import copy
 import gc
 import os
 import platform
-import socket
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -172,10 +172,10 @@ class _Contender:
         self.opt.zero_grad()
 
 
-def _run(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+def _run(rank: int, world: int, store: str, args: argparse.Namespace, out: Any) -> None:
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)  # fmt: skip
+    # (a file store: a port picked free and let go can be taken by another job first)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     try:
         base, batch_fn, loss_fn = make_model("gpt", d=args.width, layers=args.layers)
         for cap in args.bucket_cap_mb:
@@ -250,12 +250,10 @@ def _median_ratio(a: list[float], b: list[float]) -> float:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world = 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.spawn(_run, args=(world, port, args, out), nprocs=world)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_run, args=(world, f"file://{tmp}/store", args, out), nprocs=world)
     results: dict[float, dict[int, dict[str, Any]]] = {}
     for _ in range(world * len(args.bucket_cap_mb)):
         rank, cap, result = out.get()
