@@ -9,9 +9,10 @@ the sharing: every measurement is of its own steady-state step.
 A fork copies one thread: a lock another thread held stays held in the child
 for good. So workers are forked only from a process with no other Python
 thread and no CUDA context (a notebook's kernel, a test runner's worker, a
-process that trained on the GPU: the rows run in the process instead), each child runs torch on one thread (as DataLoader's
-workers do: a parent's OpenMP pool is not there), and a worker that dies
-without a word is an error rather than a wait.
+process that trained on the GPU: the rows run in the process instead), each
+child runs torch on one thread (as DataLoader's workers do: a parent's OpenMP
+pool is not there), and a worker that dies without a word is an error rather
+than a wait.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .workloads import PlanError
 
 __all__ = ["can_fork", "run_sharded"]
@@ -33,8 +36,6 @@ def can_fork() -> bool:
     """Whether workers can be forked here: Linux, this the process's one Python thread
     (threads started with ``_thread`` too: :func:`sys._current_frames` has them all), and
     CUDA not initialized (a forked child cannot use it)."""
-    import torch
-
     return (sys.platform.startswith("linux")
             and "fork" in multiprocessing.get_all_start_methods()
             and len(sys._current_frames()) == 1
@@ -61,8 +62,6 @@ def _shards(units: list[list[Any]], jobs: int) -> list[list[Any]]:
 
 def _worker(simulate: Callable[..., Any], workload: Any, variants: list[Any], conn: Any,
             options: dict[str, Any]) -> None:  # fmt: skip
-    import torch
-
     torch.set_num_threads(1)  # (the parent's OpenMP pool did not come with the fork)
     try:
         result = simulate(
@@ -96,16 +95,15 @@ def run_sharded(
         that ended without its measurements (killed, out of memory).
     """
     ctx = multiprocessing.get_context("fork")
-    pending: dict[Any, Any] = {}  # a worker's pipe -> the worker, until it answers
-    workers = []
+    workers = []  # (a worker's pipe, the worker)
     for shard in _shards(units, jobs):
         reader, writer = ctx.Pipe(duplex=False)
         w = ctx.Process(target=_worker, args=(simulate, workload, shard, writer, options),
                         daemon=True)  # fmt: skip
         w.start()
         writer.close()  # (the child's copy stays open: a dead child reads as end of file)
-        pending[reader] = w
         workers.append((reader, w))
+    pending = dict(workers)  # until each answers "done" or "error"
     results: dict[Any, Any] = {}
     n_params, ticks, error = 0, 0, None
     try:
@@ -114,7 +112,7 @@ def run_sharded(
                 try:
                     kind, payload = reader.recv()
                 except EOFError:  # it ended without "done" or "error"
-                    w = pending.pop(reader)
+                    w = pending[reader]
                     w.join(timeout=5)
                     kind, payload = "error", PlanError(
                         f"a plan worker process ended without its measurements (exit code "
@@ -126,7 +124,7 @@ def run_sharded(
                         progress(ticks, len(variants), payload)
                     ticks += 1
                     continue
-                pending.pop(reader, None)
+                del pending[reader]
                 if kind == "done":
                     n_params = payload[0]
                     results.update((m.variant, m) for m in payload[1])
