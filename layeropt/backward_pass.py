@@ -33,17 +33,17 @@ from .checking.verify import Verifier
 from .distributed import TwoPasses
 from .distributed.fsdp2 import sharded_of
 from .errors import DONATED_BUFFERS_ERROR, TWO_PASSES_ERROR, LayeroptError
-from .engine.transforms import Transform, prepare_grads, reduce_grad
+from .engine.transforms import (
+    Transform,
+    grad_order,
+    prepare_grads,
+    reduce_grad,
+    total_norm,
+    unscaled_in_kernel,
+)
 from .optim import InBackwardOptimizer, live_optimizers, no_step_all, optimizer_list
 
 __all__ = ["backward", "two_pass_compile"]
-
-
-def _total_norm(norms: list[Tensor], norm_type: float) -> Tensor:
-    if not norms:
-        return torch.tensor(0.0)
-    first = norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
 
 
 def default_parameters(optimizers: list[InBackwardOptimizer]) -> list[Tensor]:
@@ -66,28 +66,6 @@ def default_parameters(optimizers: list[InBackwardOptimizer]) -> list[Tensor]:
             for p in g["params"]:
                 out.setdefault(id(p), p)
     return list(out.values())
-
-
-def _grad_order(measured: dict[Tensor, Tensor], parameters: list[Tensor]) -> list[Tensor]:
-    """Norms in the order ``clip_grad_norm_(parameters)`` stacks them.
-
-    The total norm sums the per-tensor norms; its last bit depends on their
-    order, so it follows ``parameters``, grouped by device and dtype in the order
-    torch's own grouping gives (not first appearance: a model mixing bf16 and
-    float32 layers).
-    """
-    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
-
-    seen: set[int] = set()
-    ordered = []
-    for p in parameters:
-        if p in measured and id(p) not in seen:
-            seen.add(id(p))
-            ordered.append(p)
-    if not ordered:
-        return []
-    grouped = _group_tensors_by_device_and_dtype([ordered], with_indices=True)
-    return [measured[ordered[i]] for _, (_, indices) in grouped.items() for i in indices]
 
 
 @torch.compiler.disable  # (eagerly: its passes and their bookkeeping, in order)
@@ -254,7 +232,7 @@ def backward(
         for o in optimizers:  # zero_grad(set_to_none=False): torch measures their zeros too
             for p in o._lo_engine.unused_kept(o):
                 measured.setdefault(p, torch.zeros((), dtype=p.dtype, device=p.device))
-        total = _total_norm(_grad_order(measured, parameters), norm_type)
+        total = total_norm(grad_order(measured, parameters), norm_type)
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
             undo_pass_1()
             raise RuntimeError(
@@ -290,7 +268,7 @@ def backward(
         for e, before in verifying.items():  # LAYEROPT_VERIFY: the real side, torch's recipe
             o = e._optimizer()
             if any(o is f for f in fused):  # (scaler.step's kernel divides by the scale)
-                o.grad_scale = scaler._scale
+                verifiers[e].unscale_in_kernel(scaler._scale)
                 continue
             verifiers[e].transform_real([p for p in verifiers[e].shadows if p not in before
                                          and not unhooked.prepares(p)], transform)
@@ -516,13 +494,10 @@ def _attached_backward(
 def _grad_scale(optimizers: list[Any], scaler: Any, found: dict[Any, Tensor]) -> Any:
     """The fused optimizers' steps in this pass unscale in their kernel, as
     ``scaler.step(opt)`` sets them to (``grad_scale``, ``found_inf``)."""
-    for o in optimizers:
-        o.grad_scale, o.found_inf = scaler._scale, found[o._lo_engine]
-    try:
-        yield
-    finally:
+    with contextlib.ExitStack() as stack:
         for o in optimizers:
-            del o.grad_scale, o.found_inf
+            stack.enter_context(unscaled_in_kernel(o, scaler._scale, found[o._lo_engine]))
+        yield
 
 
 def _resolve(optimizer: Any) -> list[InBackwardOptimizer]:

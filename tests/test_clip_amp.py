@@ -42,6 +42,33 @@ def test_global_clipping_equals_clip_grad_norm(cfg, max_norm):
     assert_same(ref_opt.state_dict(), opt.state_dict())
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+@pytest.mark.parametrize("present", [True, False], ids=["get_total_norm", "torch<2.6"])
+def test_grads_total_norm_is_clip_grad_norms(monkeypatch, present, norm_type):
+    """The total norm the Lightning callback logs for held gradients: what
+    ``clip_grad_norm_`` returns for them, to the last bit - through
+    ``torch.nn.utils.get_total_norm``, or without it (torch before 2.6) from the same
+    per-tensor norms, grouped by dtype in torch's order (bf16 and float32 interleaved,
+    a gradient twice)."""
+    from layeropt.engine.transforms import grads_total_norm
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=gen).to(dtype) for shape, dtype in [
+        ((7, 5), torch.bfloat16), ((300,), torch.float32), ((3, 3), torch.bfloat16),
+        ((1000,), torch.float32), ((2,), torch.float64)]]
+    grads.append(grads[1])
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros_like(g))
+        p.grad = g.clone()
+        params.append(p)
+    want = torch.nn.utils.clip_grad_norm_(params, float("inf"), norm_type=norm_type)
+    if not present:
+        monkeypatch.delattr(torch.nn.utils, "get_total_norm", raising=False)
+    got = grads_total_norm(grads, norm_type)
+    assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+
+
 def test_global_clipping_with_accumulation():
     model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair(
         "mlp", "SGD", dict(lr=0.1, momentum=0.9), attach={}

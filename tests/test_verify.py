@@ -810,6 +810,39 @@ def test_verified_gradscaler_steps_are_torchs(process_group, kind, fused, stn, s
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("call", ["scaler.step(opt)", "opt.step()"])
+def test_a_verified_fused_step_unscales_in_its_kernel_once(call):
+    """A fused optimizer verified after ``layeropt.backward(scaler=)``: its real step
+    divides by the scale in the kernel whether the loop calls ``scaler.step(opt)`` (on
+    torch before 2.6 that sets no ``grad_scale`` for a scaler left as after
+    ``unscale_``: the real step had applied the scaled gradient, a false alarm) or
+    ``opt.step()``, and leaves no ``grad_scale`` behind (it had divided the next,
+    unscaled, step's gradients by the old scale). Three steps: two verified, one not."""
+    ref, model = _pair("plain")
+    ro = torch.optim.Adam(ref.parameters(), lr=0.05, fused=True)
+    lo = layeropt.Adam(model.parameters(), lr=0.05, fused=True)
+    layeropt.attach(model, lo, verify=2)
+    xs = [torch.randn(5, 6, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    rs, ls = torch.amp.GradScaler("cpu", init_scale=1000.0), torch.amp.GradScaler(
+        "cpu", init_scale=1000.0)
+    for x in xs[:2]:
+        rs.scale(ref(x).pow(2).mean()).backward()
+        rs.step(ro)
+        rs.update()
+        ro.zero_grad()
+        layeropt.backward(ls.scale(model(x).pow(2).mean()), scaler=ls)
+        ls.step(lo) if call == "scaler.step(opt)" else lo.step()
+        ls.update()
+        lo.zero_grad()
+    for x in xs[2:]:  # unscaled from here, as after switching the scaler off
+        for m, o in ((ref, ro), (model, lo)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    _assert_torchs(model, lo, ref, ro)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("kind", test_rules.KINDS)
 def test_a_gradient_not_zeroed_is_found_through_a_checkpoint_and_a_clip(process_group, kind,

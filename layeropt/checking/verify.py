@@ -48,6 +48,7 @@ Memory during verified steps is torch's: every gradient is kept until
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import os
 import weakref
@@ -60,7 +61,7 @@ from torch import Tensor
 from ..engine.registry import is_dtensor
 from ..engine.stepper import Wrapper, outside_autocast
 from ..engine.subset import _restore, _Saved, _snapshot
-from ..engine.transforms import prepare_grads
+from ..engine.transforms import prepare_grads, unscaled_in_kernel
 from ..errors import (
     VERIFY_CAUSES,
     VERIFY_ENDED,
@@ -295,6 +296,7 @@ class Verifier(Wrapper):
         # (held, not ids: an id of a freed tensor is another tensor's later)
         self.applied: tuple[Any, list[Tensor]] = (None, [])
         self.discarded: tuple[str, int] | None = None  # settled at a zero_grad(): see settle
+        self.kernel_scale: Tensor | None = None  # see unscale_in_kernel
         self.forward_hooks: dict[int, Any] = {}  # id(model) -> its forward pre-hook's handle
         self.grad_hooks: dict[int, Any] = {}  # id(param) -> its tensor hook's handle
         # (a verifier dropped while verifying, its optimizer deleted: its hooks go with it)
@@ -406,6 +408,14 @@ class Verifier(Wrapper):
         record, params = self.applied  # (a zero_grad() since: torch's are gone too)
         applied = record is self.engine.last and not record.zeroed
         return {id(p) for p in [*self.shadows, *(params if applied else ())]}
+
+    def unscale_in_kernel(self, scale: Tensor) -> None:
+        """After ``layeropt.backward(scaler=)``'s step pass on a fused optimizer: torch's
+        recipe, ``scaler.step(opt)``, divides by the scale in the fused kernel
+        (``grad_scale``). The real step does so itself: the scaler, which layeropt left
+        as after ``unscale_``, keeps what ``grad_scale`` it finds (torch 2.6 and later)
+        or sets none (earlier), and ``opt.step()`` alone sets none."""
+        self.kernel_scale = scale
 
     def transform_real(self, params: list[Tensor], transform: Any) -> None:
         """After ``layeropt.backward``'s step pass: its unscaling and clipping applied to
@@ -575,7 +585,9 @@ class Verifier(Wrapper):
                  if fingerprint(p).digest != shadow.param_before.digest}
         restated = {p for p, shadow in self.shadows.items()
                     if not _same(shadow.state, _stamps(optimizer, p))}
-        type(optimizer)._torch_step(optimizer)  # torch's own step, on what the loop left
+        scale, self.kernel_scale = self.kernel_scale, None
+        with contextlib.nullcontext() if scale is None else unscaled_in_kernel(optimizer, scale):
+            type(optimizer)._torch_step(optimizer)  # torch's own step, on what the loop left
         optimizer._opt_called = True
         try:
             for p, before in again.items():

@@ -12,6 +12,8 @@ which ``bucket_cap_mb=0`` pays once per layer (``benchmarks/bench_clip.py``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -112,6 +114,68 @@ def _norm(grad: Tensor, norm_type: float) -> Tensor:
     if _has_foreach_support([grad], grad.device):
         return torch._foreach_norm([grad], norm_type)[0]
     return torch.linalg.vector_norm(grad, norm_type)
+
+
+@contextlib.contextmanager
+def unscaled_in_kernel(optimizer: Any, scale: Tensor, found_inf: Tensor | None = None
+                       ) -> Iterator[None]:
+    """The steps inside unscale in a fused optimizer's kernel, as ``scaler.step(optimizer)``
+    has them: ``grad_scale`` (and ``found_inf``) set on the optimizer, and after them put
+    back as they were (none: removed)."""
+    names = ("grad_scale",) if found_inf is None else ("grad_scale", "found_inf")
+    prior = {name: vars(optimizer)[name] for name in names if name in vars(optimizer)}
+    optimizer.grad_scale = scale
+    if found_inf is not None:
+        optimizer.found_inf = found_inf
+    try:
+        yield
+    finally:
+        for name in names:
+            if name in prior:
+                setattr(optimizer, name, prior[name])
+            else:
+                delattr(optimizer, name)
+
+
+def total_norm(norms: list[Tensor], norm_type: float) -> Tensor:
+    """``clip_grad_norm_``'s total norm of per-tensor norms given in its order
+    (:func:`grad_order`)."""
+    if not norms:
+        return torch.tensor(0.0)
+    first = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+
+
+def grad_order(measured: dict[Tensor, Tensor], parameters: list[Tensor]) -> list[Tensor]:
+    """Norms in the order ``clip_grad_norm_(parameters)`` stacks them.
+
+    The total norm sums the per-tensor norms; its last bit depends on their
+    order, so it follows ``parameters``, grouped by device and dtype in the order
+    torch's own grouping gives (not first appearance: a model mixing bf16 and
+    float32 layers).
+    """
+    seen: set[int] = set()
+    ordered = []
+    for p in parameters:
+        if p in measured and id(p) not in seen:
+            seen.add(id(p))
+            ordered.append(p)
+    if not ordered:
+        return []
+    grouped = _group_tensors_by_device_and_dtype([ordered], with_indices=True)
+    return [measured[ordered[i]] for _, (_, indices) in grouped.items() for i in indices]
+
+
+def grads_total_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
+    """``torch.nn.utils.get_total_norm(grads, norm_type)``, also on torch < 2.6,
+    which computes it only inside ``clip_grad_norm_``: the same per-tensor norms,
+    stacked in the same order."""
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
+    if get_total_norm is not None:
+        return get_total_norm(grads, norm_type)
+    grouped = _group_tensors_by_device_and_dtype([list(grads)])
+    return total_norm([_norm(g, norm_type) for [group], _ in grouped.values() for g in group],
+                      norm_type)
 
 
 class Transform(NamedTuple):

@@ -54,6 +54,7 @@ import torch
 
 from ..attaching import Attachment, attach, take_over
 from ..backward_pass import backward as layeropt_backward
+from ..engine.transforms import grads_total_norm
 from ..errors import LayeroptError
 from ..optim import InBackwardOptimizer, no_step_all, unwrap_optimizer
 from . import attach_kwargs, offload_state_once, two_pass_compile
@@ -307,7 +308,7 @@ class LayeroptCallback(Callback):
             _held_to_grad(self._optimizers)
             grads = [p.grad for p in trainer.precision_plugin.main_params(optimizer)
                      if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads) if grads else None
+            norm = grads_total_norm(grads) if grads else None
         if norm is not None:
             pl_module.log("grad_2.0_norm_total", norm, on_step=True)
 
