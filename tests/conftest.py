@@ -22,6 +22,7 @@
 import gc
 import logging
 import os
+import sys
 
 import pytest
 import torch
@@ -84,6 +85,24 @@ def process_group():
     from harness import one_process_group
 
     yield from one_process_group("gloo")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """accelerate's ``AcceleratorState`` and ``GradientState`` are process-wide, and so
+    is what transformers' ``TrainingArguments`` puts in the environment for it
+    (``ACCELERATE_MIXED_PRECISION=bf16`` with ``bf16=True``, transformers 4.x): a later
+    test's ``Accelerator(cpu=True)`` in the same worker trained under bf16 autocast. Each
+    test leaves both as it found them."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
+    yield
+    for k in [k for k in os.environ if k.startswith("ACCELERATE_") and k not in env]:
+        del os.environ[k]
+    os.environ.update(env)
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
 
 
 @pytest.fixture(autouse=True)

@@ -44,6 +44,7 @@ except ImportError:
 import layeropt
 from layeropt.engine import nesting as nesting
 from layeropt import checkpoint, checkpoint_modules
+from layeropt.checkpointing import _TORCH_TAKES_EARLY_STOP
 from layeropt.errors import BackwardStateError
 from layeropt.memory import PeakMemory
 from layeropt.models import make_model
@@ -730,6 +731,16 @@ def test_torch_options_train_as_torch_checkpoint_with_torch_optim(model_cls, mod
     assert not nesting._PINS
 
 
+def _torch_checkpoint(fn: Callable[..., Any], *args: Any, **options: Any) -> Any:
+    """torch's non-reentrant checkpoint with ``options``; on torch 2.4-2.5, whose
+    checkpoint has no ``early_stop`` argument (it would pass it on to ``fn``), with the
+    global setting instead, read when the segment runs forward."""
+    if "early_stop" in options and not _TORCH_TAKES_EARLY_STOP:
+        with tc.set_checkpoint_early_stop(options.pop("early_stop")):
+            return tc.checkpoint(fn, *args, use_reentrant=False, **options)
+    return tc.checkpoint(fn, *args, use_reentrant=False, **options)
+
+
 @pytest.mark.parametrize("early_stop", [True, False])
 @pytest.mark.parametrize("mode", MODES)
 def test_early_stop_reaches_the_recomputation(mode, early_stop):
@@ -751,8 +762,8 @@ def test_early_stop_reaches_the_recomputation(mode, early_stop):
     opt = layeropt.SGD(lin.parameters(), lr=0.1, momentum=0.9)
     with layeropt.attach(lin, opt):
         for _ in range(2):
-            tc.checkpoint(segment, "torch", ref_lin, x, use_reentrant=False,
-                          early_stop=early_stop).square().sum().backward()
+            _torch_checkpoint(segment, "torch", ref_lin, x,
+                              early_stop=early_stop).square().sum().backward()
             ref_opt.step()
             ref_opt.zero_grad()
             checkpoint(segment, "layeropt", lin, x, use_reentrant=mode == "reentrant",
@@ -804,7 +815,7 @@ def test_determinism_check_and_debug_report_as_torch(mode, options, plan, match)
     ref = copy.deepcopy(model)
     x = torch.randn(4, 8)
     ref.plan = list(plan)
-    y = tc.checkpoint(ref.segment, x, use_reentrant=False, **options)
+    y = _torch_checkpoint(ref.segment, x, **options)
     with pytest.raises(tc.CheckpointError, match=match):
         y.sum().backward()
     opt = layeropt.SGD(model.parameters(), lr=0.1)
@@ -822,7 +833,7 @@ def test_determinism_check_and_debug_report_as_torch(mode, options, plan, match)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ref_opt.zero_grad()
     ref.plan = [(8, True), (8, True)]
-    tc.checkpoint(ref.segment, x, use_reentrant=False, **options).sum().backward()
+    _torch_checkpoint(ref.segment, x, **options).sum().backward()
     ref_opt.step()
     assert_models_equal(ref, model)
     assert not nesting._PINS

@@ -540,8 +540,12 @@ def _errors(rank: int) -> dict[str, str]:
         layeropt.attach(ddp, layeropt.Adam(ddp.parameters()),
                         comm_hook=comm_hook("bf16")[0])
 
+    def bf16_hook_on_gloo_by_ddp():  # (what DDP's own register_comm_hook says of it)
+        DDP(_model(), process_group=group).register_comm_hook(None, comm_hook("bf16")[0])
+
     cases = dict(
         bf16_hook_on_gloo=bf16_hook_on_gloo,
+        bf16_hook_on_gloo_by_ddp=bf16_hook_on_gloo_by_ddp,
         stateful_hook_two_passes=stateful_hook_two_passes,
         stateful_hook_kept_gradients=stateful_hook_kept_gradients,
         stateful_hook_kept_unused=stateful_hook_kept_unused,
@@ -1336,7 +1340,6 @@ ERRORS = {
     "another_hook_on_reattach": [
         "AttachError: this DDP model reduces its buckets through comm_hook=fp16_compress_hook",
         "layeropt's own average (no comm_hook)", "Pass the same comm_hook"],
-    "bf16_hook_on_gloo": ["TypeError: BF16 all reduce communication hook required"],
     "comm_hook_without_ddp": ["AttachError: comm_hook is for a DistributedDataParallel model",
                               "Sequential"],
     "builtin_comm_hook": ["AttachError: this DDP model already has a communication hook",
@@ -1363,6 +1366,18 @@ def test_plain_hooks_never_step_on_local_gradients(ranks, case):
     for outcome in _get(ranks, "errors"):
         for text in ERRORS[case]:
             assert text in outcome[case], outcome[case]
+
+
+def test_a_comm_hook_is_checked_as_ddp_checks_it(ranks):
+    """``attach(comm_hook=bf16_compress_hook)`` on gloo: what DDP's own
+    ``register_comm_hook`` says of it - refused by torch where it reports no CUDA 11+ and
+    NCCL 2.10+ (a CPU build: "BF16 all reduce communication hook required ..."), taken
+    where a CUDA build of torch finds them, even on a machine without a GPU."""
+    for outcome in _get(ranks, "errors"):
+        by_ddp = outcome["bf16_hook_on_gloo_by_ddp"]
+        assert outcome["bf16_hook_on_gloo"] == by_ddp
+        if torch.version.cuda is None and torch.version.hip is None:
+            assert "TypeError: BF16 all reduce communication hook required" in by_ddp
 
 
 def test_check_allows_single_process_and_dtensors():

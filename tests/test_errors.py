@@ -294,6 +294,10 @@ def test_ddp_options_that_cannot_be_exact_are_refused_at_attach(case, process_gr
         if reducer is not None:
             torch._dynamo.config.optimize_ddp = reducer
         ddp = torch.nn.parallel.DistributedDataParallel(m, **kwargs(m))
+    except (AssertionError, RuntimeError) as e:  # (torch 2.4 makes a CUDA stream for it)
+        if case != "mixed_precision" or torch.cuda.is_available():
+            raise
+        pytest.skip(f"DDP's mixed_precision needs CUDA on torch {torch.__version__}: {e}")
     finally:
         torch._dynamo.config.optimize_ddp = previous
     opt = layeropt.Adam(ddp.parameters(), lr=0.1)

@@ -120,6 +120,9 @@ def test_hf_trainer_with_fsdp_is_refused(runs):
     out, before anything is stepped (README, docs/integrations.md)."""
     for r in runs("hf"):
         outcome = r["fsdp-refused/layeropt"]
+        if "no available devices found" in outcome.get("error", ""):  # (before layeropt's)
+            pytest.skip(f"FSDP under this accelerate and torch {torch.__version__} needs a "
+                        f"GPU: {outcome['error'][:120]}")
         assert outcome.get("error", "").startswith("TrainerSetupError:"), outcome
         assert "not FSDP or DeepSpeed" in outcome["error"], outcome
 

@@ -131,7 +131,7 @@ class _LateBranch(Net):
         x, y = batch
         h = self.net[:3](x)
         out = self.net[3](h) + (self.branch(h) if self.global_step >= 1 else 0)
-        return torch.nn.functional.mse_loss(out.float(), y)
+        return torch.nn.functional.mse_loss(out.float(), y.float())  # (torch 2.4: one dtype)
 
 
 @pytest.mark.parametrize("setup", ["plain", "accumulate-2"])

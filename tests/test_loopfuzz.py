@@ -30,14 +30,21 @@ BLOCKS = [
 ]
 
 
+# the share of a block that must end exact (the programs train: a mix that only refused
+# would pass): a third; chaos's shuffled loops refuse more - 38% of 800 exact (seeds
+# 656,000-656,799, torch 2.13, 2026-12-07), and which programs a seed draws depends on the
+# torch release (its optimizers and options): 19 of 60 on DDP with torch 2.4.1
+def exact_share(mix: str) -> float:
+    return 1 / 4 if mix == "chaos" else 1 / 3
+
+
 @pytest.mark.parametrize("mix,n", BLOCKS, ids=[b[0] for b in BLOCKS])
 def test_random_loops_equal_torch_or_are_refused(mix, n):
     if mix == "thirdparty" and not installed_third_party():
         pytest.skip("needs schedulefree or bitsandbytes (the optimizers extra)")
     torch.set_num_threads(1)
     outcomes = run_block(mix, 0, n * SOAK)
-    # the programs train: most end exact, not refused (a mix that only refused would pass)
-    assert_block(outcomes, "loopfuzz.py", mix, 1 / 3)
+    assert_block(outcomes, "loopfuzz.py", mix, exact_share(mix))
 
 
 # The same programs on a DistributedDataParallel model and on an FSDP2 one (a process
@@ -49,7 +56,7 @@ WRAPPED = [("all", 40), ("chaos", 60), ("resume", 20)]
     not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8"))])
 @pytest.mark.parametrize("mix,n", WRAPPED, ids=[b[0] for b in WRAPPED])
 def test_random_loops_on_ddp_and_fsdp2(mix, n, wrap):
-    assert_wrapped_block(run_block, "loopfuzz.py", mix, n * SOAK, wrap, 1 / 3)
+    assert_wrapped_block(run_block, "loopfuzz.py", mix, n * SOAK, wrap, exact_share(mix))
 
 
 # The same on a torch.compile'd model (aot_eager, compiled afresh each program): each
@@ -59,7 +66,7 @@ COMPILED = [("all", 12), ("chaos", 12)]
 
 @pytest.mark.parametrize("mix,n", COMPILED, ids=[b[0] for b in COMPILED])
 def test_random_loops_on_a_compiled_model(mix, n):
-    assert_wrapped_block(run_block, "loopfuzz.py", mix, n * SOAK, "compile", 1 / 3)
+    assert_wrapped_block(run_block, "loopfuzz.py", mix, n * SOAK, "compile", exact_share(mix))
 
 
 # The same on two processes, each rank its own batches (loopfuzz.programs_on_ranks): the

@@ -20,7 +20,7 @@ from harness import assert_same
 import layeropt
 
 peft = pytest.importorskip("peft")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 from transformers import (  # noqa: E402
     LlamaConfig,
@@ -90,6 +90,10 @@ CASES = [
     f"{k}-{'-'.join(f'{a}={b}' for a, b in t.items() if a != 'gradient_checkpointing_kwargs')}"
     for k, t in CASES])
 def test_lora_in_the_trainer_matches_torch_optim(kind, targs):
+    reentrant = targs.get("gradient_checkpointing_kwargs", {}).get("use_reentrant")
+    if reentrant and int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4's Trainer checkpoints a PEFT model's frozen inputs "
+                    "reentrantly without enable_input_require_grads: torch.optim's run fails")
     runs = {}
     for side in ("torch", "layeropt"):
         model, probe = lora_model(), _Grads()
