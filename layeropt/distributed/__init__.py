@@ -47,7 +47,8 @@ def _fsdp_held(fsdp_params: list[Any]) -> list[tuple[Any, Tensor | None, Tensor 
     them, and pass 2 must find them again, as the one backward of torch's recipe does."""
     held = []
     for fsdp_param in fsdp_params:
-        accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+        # (its own buffer before torch 2.15; there, a read-only property of the .grad below)
+        accumulated = vars(fsdp_param).get("unsharded_accumulated_grad")
         param = getattr(fsdp_param, "_unsharded_param", None)
         grad = None if param is None else param.grad
         if accumulated is not None or grad is not None:
@@ -140,7 +141,8 @@ class TwoPasses:
             for p, kept in grads.items():
                 p.grad = kept.restored()
             for fsdp_param, accumulated, grad in held:  # (pass 1 reduced and dropped them)
-                fsdp_param.unsharded_accumulated_grad = accumulated
+                if "unsharded_accumulated_grad" in vars(fsdp_param):
+                    fsdp_param.unsharded_accumulated_grad = accumulated
                 fsdp_param._unsharded_param.grad = grad
 
     def arm(self, loss: Tensor) -> None:
