@@ -93,8 +93,10 @@ def backward(
     Args:
         loss: the (scaled) loss to differentiate.
         optimizer: the attached layeropt optimizer(s); default: every attached one
-            (one you no longer reference counts until Python collects it, if a
-            reference cycle keeps it: remove its attachment, or pass ``optimizer``).
+            (one you no longer reference counts while something keeps it alive - a
+            reference cycle until Python collects it, the traceback of an exception
+            raised while it trained, which a notebook keeps: remove its attachment, or
+            pass ``optimizer``).
             Without a scaler, attached optimizers owning some of ``parameters`` are
             added (``clip_grad_norm_(parameters)`` clips them whoever steps them).
         max_norm: clip the global gradient norm to this value (``None``: no

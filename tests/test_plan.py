@@ -409,6 +409,29 @@ def test_a_row_is_the_same_planned_alone_beside_others_or_in_forked_jobs(tmp_pat
         assert measure(workload, [rows[i]], jobs=1) == (n, [together[i]]), rows[i].label
 
 
+def test_grouped_query_attention_is_planned_where_the_cpu_operator_cannot_take_it(
+        monkeypatch):
+    """A GQA model (llama: 4 query heads, 2 key/value heads) on a torch whose CPU flash
+    operator returns the key's gradient with the query's heads (torch 2.6: the plan
+    crashed in backward): the plan repeats the key and value heads first, as
+    transformers' ``repeat_kv`` does, and counts the copies - a peak at least the one
+    planned with the operator taking GQA as a GPU's kernel does (this torch's)."""
+    from layeropt.plan import devices
+    from layeropt.plan.execute import simulate as measure
+    from layeropt.plan.variants import default_variants
+    from layeropt.plan.workloads import hf_workload
+
+    if not devices._flash_takes_gqa():  # (torch 2.6's: the plan repeats the heads)
+        pytest.skip(f"torch {torch.__version__}'s CPU flash operator takes no GQA")
+    workload = hf_workload(hf_config("llama"), seq=SEQ, batch=1, dtype=torch.bfloat16)
+    row = default_variants(workload, ["torch.optim.AdamW"])[:1]
+    _, [native] = measure(workload, row, jobs=1)
+    monkeypatch.setattr(devices, "_flash_takes_gqa", lambda: False)
+    _, [repeated] = measure(workload, row, jobs=1)
+    assert repeated.peak_bytes >= native.peak_bytes
+    assert repeated.start_bytes == native.start_bytes
+
+
 # -- command line ------------------------------------------------------------
 def test_cli_json_for_a_config_file(tmp_path, capsys):
     cfg = hf_config("llama")

@@ -75,7 +75,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from harness import TORCH, leave_rank
+from harness import leave_rank
 from loopfuzz import (
     _diff,
     cli,
@@ -174,12 +174,6 @@ def _draw_accelerate(r: random.Random) -> dict[str, Any]:
             "ddp": r.choice(DDP_OPTIONS), "held": r.random() < 0.5}
 
 
-def _resumable(step: int | None) -> int | None:
-    """A drawn resume step, where transformers can resume: its ``torch.load`` of the
-    checkpoint needs torch 2.6 (before, both runs raise: a tool error, not a program)."""
-    return step if TORCH >= (2, 6) else None
-
-
 def _draw_hf(r: random.Random) -> dict[str, Any]:
     kind = r.choice(["trainer", "trainer", "callback"])
     # the callback refuses max_grad_norm > 0 and needs the layeropt optimizer handed to it
@@ -193,7 +187,7 @@ def _draw_hf(r: random.Random) -> dict[str, Any]:
             "sched": r.choice(["linear", "cosine", "constant_with_warmup", "constant"]),
             "warmup": r.choice([0, 1, 2]), "bf16": r.random() < 0.3, "eval": r.random() < 0.3,
             "stop": r.choice([("steps", r.randint(2, 5)), ("epochs", r.choice([1, 2]))]),
-            "resume": _resumable(r.choice([1, 2, 3]) if r.random() < 0.2 else None),
+            "resume": r.choice([1, 2, 3]) if r.random() < 0.2 else None,
             "loss_kwargs": r.random() < 0.3, "verify": r.random() < 0.15,
             "offload": r.random() < 0.15,
             "lm": r.choice(["plain", "ck", "ckre"]) if r.random() < 0.25 else None,

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -75,7 +76,7 @@ class Target:
         tracker.storage_size = self.storage_size
         with contextlib.ExitStack() as stack:
             if self.name == "cuda":
-                sdpa = _flash_attention(F.scaled_dot_product_attention)
+                sdpa = _flash_attention(F.scaled_dot_product_attention, _flash_takes_gqa())
                 stack.enter_context(_patched(F, "scaled_dot_product_attention", sdpa))
             else:
                 stack.enter_context(_rng_state_counted(tracker))
@@ -147,14 +148,35 @@ def _flash_backward_workspace(q: Tensor, k: Tensor) -> int:
     return total
 
 
-def _flash_attention(original: Any) -> Any:
+@functools.cache
+def _flash_takes_gqa() -> bool:
+    """Whether this torch's CPU flash operator takes fewer key/value heads than query
+    heads (grouped-query attention) in backward. torch 2.6's returns the key's gradient
+    with the query's heads (autograd refuses it; on real tensors the kernel reads past
+    the key); 2.13's takes them. Tried on fake tensors: nothing runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode():
+            q, k, v = (torch.empty(1, h, 8, 8, requires_grad=True) for h in (4, 2, 2))
+            out, _ = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+            out.sum().backward()
+            return tuple(k.grad.shape) == tuple(k.shape)
+    except RuntimeError:
+        return False
+
+
+def _flash_attention(original: Any, gqa: bool = True) -> Any:
     """``F.scaled_dot_product_attention`` that always takes the flash kernel's operator.
 
     The GPU picks flash attention (memory-efficient attention with a mask:
     the same memory, outputs and ``logsumexp``), never the math fallback CPU
     takes for dropout; the CPU flash operator has the same outputs. (A
     function, not a ``TorchFunctionMode``: modes are not active when
-    checkpointing recomputes in backward.)
+    checkpointing recomputes in backward.) Grouped-query attention goes to it
+    as it is where the operator takes it (``gqa``); elsewhere the key and value
+    heads are repeated first, as ``transformers``' ``repeat_kv`` does - the
+    copies are counted, where a GPU's flash kernel makes none.
     """
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
@@ -163,6 +185,9 @@ def _flash_attention(original: Any) -> Any:
         q, k, v = bound["query"], bound["key"], bound["value"]
         if q.dim() != 4 or q.shape[-1] > 256 or q.shape[1] % k.shape[1]:
             return original(*args, **kwargs)  # nothing the flash kernel would take
+        if not gqa and k.shape[1] != q.shape[1]:  # (this torch's operator: one head each)
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         mask = bound.get("attn_mask")
         if mask is not None and mask.dtype == torch.bool:
             mask = mask.new_zeros(mask.shape, dtype=q.dtype)  # as the kernel's additive mask
