@@ -64,6 +64,12 @@ class Target:
     def __repr__(self) -> str:
         return f"Target({self.name!r})"
 
+    def prepare(self) -> None:
+        """What it asks of this torch before a step is planned, outside its modes (a
+        fake tensor mode, the tracker): whether the CPU flash operator takes GQA."""
+        if self.name == "cuda":
+            _flash_takes_gqa()
+
     @contextlib.contextmanager
     def kernels(self, tracker: Any) -> Iterator[None]:
         """Inside: operators run (and allocate) as on this device.

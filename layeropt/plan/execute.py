@@ -141,6 +141,7 @@ def simulate(
         PlanError: a variant does not apply to this workload.
     """
     tgt = target(device)
+    tgt.prepare()  # (before any mode, and before forking: the workers inherit it)
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise PlanError(f"accumulate must be a whole number of micro-batches >= 1, got "
                         f"{accumulate!r}")
