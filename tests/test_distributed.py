@@ -257,7 +257,7 @@ def _train_steps(
                 if not last and accum in ("no_step", "both") and layer:
                     ctx.enter_context(opt.no_step())
                 x, y = _batch(step, rank, micro)
-                loss = F.mse_loss(wrapped(x), y) / n
+                loss = F.mse_loss(wrapped(x).float(), y) / n  # (torch 2.11: one dtype)
                 loss = amp.scale(loss) if amp is not None else loss
                 if last and layer and (clip is not None or amp is not None):
                     layeropt.backward(loss, opt, max_norm=clip, scaler=amp)

@@ -409,6 +409,30 @@ def test_a_row_is_the_same_planned_alone_beside_others_or_in_forked_jobs(tmp_pat
         assert measure(workload, [rows[i]], jobs=1) == (n, [together[i]]), rows[i].label
 
 
+def test_rows_run_here_where_forked_workers_cannot_backward(monkeypatch):
+    """On a CUDA build of torch (2.11 here, 2026-12-07) a backward on fake tensors - any
+    plan measured in the process - starts autograd's device threads, and a child forked
+    after it raises "Unable to handle autograd's threading in combination with
+    fork-based multiprocessing" at its first backward; nothing tells beforehand. The
+    rows then run in the planning process: the same measurements as ``jobs=1``."""
+    from layeropt.plan import parallel
+    from layeropt.plan.execute import simulate as measure
+    from layeropt.plan.variants import default_variants
+    from layeropt.plan.workloads import hf_workload
+
+    def no_backward_after_fork(*args, **kwargs):
+        raise RuntimeError("Unable to handle autograd's threading in combination with fork-"
+                           "based multiprocessing. See https://github.com/pytorch/pytorch/"
+                           "wiki/Autograd-and-Fork")
+
+    workload = hf_workload(hf_config("llama"), seq=SEQ, batch=1, dtype=torch.bfloat16)
+    rows = default_variants(workload, ["torch.optim.AdamW"])[:2]
+    alone = measure(workload, rows, jobs=1)
+    monkeypatch.setattr(parallel, "can_fork", lambda: True)
+    monkeypatch.setattr(parallel, "run_sharded", no_backward_after_fork)
+    assert measure(workload, rows, jobs=2) == alone
+
+
 def test_grouped_query_attention_is_planned_where_the_cpu_operator_cannot_take_it(
         monkeypatch):
     """A GQA model (llama: 4 query heads, 2 key/value heads) on a torch whose CPU flash

@@ -141,7 +141,6 @@ def simulate(
         PlanError: a variant does not apply to this workload.
     """
     tgt = target(device)
-    tgt.prepare()  # (before any mode, and before forking: the workers inherit it)
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise PlanError(f"accumulate must be a whole number of micro-batches >= 1, got "
                         f"{accumulate!r}")
@@ -160,10 +159,18 @@ def simulate(
         if can_fork():
             options = {"device": device, "bucket_cap_mb": bucket_cap_mb,
                        "accumulate": accumulate}
-            return run_sharded(simulate, workload, variants, units, jobs, progress, options)
+            try:
+                return run_sharded(simulate, workload, variants, units, jobs, progress, options)
+            except RuntimeError as e:  # (the rows run here instead: below)
+                if "Autograd-and-Fork" not in str(e):
+                    raise
+                # autograd's device threads run in this process (a CUDA build starts them
+                # at a backward on fake tensors: an earlier plan's), and a forked child
+                # cannot backward; nothing tells beforehand
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _prime_caches(variants)
+    tgt.prepare()  # (before its modes; not before forking: a backward there stops theirs)
     live = LiveBytes()
     live.log = [] if tgt.name == "cuda" else None
     with contextlib.ExitStack() as stack:
