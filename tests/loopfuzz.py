@@ -997,6 +997,7 @@ def assert_block(outcomes: list[dict[str, Any]], script: str, mix: str, exact_sh
                         f" (python tests/{script} --mix {mix} --minimize {failed[0]['seed']})")
     counts = collections.Counter(o["status"] for o in outcomes)
     runnable = sum(not o.get("unrunnable") and o["status"] != "tool-error" for o in outcomes)
+    assert counts["tool-error"] <= len(outcomes) // 2, counts  # (the tool itself fails here)
     assert counts["exact"] >= runnable * exact_share, counts
     return counts
 

@@ -28,11 +28,7 @@ from layeropt.integrations.accelerate import (  # noqa: E402
 from layeropt.models import make_model  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+# (accelerate's process-wide state is reset after each test: tests/conftest.py)
 
 
 def _loop(kind: str, *, ga: int = 1, clip: str | None = None, scaler: bool = False,
