@@ -1323,7 +1323,7 @@ def test_params_of_other_optimizers_get_the_averaged_grad(ranks):
         assert_same(run["params_True"], run["params_False"], "params")
 
 
-LOCAL = "AttachError: a layeropt hook was about to step a parameter"
+LOCAL = "AttachError: a layeropt hook was about to step parameter '0.weight'"
 # case -> what the outcome must contain (the error and the fix it names)
 ERRORS = {
     "other_comm_hook": ["AttachError: this DDP model already has a communication hook",

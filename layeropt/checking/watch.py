@@ -23,6 +23,9 @@ own) decides whether the loop's numbers would differ from torch's:
   guarded as torch's functions are (:meth:`Watchers.watch_tools`). accelerate >= 1.16
   keeps only parameters whose ``.grad`` is set before it reaches torch, so
   torch's functions alone cannot see such a clip.
+* torch's pipeline schedules' ``step`` (``torch.distributed.pipelining``, once
+  imported): it sums its micro-batches' gradients before the loop steps, so the
+  attached optimizers hold theirs while it runs (``layeropt/distributed/pipelining.py``).
 * ``nn.Module.zero_grad``: gradients a backward already applied, discarded
   by the loop (``Engine.check_discard``; the optimizer's ``zero_grad`` is
   layeropt's own).
@@ -310,7 +313,7 @@ class Watchers:
     def __init__(self) -> None:
         self.users = 0  # live attachments
         self.undo: list[Callable[[], None]] = []  # newest last
-        self.tools = False  # accelerate's clipping guarded
+        self.tools: set[str] = set()  # the TOOLS watched
 
     def acquire(self) -> None:
         self.users += 1
@@ -322,7 +325,7 @@ class Watchers:
         if self.users == 0:
             while self.undo:
                 self.undo.pop()()
-            self.tools = False
+            self.tools = set()
 
     def _replace(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         """``owner.name`` wrapped by ``make``; undone only while it is still ours (a
@@ -388,19 +391,41 @@ class Watchers:
         return False
 
     def watch_tools(self) -> None:
-        """Guard the clipping methods of the training tools imported by now (accelerate's
-        ``Accelerator``); called at install and when a backward reaches an engine, so a
-        tool imported after ``attach`` is guarded before its first clip (O(1))."""
-        if self.tools or not self.users:
+        """Watch the training tools imported by now (:data:`TOOLS`); called at install and
+        when a backward reaches an engine, so a tool imported after ``attach`` is watched
+        before its first clip (O(1) once all are)."""
+        if not self.users or len(self.tools) == len(TOOLS):
             return
-        cls = getattr(sys.modules.get("accelerate"), "Accelerator", None)
-        if cls is None:
-            return
-        for name, by_norm in (("clip_grad_norm_", True), ("clip_grad_value_", False)):
-            if name in cls.__dict__:
-                self._replace(cls, name, functools.partial(
-                    _guard_method, by_norm=by_norm, name=f"Accelerator.{name}"))
-        self.tools = True
+        for name, watch in TOOLS.items():
+            module = sys.modules.get(name)
+            if name not in self.tools and module is not None and watch(self._replace, module):
+                self.tools.add(name)  # (not while the module is still being imported)
+
+
+def _watch_accelerate(replace: Callable[..., None], module: Any) -> bool:
+    """accelerate's ``Accelerator.clip_grad_norm_`` / ``clip_grad_value_``, guarded as
+    torch's functions are."""
+    cls = getattr(module, "Accelerator", None)
+    for name, by_norm in (("clip_grad_norm_", True), ("clip_grad_value_", False)):
+        if cls is not None and name in cls.__dict__:
+            replace(cls, name, functools.partial(
+                _guard_method, by_norm=by_norm, name=f"Accelerator.{name}"))
+    return cls is not None
+
+
+def _watch_pipelining(replace: Callable[..., None], module: Any) -> bool:
+    """torch's pipeline schedules: ``step()`` holds the attached gradients
+    (``layeropt/distributed/pipelining.py``)."""
+    from ..distributed.pipelining import watch_schedules
+
+    return watch_schedules(replace, module)
+
+
+# the tools watched once imported: module -> what watches it
+TOOLS: dict[str, Callable[[Callable[..., None], Any], bool]] = {
+    "accelerate": _watch_accelerate,
+    "torch.distributed.pipelining.schedules": _watch_pipelining,
+}
 
 
 WATCHERS = Watchers()

@@ -1,4 +1,5 @@
-"""Distributed training: in-backward updates on DDP and FSDP2, never on local gradients.
+"""Distributed training: in-backward updates on DDP, FSDP2 and tensor-parallel DTensors,
+never on local gradients.
 
 A data-parallel replica may only be updated with the gradient averaged over
 all processes, so layeropt steps where torch's engines finish averaging:
@@ -12,6 +13,11 @@ all processes, so layeropt steps where torch's engines finish averaging:
   afterwards.
 * **FSDP2**: ``fully_shard`` calls the sharded parameters' post-accumulate-grad
   hooks itself right after each reduce-scatter, so ``layeropt.attach`` works.
+* **Tensor parallelism** (``parallelize_module``): a DTensor parameter's gradient is
+  complete when autograd accumulates it (the collectives run on activations), so
+  ``layeropt.attach`` steps it in its own hook.
+* **Pipeline schedules** (``pipelining.py``): a schedule's ``step()`` sums its
+  micro-batches' gradients, so the attached optimizers hold theirs inside it.
 * :func:`check_local_hooks_allowed`: the plain hooks' guard against stepping
   a replica on its local gradient.
 
@@ -75,13 +81,16 @@ class _Kept:
 
 
 TWO_PASSES_PLAIN_ERROR = (
-    "layeropt.backward(max_norm=/clip_value=/scaler=) on {world} processes with a model "
-    "attached by plain hooks (not its DistributedDataParallel wrapper): its two backward "
-    "passes go through DDP's reducer, which averages only the first, so the parameters "
-    "DDP wraps outside layeropt's attachments (another optimizer's) would keep this "
-    "process's local gradient, and the attached ones would step it. Attach the wrapper "
-    "after wrapping (layeropt.attach(ddp_model, opt)), or, where every process trains its "
-    "own model, call layeropt.distributed.allow_local_updates(model). Nothing was updated."
+    "layeropt.backward(max_norm=/clip_value=/scaler=) on {world} processes with "
+    "parameter {name} attached by a plain hook, neither a DTensor nor allowed local "
+    "updates: it would be stepped on this process's local gradient. Under "
+    "DistributedDataParallel the two backward passes go through DDP's reducer, which "
+    "averages only the first, so the parameters DDP wraps outside layeropt's attachments "
+    "(another optimizer's) would keep their local gradients too: attach the wrapper after "
+    "wrapping (layeropt.attach(ddp_model, opt)). Under tensor parallelism "
+    "(parallelize_module), shard it (SequenceParallel) or, where every rank gets the same "
+    "batch, call layeropt.distributed.allow_local_updates on its module; where every "
+    "process trains its own model, on the model. Nothing was updated."
 )
 
 TWO_PASSES_HOOK_ERROR = (
@@ -124,9 +133,10 @@ class TwoPasses:
                     continue
                 if a.model is not None:
                     self.fsdp_params += _fsdp_params(a.model)
-                if not all(local_gradient_allowed(p, world) for _, p in a.named):
-                    # (as its hooks would, if the backward reached them)
-                    raise AttachError(TWO_PASSES_PLAIN_ERROR.format(world=world))
+                for name, p in a.named:  # (as its hooks would, if the backward reached them)
+                    if not local_gradient_allowed(p, world):
+                        raise AttachError(TWO_PASSES_PLAIN_ERROR.format(world=world,
+                                                                        name=repr(name)))
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:

@@ -29,6 +29,7 @@ __all__ = [
     "world_size",
     "is_dtensor",
     "check_local_hooks_allowed",
+    "refuse_local_gradients",
     "allow_local_updates",
     "hooked_by",
     "mark_hooked",
@@ -101,7 +102,7 @@ def local_gradient_allowed(param: Tensor, world: int) -> bool:
     return world <= 1 or is_dtensor(param) or param.__dict__.get(_LOCAL_OK, False)
 
 
-def check_local_hooks_allowed(param: Tensor) -> None:
+def check_local_hooks_allowed(param: Tensor, name: str | None = None) -> None:
     """Refuse to step ``param`` from a plain hook when that would use a local gradient.
 
     Called by layeropt's post-accumulate-grad hook before it touches the
@@ -110,7 +111,8 @@ def check_local_hooks_allowed(param: Tensor) -> None:
     parameters passed to :func:`allow_local_updates`.
 
     Args:
-        param: the parameter whose hook fired.
+        param: the parameter whose hook fired (or is about to).
+        name: its name in the model, for the message (default: its shape).
 
     Returns:
         None.
@@ -127,16 +129,35 @@ def check_local_hooks_allowed(param: Tensor) -> None:
     world = world_size()
     if local_gradient_allowed(param, world):
         return
+    what = repr(name) if name is not None else f"of shape {tuple(param.shape)}"
     raise AttachError(
-        f"a layeropt hook was about to step a parameter of shape {tuple(param.shape)} "
-        f"with this process's local gradient, but torch.distributed runs {world} "
-        "processes: the replicas would drift apart. Under DistributedDataParallel, "
-        "attach to the wrapper after wrapping (handle.remove(); "
-        "layeropt.attach(ddp_model, opt), i.e. layeropt.distributed.attach_ddp), so "
-        "each bucket is stepped after its all-reduce. Under FSDP2, call fully_shard "
-        "first, then build the optimizer and attach. If every process deliberately "
-        "trains its own model, call layeropt.distributed.allow_local_updates(model)."
+        f"a layeropt hook was about to step parameter {what} with this process's local "
+        f"gradient, but torch.distributed runs {world} processes: the replicas would "
+        "drift apart. Under DistributedDataParallel, attach to the wrapper after "
+        "wrapping (handle.remove(); layeropt.attach(ddp_model, opt), i.e. "
+        "layeropt.distributed.attach_ddp), so each bucket is stepped after its "
+        "all-reduce. Under FSDP2, call fully_shard first, then build the optimizer and "
+        "attach. Under tensor parallelism alone (parallelize_module), a parameter it "
+        "leaves a plain tensor (a norm outside SequenceParallel) has the same gradient "
+        "on every rank only if every rank gets the same batch: shard it too, or where "
+        "that holds call layeropt.distributed.allow_local_updates on its module. If every "
+        "process deliberately trains its own model (or its own pipeline stages), call "
+        "layeropt.distributed.allow_local_updates(model)."
     )
+
+
+def refuse_local_gradients(attachments: Iterable[Any]) -> None:
+    """:func:`check_local_hooks_allowed` on every trainable parameter these attachments
+    hook with plain hooks (a DDP attachment's come averaged), before a backward steps any
+    of them: one hook checks only its own, and tensor parallelism's plain norms land
+    after its DTensor layers, which would have been stepped."""
+    world = world_size()
+    for attachment in list(attachments):
+        if not getattr(attachment, "averaged", False):
+            owned = {id(p) for p in attachment.owned}
+            for name, p in attachment.named:
+                if p.requires_grad and id(p) in owned and not local_gradient_allowed(p, world):
+                    check_local_hooks_allowed(p, name)
 
 
 def allow_local_updates(params: nn.Module | Iterable[Tensor]) -> None:

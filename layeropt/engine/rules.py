@@ -69,7 +69,7 @@ from torch import Tensor
 from ..checking import watch as _watch
 from . import nesting
 from .nesting import TaskEnd, _graph_task_id
-from .registry import check_local_hooks_allowed, world_size
+from .registry import check_local_hooks_allowed, refuse_local_gradients, world_size
 from .boundaries import Group, StepRecord, StepRules
 from .zeroing import ZEROS_IN_GRAD
 from .wholestep import whole_step
@@ -398,6 +398,8 @@ class Rules(StepRules):
 
     def _decide(self, rec: BackwardRecord) -> None:
         """Rules 6 and 7 for a backward that reaches this engine's parameters."""
+        if rec.distributed:  # (before any of it steps: a hook checks only its own)
+            refuse_local_gradients(self.attachments)
         rec.unchecked = False
         if self.last is not rec:  # begun by a torch segment: it reaches the engine now
             self.last = rec

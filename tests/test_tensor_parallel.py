@@ -1,0 +1,199 @@
+"""Tensor parallelism (``parallelize_module``), alone and under FSDP2 (2-D): layeropt steps
+each DTensor parameter as its gradient lands and ends bit for bit where the same loop with
+torch.optim ends (parameters and optimizer state), on two and four gloo ranks on CPU.
+
+Every tensor-parallel rank sees the same batch; the data-parallel ranks of the 2-D mesh
+each their own. Parameters tensor parallelism leaves as plain tensors (norms outside
+``SequenceParallel``) are refused before anything steps, unless allowed
+(``layeropt.distributed.allow_local_updates``), as anywhere several processes run.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import layeropt
+from harness import FSDP2_ON_CPU, TORCH, assert_same
+from loopfuzz import full, on_ranks
+from layeropt.errors import AttachError
+
+pytestmark = [
+    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.skipif(TORCH < (2, 5), reason="tensor parallelism on CPU from torch 2.5"),
+]
+
+# name: (world, 2-D, norms sharded by SequenceParallel, optimizer, options, micro-batches,
+# max_norm). 2-D: a (data 2, tensor 2) mesh, FSDP2 over the data dimension.
+CASES: dict[str, tuple[int, bool, bool, str, dict[str, Any], int, float | None]] = {
+    "tp-seqpar-adam": (2, False, True, "Adam", dict(lr=0.01), 1, None),
+    "tp-seqpar-adamw-accum-clip": (
+        2, False, True, "AdamW", dict(lr=0.01, weight_decay=0.1), 2, 0.05),
+    "tp-seqpar-sgd-clip": (2, False, True, "SGD", dict(lr=0.1, momentum=0.9), 1, 0.05),
+    "tp-plain_norms_allowed-adam-accum": (2, False, False, "Adam", dict(lr=0.01), 2, None),
+    "2d-seqpar-adam-accum-clip": (4, True, True, "Adam", dict(lr=0.01), 2, 0.05),
+    "2d-plain_norms-sgd": (4, True, False, "SGD", dict(lr=0.1, momentum=0.9), 1, None),
+}
+STEPS = 3
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def _model(mesh: Any, seqpar: bool, final_norm: bool = True) -> nn.Module:
+    """Two blocks (and a norm): ``up`` column-, ``down`` row-parallel; the norms sharded
+    along the sequence (``seqpar``) or left plain."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block(), *([nn.LayerNorm(8)] if final_norm else []))
+    plan: dict[str, Any] = {}
+    for i in (0, 1):
+        if seqpar:
+            plan[f"{i}.norm"] = SequenceParallel()
+            plan[f"{i}.up"] = ColwiseParallel(input_layouts=Shard(1))
+            plan[f"{i}.down"] = RowwiseParallel(output_layouts=Shard(1))
+        else:
+            plan[f"{i}.up"], plan[f"{i}.down"] = ColwiseParallel(), RowwiseParallel()
+    if seqpar and final_norm:
+        plan["2"] = SequenceParallel()
+    return parallelize_module(model, mesh, plan)
+
+
+def _mesh(two_d: bool) -> tuple[Any, Any, int]:
+    """The tensor-parallel mesh, the data-parallel one (or None), and this rank's place
+    along the data dimension."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not two_d:
+        return init_device_mesh("cpu", (dist.get_world_size(),)), None, 0
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return mesh["tp"], mesh["dp"], mesh["dp"].get_local_rank()
+
+
+def _loss(model: nn.Module, step: int, micro: int, dp_rank: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + 10 * micro + 1000 * dp_rank)
+    y = model(torch.randn(2, 4, 8, generator=g))
+    y = y.full_tensor() if hasattr(y, "full_tensor") else y
+    return y.square().mean() / n
+
+
+def _train(name: str, layer: bool) -> dict[str, Any]:
+    """One case's loop with torch.optim (``layer=False``) or layeropt: parameters and
+    optimizer state as whole tensors, and the gradients layeropt left."""
+    world, two_d, seqpar, opt_name, kw, micro, max_norm = CASES[name]
+    tp, dp, dp_rank = _mesh(two_d)
+    model = _model(tp, seqpar)
+    if dp is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in list(model)[:2]:
+            fully_shard(block, mesh=dp)
+        fully_shard(model, mesh=dp)
+    opt = getattr(layeropt if layer else torch.optim, opt_name)(model.parameters(), **kw)
+    if layer:
+        if not seqpar and dp is None:
+            layeropt.distributed.allow_local_updates(model)  # (every rank: the same batch)
+        layeropt.attach(model, opt)
+    for step in range(STEPS):
+        for m in range(micro):
+            loss = _loss(model, step, m, dp_rank, micro)
+            if not layer:
+                loss.backward()
+            elif m < micro - 1:
+                with opt.no_step():
+                    loss.backward()
+            elif max_norm is None:
+                loss.backward()
+            else:
+                layeropt.backward(loss, max_norm=max_norm)
+        if max_norm is not None and not layer:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+    return {"params": full({n: p.detach() for n, p in model.named_parameters()}),
+            "state": full(opt.state_dict()),
+            "grads_left": [n for n, p in model.named_parameters() if p.grad is not None]}
+
+
+# (bucket_cap_mb: the default, or each layer at once; layeropt.backward(max_norm=))
+REFUSED = {"default": (None, None), "cap0": (0.0, None), "max_norm": (None, 0.05)}
+
+
+def _refused(cap: float | None, max_norm: float | None) -> dict[str, Any]:
+    """Plain norms, not allowed: the first backward raises before anything steps (the
+    row-parallel layers, whose gradients land first, included: stepped before the
+    refusal until 2026-12-07 with ``bucket_cap_mb=0``)."""
+    tp, _, _ = _mesh(False)
+    model = _model(tp, seqpar=False, final_norm=False)
+    before = full({n: p.detach().clone() for n, p in model.named_parameters()})
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt, **({} if cap is None else {"bucket_cap_mb": cap}))
+    try:
+        loss = _loss(model, 0, 0, 0, 1)
+        layeropt.backward(loss, max_norm=max_norm) if max_norm else loss.backward()
+    except AttachError as e:
+        message = str(e)
+    else:
+        message = None
+    return {"message": message, "before": before,
+            "after": full({n: p.detach() for n, p in model.named_parameters()})}
+
+
+def _job(world: int, rank: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, case in CASES.items():
+        if case[0] == world:
+            out[name] = {layer: _train(name, layer) for layer in (False, True)}
+    if world == 2:
+        out["refused"] = {case: _refused(*how) for case, how in REFUSED.items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return on_ranks(functools.partial(_job, 2), world=2)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict[str, Any]]:
+    return on_ranks(functools.partial(_job, 4), world=4)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tensor_parallel_training_equals_torch_optim(name, request):
+    world, two_d = CASES[name][:2]
+    if two_d and not FSDP2_ON_CPU:
+        pytest.skip("FSDP2 runs on CPU from torch 2.8")
+    ranks = request.getfixturevalue("two_ranks" if world == 2 else "four_ranks")
+    for rank, out in enumerate(ranks):
+        torch_run, layeropt_run = out[name][False], out[name][True]
+        assert_same(layeropt_run["params"], torch_run["params"], f"rank {rank} params")
+        assert_same(layeropt_run["state"], torch_run["state"], f"rank {rank} state")
+        assert layeropt_run["grads_left"] == [], layeropt_run["grads_left"]
+    assert_same(ranks[0][name][True]["params"], ranks[-1][name][True]["params"], "replicas")
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_plain_parameters_beside_tensor_parallel_ones_are_refused_before_any_step(two_ranks,
+                                                                                 case):
+    for out in two_ranks:
+        refused = out["refused"][case]
+        assert refused["message"] is not None, "trained with local gradients"
+        assert "'0.norm.weight'" in refused["message"]
+        assert "parallelize_module" in refused["message"]
+        assert_same(refused["after"], refused["before"], "stepped before the refusal")
