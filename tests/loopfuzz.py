@@ -50,6 +50,7 @@ import atexit
 import collections
 import contextlib
 import copy
+import functools
 import gc
 import importlib
 import json
@@ -689,43 +690,72 @@ def batch_seed(seed: int) -> int:
     return seed + 7919 * dist.get_rank() if dist.is_initialized() else seed
 
 
+def fork_can_backward() -> bool:
+    """Whether a process forked from this one can run a backward. Not after a backward
+    on a CUDA build of torch that started autograd's device threads (a fake-tensor
+    backward of ``layeropt plan`` does, GPU or not): the child's first backward raises
+    "Unable to handle autograd's threading in combination with fork-based
+    multiprocessing", and nothing in torch tells beforehand. A forked probe does."""
+    if not hasattr(os, "fork"):
+        return False
+    pid = os.fork()
+    if pid == 0:  # (the child: one tiny backward, then out without cleanup)
+        try:
+            torch.ones(1, requires_grad=True).sum().backward()
+            os._exit(0)
+        except BaseException:  # noqa: BLE001 - any failure means no
+            os._exit(1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def start_method() -> str:
+    """How to start ranks from this process: forked (torch imported once) where a fork
+    can backward, else spawned (each rank imports afresh; the job must pickle)."""
+    return "fork" if fork_can_backward() else "spawn"
+
+
+def _rank(rank: int, job: Callable[[int], Any], world: int, out: str) -> None:
+    """One rank of :func:`on_ranks`."""
+    import datetime
+
+    import torch.distributed as dist
+
+    # Nothing of the parent's process group may be touched here: its gloo threads are
+    # not copied by a fork, and whatever waits on them waits for good (seen: a DDP
+    # model's reducer collected as garbage, the group destroyed). The parent closes
+    # wrap()'s group and collects before forking; what is left is frozen.
+    gc.freeze()
+    torch.set_num_threads(1)  # the ranks share the cores, as under torchrun
+    warnings.simplefilter("ignore")  # (DDP's find_unused_parameters notes, verify's)
+    if dist.is_initialized():
+        raise RuntimeError("on_ranks: a process group is open in the parent; "
+                           "destroy it before (wrap()'s own is closed here)")
+    # (a file for the rendezvous, not a port picked free beforehand: another test's
+    # processes may take that port before the ranks bind it)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    result = job(rank)
+    torch.save(result, f"{out}/rank{rank}.pt")
+    gc.collect()  # (DDP / FSDP2 modules freed while the group exists)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def on_ranks(job: Callable[[int], Any], world: int = 2, timeout_s: float = 300.0) -> list[Any]:
     """``job(rank)`` in ``world`` processes forked from this one (torch imported once, as
-    tests/test_distributed.py does), in one gloo process group; what each returned, by
-    rank. A job that raises, or a run past ``timeout_s`` (ranks waiting on one another
-    for good), raises here."""
-    import datetime
+    tests/test_distributed.py does; spawned where a fork cannot backward,
+    :func:`start_method`, and then ``job`` must pickle), in one gloo process group; what
+    each returned, by rank. A job that raises, or a run past ``timeout_s`` (ranks
+    waiting on one another for good), raises here."""
     import tempfile
     import time
 
-    import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    def worker(rank: int, out: str) -> None:
-        # Nothing of the parent's process group may be touched here: its gloo threads
-        # are not copied by a fork, and whatever waits on them waits for good (seen: a
-        # DDP model's reducer collected as garbage, the group destroyed). The parent
-        # closes wrap()'s group and collects before forking; what is left is frozen.
-        gc.freeze()
-        torch.set_num_threads(1)  # the ranks share the cores, as under torchrun
-        warnings.simplefilter("ignore")  # (DDP's find_unused_parameters notes, verify's)
-        if dist.is_initialized():
-            raise RuntimeError("on_ranks: a process group is open in the parent; "
-                               "destroy it before (wrap()'s own is closed here)")
-        # (a file for the rendezvous, not a port picked free beforehand: another test's
-        # processes may take that port before the ranks bind it)
-        dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=60))
-        result = job(rank)
-        torch.save(result, f"{out}/rank{rank}.pt")
-        gc.collect()  # (DDP / FSDP2 modules freed while the group exists)
-        dist.barrier()
-        dist.destroy_process_group()
-
-    close_wrap_group()  # (see worker)
+    close_wrap_group()  # (see _rank)
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(worker, args=(out,), nprocs=world, join=False,
-                                 start_method="fork")
+        ctx = mp.start_processes(_rank, args=(job, world, out), nprocs=world, join=False,
+                                 start_method=start_method())
         deadline = time.monotonic() + timeout_s
         try:
             while not ctx.join(timeout=max(deadline - time.monotonic(), 0.0)):
@@ -744,8 +774,14 @@ def programs_on_ranks(run: Callable[[dict[str, Any]], dict[str, Any]],
     """:func:`programs` on ``world`` processes (each rank its own batches, ``wrap`` over
     them all): each program's outcome, rank 0's where every rank's status is the same (a
     failure on any rank is rank 0's), else ``rank-mismatch`` with each rank's."""
-    per_rank = on_ranks(lambda rank: programs(run, draw, mix, start, n, wrap), world)
-    return [merged(outs) for outs in zip(*per_rank)]
+    job = functools.partial(_programs_on_rank, run, draw, mix, start, n, wrap)  # (pickles)
+    return [merged(outs) for outs in zip(*on_ranks(job, world))]
+
+
+def _programs_on_rank(run: Callable[[dict[str, Any]], dict[str, Any]],
+                      draw: Callable[[int, str], dict[str, Any]], mix: str, start: int, n: int,
+                      wrap: str, rank: int) -> list[dict[str, Any]]:
+    return programs(run, draw, mix, start, n, wrap)
 
 
 def merged(outs: tuple[dict[str, Any], ...]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Distributed: in-backward updates on DDP and FSDP2, two gloo ranks on CPU.
 
-Two ranks, forked once from this process (so torch is imported once), run
+Two ranks, forked once from this process (so torch is imported once; spawned where a
+fork cannot backward: ``loopfuzz.start_method``), run
 every scenario below and save their results; the tests then compare them here:
 
 * replicas hold bit-identical parameters after training on different data;
@@ -36,7 +37,7 @@ from torch import nn
 import layeropt
 from harness import (FSDP2_ON_CPU, SOAK, TORCH, OtherReentrant, assert_same, comm_hook,
                      needs_fsdp2)
-from loopfuzz import close_wrap_group
+from loopfuzz import close_wrap_group, start_method
 from layeropt.errors import AttachError
 
 import test_properties
@@ -1095,7 +1096,7 @@ def ranks(tmp_path_factory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("dist")
     close_wrap_group()  # (a fuzzer's one-process group, if this worker ran one before)
     ctx = mp.start_processes(
-        _worker, args=(str(out),), nprocs=WORLD, join=False, start_method="fork"
+        _worker, args=(str(out),), nprocs=WORLD, join=False, start_method=start_method()
     )
     deadline = time.monotonic() + TIMEOUT_S
     try:
