@@ -16,7 +16,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from .distributed.fsdp2 import sharded_of
+from .distributed.fsdp2 import refuse_fsdp1, sharded_of
 from .distributed.fsdp_offload import check_fsdp2_offload
 from .engine.boundaries import refuse_open_updates, take_over
 from .engine.registry import hooked_by, mark_hooked, unmark_hooked
@@ -447,6 +447,7 @@ def attach(
     if comm_hook is not None:
         raise AttachError(f"comm_hook is for a DistributedDataParallel model; this model is "
                           f"a {type(model).__name__}. Leave it out.")
+    refuse_fsdp1(model)  # (its own hook reduces after autograd accumulates)
     check_fsdp2_offload(model)  # FSDP2 + CPUOffloadPolicy: refused where torch races
     settings = Settings(bucket_cap_mb, clip_value, bucket_max_norm, norm_type)  # (checked)
     optimizers = resolve_owners(model, optimizer)

@@ -307,6 +307,25 @@ def test_ddp_options_that_cannot_be_exact_are_refused_at_attach(case, process_gr
     assert not opt.attached and ddp._comm_hooks == hooks  # (no comm hook of layeropt's)
 
 
+@pytest.mark.parametrize("orig", [False, True], ids=["flat", "use_orig_params"])
+@pytest.mark.parametrize("nested", [False, True], ids=["root", "nested"])
+def test_fsdp1_is_refused_at_attach_naming_fsdp2(process_group, orig, nested):
+    """FSDP1 reduces each flat parameter in its own hook after autograd accumulates it:
+    stepped there, layeropt would use the unreduced gradient (flat parameters) or step
+    nothing in backward (``use_orig_params``). Refused at attach, nothing hooked."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    m = _mlp()
+    fsdp = FSDP(m, use_orig_params=orig, device_id=torch.device("cpu"))
+    model = torch.nn.Sequential(fsdp) if nested else fsdp
+    opt = layeropt.Adam(model.parameters(), lr=0.1)
+    where = "module '0'" if nested else "the model"
+    with pytest.raises(AttachError, match=rf"{where} is a FullyShardedDataParallel \(FSDP1\)"
+                                          r".*fully_shard.*Nothing was attached"):
+        layeropt.attach(model, opt)
+    assert not opt.attached
+
+
 def test_bucket_max_norm_on_a_ddp_model_is_refused_naming_the_fix(process_group):
     ddp = torch.nn.parallel.DistributedDataParallel(_mlp())
     opt = layeropt.Adam(ddp.parameters(), lr=0.1)

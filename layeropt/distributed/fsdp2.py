@@ -11,16 +11,43 @@ composable state, so a submodule of a ``fully_shard`` module finds its group too
 the names read (``_fsdp_param_group.fsdp_params``, ``sharded_param``,
 ``_unsharded_param``) are the same in torch 2.8-2.15; no public API maps one
 parameter to the other.
+
+FSDP1 (``FullyShardedDataParallel``) is refused at ``attach`` (:func:`refuse_fsdp1`).
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["fsdp_params", "sharded_of"]
+from ..errors import AttachError
+
+__all__ = ["fsdp_params", "sharded_of", "refuse_fsdp1"]
+
+FSDP1_ERROR = (
+    "attach(): {where} is a FullyShardedDataParallel (FSDP1) wrapper, which "
+    "reduces and shards each flat parameter's gradient in a hook of its own after autograd "
+    "has accumulated it, where no hook of layeropt's sees the reduced shard: with "
+    "use_orig_params=False layeropt would step the local, unreduced gradient, with "
+    "use_orig_params=True nothing would be stepped in backward (and nothing saved). Shard "
+    "with FSDP2 (torch.distributed.fsdp.fully_shard), whose hooks layeropt steps in, or "
+    "keep torch.optim under FSDP1. Nothing was attached."
+)
+
+
+def refuse_fsdp1(model: nn.Module) -> None:
+    """Raise :class:`AttachError` if ``model`` is or holds an FSDP1 wrapper (looked for
+    only where torch's FSDP1 module is imported)."""
+    module = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    cls = getattr(module, "FullyShardedDataParallel", None)
+    if cls is not None:
+        for name, m in model.named_modules():
+            if isinstance(m, cls):
+                where = f"module {name!r}" if name else "the model"
+                raise AttachError(FSDP1_ERROR.format(where=where))
 
 
 def _all_fsdp_params() -> list[Any]:
