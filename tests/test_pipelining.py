@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 import layeropt
-from harness import TORCH, assert_same
-from loopfuzz import on_ranks
+from harness import FSDP2_ON_CPU, TORCH, assert_same
+from loopfuzz import full, on_ranks
 from layeropt.distributed.pipelining import PIPELINE_HOLD_WARNING
 
 pytestmark = pytest.mark.skipif(
@@ -104,6 +104,64 @@ def ranks() -> list[dict[str, Any]]:
     if TORCH < FIRST:
         pytest.skip(f"torch's pipeline schedules run on gloo on CPU from {FIRST}")
     return on_ranks(_job, world=2)
+
+
+# Pipeline x FSDP2 on four ranks (a (pp 2, dp 2) mesh, each stage's blocks fully_shard-ed
+# over dp, each dp rank its own batches): FSDP2 reduce-scatters the held sums after the
+# schedule's last backward, outside any backward - held for step() as in no_step()
+# (refused as "outside any autograd graph task" before 2026-12-07).
+FSDP2_CASES = ("ScheduleGPipe", "Schedule1F1B")
+
+
+def _train_fsdp2(name: str, rank: int, layer: bool) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+
+    opt_name, kw, clip = CASES[name]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)]
+    blocks.append(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)))
+    module = nn.Sequential(*blocks[2 * pp:2 * pp + 2])
+    for block in module:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(module, mesh=mesh["dp"])
+    stage = PipelineStage(module, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    opt = getattr(layeropt if layer else torch.optim, opt_name)(module.parameters(), **kw)
+    if layer:
+        layeropt.attach(module, opt)
+    schedule = _schedule_class(name)(stage, n_microbatches=MICRO,
+                                     loss_fn=lambda y, t: (y - t).square().mean())
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step + 100 * dp)
+        x, target = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+        schedule.step(*[x] if pp == 0 else [], **dict(target=target) if pp == 1 else {})
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(module.parameters()), clip)
+        opt.step()
+        opt.zero_grad()
+    return {"params": [p.full_tensor().detach().clone() for p in module.parameters()],
+            "state": full(opt.state_dict())}
+
+
+def _job_fsdp2(rank: int) -> dict[str, Any]:
+    return {name: {layer: _train_fsdp2(name, rank, layer) for layer in (False, True)}
+            for name in FSDP2_CASES}
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict[str, Any]]:
+    if TORCH < FIRST or not FSDP2_ON_CPU:
+        pytest.skip(f"pipeline schedules and FSDP2 on gloo: torch >= {FIRST}")
+    return on_ranks(_job_fsdp2, world=4)
+
+
+@pytest.mark.parametrize("name", FSDP2_CASES)
+def test_pipeline_stages_under_fsdp2_equal_torch_optim(four_ranks, name):
+    for rank, out in enumerate(four_ranks):
+        assert_same(out[name][True], out[name][False], f"rank {rank}")
 
 
 @pytest.mark.parametrize("name", list(CASES))

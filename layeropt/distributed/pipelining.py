@@ -10,8 +10,9 @@ step (1F1B: refused at ``step()``, after the updates).
 Inside a schedule's ``step()`` every attached optimizer holds its gradients for
 ``optimizer.step()`` (its ``no_step()``), as torch.optim keeps them: parameters and state
 equal torch.optim's, bit for bit (``tests/test_pipelining.py``: GPipe, 1F1B, interleaved,
-looped-BFS, zero-bubble and DualPipeV schedules), and no gradient is freed during those
-backwards. :data:`~layeropt.checking.watch.WATCHERS` wraps the schedules' ``step``
+looped-BFS, zero-bubble and DualPipeV schedules; stages under FSDP2, whose reduction
+after the last backward lands outside any backward and is held the same way), and no
+gradient is freed during those backwards. :data:`~layeropt.checking.watch.WATCHERS` wraps the schedules' ``step``
 methods while an attachment lives, once ``torch.distributed.pipelining`` is imported.
 """
 

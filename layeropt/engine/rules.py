@@ -269,6 +269,10 @@ class Rules(StepRules):
         """``param``'s gradient has fully accumulated, off the plain path: a new backward,
         a mode, or checkpoint pins. Returns whether it takes the plain path now."""
         task = _graph_task_id()
+        if task == -1 and self.no_step_depth and self.measure is None:  # (FSDP2 reducing
+            self.train_step.held[param] = bucket  # after a pipeline schedule's backwards:
+            self.stepper.held.up([param])  # held as in no_step(), no backward's end to wait)
+            return False
         rec = self.backward
         if rec is None or task != rec.task and not nesting.segment_depth[0]:
             # a new backward (else: the nested one of a torch reentrant segment, deferring)
