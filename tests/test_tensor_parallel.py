@@ -1,6 +1,7 @@
-"""Tensor parallelism (``parallelize_module``), alone and under FSDP2 (2-D): layeropt steps
-each DTensor parameter as its gradient lands and ends bit for bit where the same loop with
-torch.optim ends (parameters and optimizer state), on two and four gloo ranks on CPU.
+"""Tensor parallelism (``parallelize_module``), alone and under FSDP2 (2-D), and FSDP2 on
+a 2-D mesh (HSDP): layeropt steps each DTensor parameter as its gradient lands and ends bit
+for bit where the same loop with torch.optim ends (parameters and optimizer state), on two
+and four gloo ranks on CPU.
 
 Every tensor-parallel rank sees the same batch; the data-parallel ranks of the 2-D mesh
 each their own. Parameters tensor parallelism leaves as plain tensors (norms outside
@@ -154,8 +155,43 @@ def _refused(cap: float | None, max_norm: float | None) -> dict[str, Any]:
             "after": full({n: p.detach() for n, p in model.named_parameters()})}
 
 
+def _hsdp(layer: bool) -> dict[str, Any]:
+    """FSDP2 sharding over one mesh dimension and replicating over the other (HSDP), each
+    rank its own batches, two micro-batches, clipped (``layeropt.backward(max_norm=)``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    for module in (model[0], model[2], model):
+        fully_shard(module, mesh=mesh)
+    opt = (layeropt.Adam if layer else torch.optim.Adam)(model.parameters(), lr=0.01)
+    if layer:
+        layeropt.attach(model, opt)
+    for step in range(STEPS):
+        for m in range(2):
+            g = torch.Generator().manual_seed(10 * step + m + 100 * dist.get_rank())
+            loss = model(torch.randn(4, 8, generator=g)).square().mean() / 2
+            if not layer:
+                loss.backward()
+            elif m == 0:
+                with opt.no_step():
+                    loss.backward()
+            else:
+                layeropt.backward(loss, max_norm=0.05)
+        if not layer:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+    return {"params": full({n: p.detach() for n, p in model.named_parameters()}),
+            "state": full(opt.state_dict())}
+
+
 def _job(world: int, rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    if world == 4 and FSDP2_ON_CPU:
+        out["hsdp"] = {layer: _hsdp(layer) for layer in (False, True)}
     for name, case in CASES.items():
         if case[0] == world:
             out[name] = {layer: _train(name, layer) for layer in (False, True)}
@@ -186,6 +222,12 @@ def test_tensor_parallel_training_equals_torch_optim(name, request):
         assert_same(layeropt_run["state"], torch_run["state"], f"rank {rank} state")
         assert layeropt_run["grads_left"] == [], layeropt_run["grads_left"]
     assert_same(ranks[0][name][True]["params"], ranks[-1][name][True]["params"], "replicas")
+
+
+@pytest.mark.skipif(not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8")
+def test_hsdp_equals_torch_optim(four_ranks):
+    for rank, out in enumerate(four_ranks):
+        assert_same(out["hsdp"][True], out["hsdp"][False], f"rank {rank}")
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
