@@ -58,12 +58,14 @@ def test_no_import_cycles():
 
 _PATCHED = (
     "import torch, torch.nn.utils as u, torch.utils.checkpoint as tc, torch.optim.optimizer as oo\n"
+    "import torch.distributed.pipelining.schedules as ps\n"  # (a tool: watched once imported)
     "names = ('clip_grad_norm_', 'clip_grad_value_')\n"
     "def seen():\n"
     "    return ([getattr(u, n).__closure__[0].cell_contents for n in names],\n"
     "            tc.CheckpointFunction.forward, torch.amp.GradScaler.scale,\n"
     "            torch.autograd.backward, torch.nn.Module.zero_grad,\n"
-    "            len(oo._global_optimizer_pre_hooks))\n"
+    "            len(oo._global_optimizer_pre_hooks),\n"
+    "            ps.PipelineScheduleSingle.step, ps.PipelineScheduleMulti.step)\n"
     "before = seen()\n"
 )
 
