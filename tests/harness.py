@@ -31,6 +31,10 @@ TORCH = torch.torch_version.TorchVersion(torch.__version__)
 # FSDP2 runs on CPU (gloo) from torch 2.8 (tested; 2.4-2.6 need CUDA streams).
 FSDP2_ON_CPU = TORCH >= (2, 8)
 needs_fsdp2 = pytest.mark.skipif(not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8")
+# a case's runs, by name: torch.optim (None), and layeropt attached with these options (the
+# library's default buckets, and the strict schedule: each parameter at once)
+RUNS: dict[str, dict[str, Any] | None] = {
+    "torch": None, "layeropt": {}, "layeropt-cap0": {"bucket_cap_mb": 0.0}}
 try:
     from torch.distributed.fsdp import fully_shard
 except ImportError:  # torch < 2.6

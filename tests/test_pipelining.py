@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import layeropt
-from harness import FSDP2_ON_CPU, TORCH, assert_same
+from harness import FSDP2_ON_CPU, RUNS, TORCH, assert_same
 from loopfuzz import full, on_ranks
 from layeropt.distributed.pipelining import PIPELINE_HOLD_WARNING
 
@@ -69,7 +69,8 @@ def _stages(name: str, rank: int) -> tuple[Any, list[nn.Module], bool, bool]:
     return stages, [chunks[i] for i in ids], 0 in ids, 3 in ids
 
 
-def _train(name: str, rank: int, layer: bool) -> dict[str, Any]:
+def _train(name: str, rank: int, attach: dict[str, Any] | None) -> dict[str, Any]:
+    layer = attach is not None
     opt_name, kw, clip = CASES[name]
     stages, modules, first, last = _stages(name, rank)
     params = [p for m in modules for p in m.parameters()]
@@ -77,7 +78,7 @@ def _train(name: str, rank: int, layer: bool) -> dict[str, Any]:
     if layer:
         for module in modules:  # (each rank trains its own stages)
             layeropt.distributed.allow_local_updates(module)
-            layeropt.attach(module, opt)
+            layeropt.attach(module, opt, **attach)
     schedule = _schedule_class(name)(stages, n_microbatches=MICRO,
                                      loss_fn=lambda y, t: (y - t).square().mean())
     with warnings.catch_warnings(record=True) as seen:
@@ -95,7 +96,7 @@ def _train(name: str, rank: int, layer: bool) -> dict[str, Any]:
 
 
 def _job(rank: int) -> dict[str, Any]:
-    return {name: {layer: _train(name, rank, layer) for layer in (False, True)}
+    return {name: {run: _train(name, rank, attach) for run, attach in RUNS.items()}
             for name in CASES if _schedule_class(name) is not None}
 
 
@@ -113,7 +114,8 @@ def ranks() -> list[dict[str, Any]]:
 FSDP2_CASES = ("ScheduleGPipe", "Schedule1F1B")
 
 
-def _train_fsdp2(name: str, rank: int, layer: bool) -> dict[str, Any]:
+def _train_fsdp2(name: str, rank: int, attach: dict[str, Any] | None) -> dict[str, Any]:
+    layer = attach is not None
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage
@@ -131,7 +133,7 @@ def _train_fsdp2(name: str, rank: int, layer: bool) -> dict[str, Any]:
     stage = PipelineStage(module, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
     opt = getattr(layeropt if layer else torch.optim, opt_name)(module.parameters(), **kw)
     if layer:
-        layeropt.attach(module, opt)
+        layeropt.attach(module, opt, **attach)
     schedule = _schedule_class(name)(stage, n_microbatches=MICRO,
                                      loss_fn=lambda y, t: (y - t).square().mean())
     for step in range(STEPS):
@@ -147,7 +149,7 @@ def _train_fsdp2(name: str, rank: int, layer: bool) -> dict[str, Any]:
 
 
 def _job_fsdp2(rank: int) -> dict[str, Any]:
-    return {name: {layer: _train_fsdp2(name, rank, layer) for layer in (False, True)}
+    return {name: {run: _train_fsdp2(name, rank, attach) for run, attach in RUNS.items()}
             for name in FSDP2_CASES}
 
 
@@ -161,7 +163,8 @@ def four_ranks() -> list[dict[str, Any]]:
 @pytest.mark.parametrize("name", FSDP2_CASES)
 def test_pipeline_stages_under_fsdp2_equal_torch_optim(four_ranks, name):
     for rank, out in enumerate(four_ranks):
-        assert_same(out[name][True], out[name][False], f"rank {rank}")
+        for run in RUNS:
+            assert_same(out[name][run], out[name]["torch"], f"rank {rank} {run}")
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -169,7 +172,8 @@ def test_a_pipeline_schedule_with_attached_optimizers_equals_torch_optim(ranks, 
     if name not in ranks[0]:
         pytest.skip(f"torch {torch.__version__} has no {name}, or cannot run it on gloo")
     for rank, out in enumerate(ranks):
-        torch_run, layeropt_run = out[name][False], out[name][True]
-        assert_same(layeropt_run["params"], torch_run["params"], f"rank {rank} params")
-        assert_same(layeropt_run["state"], torch_run["state"], f"rank {rank} state")
-        assert layeropt_run["warned"] >= STEPS and torch_run["warned"] == 0
+        for run in RUNS:
+            assert_same(out[name][run]["params"], out[name]["torch"]["params"], f"{rank} {run}")
+            assert_same(out[name][run]["state"], out[name]["torch"]["state"], f"{rank} {run}")
+            assert out[name][run]["warned"] >= STEPS if run != "torch" else (
+                out[name][run]["warned"] == 0)

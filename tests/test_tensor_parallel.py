@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import layeropt
-from harness import FSDP2_ON_CPU, TORCH, assert_same
+from harness import FSDP2_ON_CPU, RUNS, TORCH, assert_same
 from loopfuzz import full, on_ranks
 from layeropt.errors import AttachError
 
@@ -93,9 +93,10 @@ def _loss(model: nn.Module, step: int, micro: int, dp_rank: int, n: int) -> torc
     return y.square().mean() / n
 
 
-def _train(name: str, layer: bool) -> dict[str, Any]:
-    """One case's loop with torch.optim (``layer=False``) or layeropt: parameters and
-    optimizer state as whole tensors, and the gradients layeropt left."""
+def _train(name: str, attach: dict[str, Any] | None) -> dict[str, Any]:
+    """One case's loop with torch.optim (``attach`` None) or layeropt attached with
+    ``attach``: parameters and optimizer state as whole tensors, and the gradients left."""
+    layer = attach is not None
     world, two_d, seqpar, opt_name, kw, micro, max_norm = CASES[name]
     tp, dp, dp_rank = _mesh(two_d)
     model = _model(tp, seqpar)
@@ -109,7 +110,7 @@ def _train(name: str, layer: bool) -> dict[str, Any]:
     if layer:
         if not seqpar and dp is None:
             layeropt.distributed.allow_local_updates(model)  # (every rank: the same batch)
-        layeropt.attach(model, opt)
+        layeropt.attach(model, opt, **attach)
     for step in range(STEPS):
         for m in range(micro):
             loss = _loss(model, step, m, dp_rank, micro)
@@ -155,9 +156,10 @@ def _refused(cap: float | None, max_norm: float | None) -> dict[str, Any]:
             "after": full({n: p.detach() for n, p in model.named_parameters()})}
 
 
-def _hsdp(layer: bool) -> dict[str, Any]:
+def _hsdp(attach: dict[str, Any] | None) -> dict[str, Any]:
     """FSDP2 sharding over one mesh dimension and replicating over the other (HSDP), each
     rank its own batches, two micro-batches, clipped (``layeropt.backward(max_norm=)``)."""
+    layer = attach is not None
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -168,7 +170,7 @@ def _hsdp(layer: bool) -> dict[str, Any]:
         fully_shard(module, mesh=mesh)
     opt = (layeropt.Adam if layer else torch.optim.Adam)(model.parameters(), lr=0.01)
     if layer:
-        layeropt.attach(model, opt)
+        layeropt.attach(model, opt, **attach)
     for step in range(STEPS):
         for m in range(2):
             g = torch.Generator().manual_seed(10 * step + m + 100 * dist.get_rank())
@@ -191,10 +193,10 @@ def _hsdp(layer: bool) -> dict[str, Any]:
 def _job(world: int, rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if world == 4 and FSDP2_ON_CPU:
-        out["hsdp"] = {layer: _hsdp(layer) for layer in (False, True)}
+        out["hsdp"] = {run: _hsdp(attach) for run, attach in RUNS.items()}
     for name, case in CASES.items():
         if case[0] == world:
-            out[name] = {layer: _train(name, layer) for layer in (False, True)}
+            out[name] = {run: _train(name, attach) for run, attach in RUNS.items()}
     if world == 2:
         out["refused"] = {case: _refused(*how) for case, how in REFUSED.items()}
     return out
@@ -217,17 +219,19 @@ def test_tensor_parallel_training_equals_torch_optim(name, request):
         pytest.skip("FSDP2 runs on CPU from torch 2.8")
     ranks = request.getfixturevalue("two_ranks" if world == 2 else "four_ranks")
     for rank, out in enumerate(ranks):
-        torch_run, layeropt_run = out[name][False], out[name][True]
-        assert_same(layeropt_run["params"], torch_run["params"], f"rank {rank} params")
-        assert_same(layeropt_run["state"], torch_run["state"], f"rank {rank} state")
-        assert layeropt_run["grads_left"] == [], layeropt_run["grads_left"]
-    assert_same(ranks[0][name][True]["params"], ranks[-1][name][True]["params"], "replicas")
+        for run in RUNS:
+            assert_same(out[name][run]["params"], out[name]["torch"]["params"], f"{rank} {run}")
+            assert_same(out[name][run]["state"], out[name]["torch"]["state"], f"{rank} {run}")
+            assert run == "torch" or out[name][run]["grads_left"] == [], out[name][run]
+    assert_same(ranks[0][name]["layeropt"]["params"], ranks[-1][name]["layeropt"]["params"],
+                "replicas")
 
 
 @pytest.mark.skipif(not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8")
 def test_hsdp_equals_torch_optim(four_ranks):
     for rank, out in enumerate(four_ranks):
-        assert_same(out["hsdp"][True], out["hsdp"][False], f"rank {rank}")
+        for run in RUNS:
+            assert_same(out["hsdp"][run], out["hsdp"]["torch"], f"rank {rank} {run}")
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
