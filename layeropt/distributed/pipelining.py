@@ -12,8 +12,9 @@ Inside a schedule's ``step()`` every attached optimizer holds its gradients for
 equal torch.optim's, bit for bit (``tests/test_pipelining.py``: GPipe, 1F1B, interleaved,
 looped-BFS, zero-bubble and DualPipeV schedules; stages under FSDP2, whose reduction
 after the last backward lands outside any backward and is held the same way), and no
-gradient is freed during those backwards. :data:`~layeropt.checking.watch.WATCHERS` wraps the schedules' ``step``
-methods while an attachment lives, once ``torch.distributed.pipelining`` is imported.
+gradient is freed during those backwards. :data:`~layeropt.checking.watch.WATCHERS`
+wraps the schedules' ``step`` methods while an attachment lives, once
+``torch.distributed.pipelining`` is imported.
 """
 
 from __future__ import annotations
