@@ -71,7 +71,7 @@ def _stages(name: str, rank: int) -> tuple[Any, list[nn.Module], bool, bool]:
 
 def _train(name: str, rank: int, attach: dict[str, Any] | None) -> dict[str, Any]:
     layer = attach is not None
-    opt_name, kw, clip = CASES[name]
+    opt_name, kw, _ = CASES[name]
     stages, modules, first, last = _stages(name, rank)
     params = [p for m in modules for p in m.parameters()]
     opt = getattr(layeropt if layer else torch.optim, opt_name)(params, **kw)
@@ -79,20 +79,30 @@ def _train(name: str, rank: int, attach: dict[str, Any] | None) -> dict[str, Any
         for module in modules:  # (each rank trains its own stages)
             layeropt.distributed.allow_local_updates(module)
             layeropt.attach(module, opt, **attach)
+    warned = _loop(name, stages, params, opt, first, last, seed=0)
+    return {"params": [p.detach().clone() for p in params], "state": opt.state_dict(),
+            "warned": warned}
+
+
+def _loop(name: str, stages: Any, params: list[torch.Tensor], opt: Any, first: bool,
+          last: bool, seed: int) -> int:
+    """``STEPS`` steps of the case's schedule (the batch where this rank holds the first
+    stage, the target where the last; ``seed`` picks them), ``clip_grad_norm_`` where
+    the case clips, then ``opt.step()``; how many times layeropt warned it held."""
+    clip = CASES[name][2]
     schedule = _schedule_class(name)(stages, n_microbatches=MICRO,
                                      loss_fn=lambda y, t: (y - t).square().mean())
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for step in range(STEPS):
-            g = torch.Generator().manual_seed(step)
+            g = torch.Generator().manual_seed(step + seed)
             x, target = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
             schedule.step(*[x] if first else [], **dict(target=target) if last else {})
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(params, clip)
             opt.step()
             opt.zero_grad()
-    return {"params": [p.detach().clone() for p in params], "state": opt.state_dict(),
-            "warned": sum(str(w.message) == PIPELINE_HOLD_WARNING for w in seen)}
+    return sum(str(w.message) == PIPELINE_HOLD_WARNING for w in seen)
 
 
 def _job(rank: int) -> dict[str, Any]:
@@ -120,7 +130,7 @@ def _train_fsdp2(name: str, rank: int, attach: dict[str, Any] | None) -> dict[st
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage
 
-    opt_name, kw, clip = CASES[name]
+    opt_name, kw, _ = CASES[name]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     torch.manual_seed(0)
@@ -134,16 +144,7 @@ def _train_fsdp2(name: str, rank: int, attach: dict[str, Any] | None) -> dict[st
     opt = getattr(layeropt if layer else torch.optim, opt_name)(module.parameters(), **kw)
     if layer:
         layeropt.attach(module, opt, **attach)
-    schedule = _schedule_class(name)(stage, n_microbatches=MICRO,
-                                     loss_fn=lambda y, t: (y - t).square().mean())
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(step + 100 * dp)
-        x, target = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
-        schedule.step(*[x] if pp == 0 else [], **dict(target=target) if pp == 1 else {})
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(list(module.parameters()), clip)
-        opt.step()
-        opt.zero_grad()
+    _loop(name, stage, list(module.parameters()), opt, pp == 0, pp == 1, seed=100 * dp)
     return {"params": [p.full_tensor().detach().clone() for p in module.parameters()],
             "state": full(opt.state_dict())}
 

@@ -111,9 +111,19 @@ def _train(name: str, attach: dict[str, Any] | None) -> dict[str, Any]:
         if not seqpar and dp is None:
             layeropt.distributed.allow_local_updates(model)  # (every rank: the same batch)
         layeropt.attach(model, opt, **attach)
+    return _loop(model, opt, layer, lambda step, m: _loss(model, step, m, dp_rank, micro),
+                 micro, max_norm)
+
+
+def _loop(model: nn.Module, opt: Any, layer: bool, loss_of: Any, micro: int = 1,
+          max_norm: float | None = None) -> dict[str, Any]:
+    """``STEPS`` steps of ``micro`` micro-batches (``loss_of(step, m)``): torch.optim's loop
+    (each backward, ``clip_grad_norm_``, step), or layeropt's (the micro-batches before the
+    last in ``no_step()``, the last through ``layeropt.backward(max_norm=)``); parameters
+    and optimizer state as whole tensors, and the gradients left."""
     for step in range(STEPS):
         for m in range(micro):
-            loss = _loss(model, step, m, dp_rank, micro)
+            loss = loss_of(step, m)
             if not layer:
                 loss.backward()
             elif m < micro - 1:
@@ -171,23 +181,12 @@ def _hsdp(attach: dict[str, Any] | None) -> dict[str, Any]:
     opt = (layeropt.Adam if layer else torch.optim.Adam)(model.parameters(), lr=0.01)
     if layer:
         layeropt.attach(model, opt, **attach)
-    for step in range(STEPS):
-        for m in range(2):
-            g = torch.Generator().manual_seed(10 * step + m + 100 * dist.get_rank())
-            loss = model(torch.randn(4, 8, generator=g)).square().mean() / 2
-            if not layer:
-                loss.backward()
-            elif m == 0:
-                with opt.no_step():
-                    loss.backward()
-            else:
-                layeropt.backward(loss, max_norm=0.05)
-        if not layer:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        opt.step()
-        opt.zero_grad()
-    return {"params": full({n: p.detach() for n, p in model.named_parameters()}),
-            "state": full(opt.state_dict())}
+
+    def loss_of(step: int, m: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(10 * step + m + 100 * dist.get_rank())
+        return model(torch.randn(4, 8, generator=g)).square().mean() / 2
+
+    return _loop(model, opt, layer, loss_of, micro=2, max_norm=0.05)
 
 
 def _hf(attach: dict[str, Any] | None, path: str) -> dict[str, Any]:
@@ -205,13 +204,12 @@ def _hf(attach: dict[str, Any] | None, path: str) -> dict[str, Any]:
     if attach is not None:
         layeropt.distributed.allow_local_updates(model)
         layeropt.attach(model, opt, **attach)
-    for step in range(STEPS):
+
+    def loss_of(step: int, m: int) -> torch.Tensor:
         ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return {"params": full({n: p.detach() for n, p in model.named_parameters()}),
-            "state": full(opt.state_dict()),
+        return model(input_ids=ids, labels=ids).loss
+
+    return {**_loop(model, opt, attach is not None, loss_of),
             "kinds": sorted({type(p).__name__ for p in model.parameters()})}
 
 

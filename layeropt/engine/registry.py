@@ -154,10 +154,9 @@ def refuse_local_gradients(attachments: Iterable[Any]) -> None:
     world = world_size()
     for attachment in list(attachments):
         if not getattr(attachment, "averaged", False):
-            owned = {id(p) for p in attachment.owned}
-            for name, p in attachment.named:
-                if p.requires_grad and id(p) in owned and not local_gradient_allowed(p, world):
-                    check_local_hooks_allowed(p, name)
+            for p in attachment.owned:  # (in the model's order)
+                if p.requires_grad and not local_gradient_allowed(p, world):
+                    check_local_hooks_allowed(p, next(n for n, q in attachment.named if q is p))
 
 
 def allow_local_updates(params: nn.Module | Iterable[Tensor]) -> None:
