@@ -199,7 +199,7 @@ class Side:
 
     def loss(self, a: Iteration, inject: str | None, salt: int = 0,
              branch: bool | None = None) -> torch.Tensor:
-        g = torch.Generator().manual_seed(loopfuzz.batch_seed(a["seed"] * 31 + salt))
+        g = torch.Generator().manual_seed(loopfuzz.batch_seed(a["seed"] * 31 + salt, self.prog))
         x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
         if inject in ("xinf", "xnan"):
             x[0, 1] = math.inf if inject == "xinf" else math.nan

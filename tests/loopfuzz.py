@@ -31,6 +31,7 @@ shrink a failing one (from the tests/ folder)::
     LAYEROPT_FUZZ_WRAP=fsdp2 python loopfuzz.py --mix all --n 500   # (or ddp: one process)
     LAYEROPT_FUZZ_WRAP=ddp python loopfuzz.py --mix clip --n 500 --ranks 2
     LAYEROPT_FUZZ_WRAP=compile python loopfuzz.py --mix chaos --n 500   # torch.compile
+    LAYEROPT_FUZZ_WRAP=tp python loopfuzz.py --mix clip --n 500 --ranks 2   # parallelize_module
 
 ``LAYEROPT_FUZZ_WRAP=compile``: both sides' models through ``torch.compile`` (backend
 ``aot_eager``, or ``LAYEROPT_FUZZ_BACKEND=inductor``: seconds a program), compiled
@@ -99,10 +100,12 @@ Op = tuple[str, dict[str, Any]]
 # benchmarks/device_check.sh) a GPU, both sides on it
 DEVICE = torch.device(os.environ.get("LAYEROPT_FUZZ_DEVICE", "cpu"))
 # how the programs' models are wrapped (LAYEROPT_FUZZ_WRAP, or a program's "wrap"): not
-# at all, DistributedDataParallel or FSDP2's fully_shard, in a process group of this
-# process alone, or torch.compile'd - both sides alike
+# at all, DistributedDataParallel, FSDP2's fully_shard or tensor parallelism
+# (tensor_parallel), in a process group of this process alone, or torch.compile'd - both
+# sides alike
 WRAP = os.environ.get("LAYEROPT_FUZZ_WRAP", "plain")
-WRAPS = ("plain", "ddp", "fsdp2", "compile")
+WRAPS = ("plain", "ddp", "fsdp2", "compile", "tp")
+DTENSOR_WRAPS = ("fsdp2", "tp")  # (their parameters DTensors: no fused kernels, NO_DTENSOR_RULE)
 # torch's fused SGD raises this on a step whose parameters mix momentum buffers and none
 # (a layer's first gradient after others' steps): torch's step() too, where it reaches one
 TORCH_LIMIT = "expected Tensor as element"
@@ -453,7 +456,7 @@ class Side:
         return self.handle is not None
 
     def loss(self, a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(batch_seed(a["seed"]))
+        g = torch.Generator().manual_seed(batch_seed(a["seed"], self.prog))
         x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
         out = self.model(x.to(DEVICE), a["branch"], a["extra"])
         y = y.to(DEVICE)
@@ -577,7 +580,7 @@ def no_dtensor_rule(kinds: list[str]) -> str | None:
 def wrapped_kwargs(kw: dict[str, Any], prog: dict[str, Any]) -> dict[str, Any]:
     """An optimizer's options for ``prog``'s wrap: under FSDP2 without ``fused`` (torch's
     fused kernels have no DTensor rule: plain kernels on both sides)."""
-    kw = {k: v for k, v in kw.items() if k != "fused"} if wrap_of(prog) == "fsdp2" else kw
+    kw = {k: v for k, v in kw.items() if k != "fused"} if wrap_of(prog) in DTENSOR_WRAPS else kw
     # (a program's "tensor_lr": its learning rate a tensor, each side its own)
     return {**kw, "lr": torch.tensor(kw["lr"])} if prog.get("tensor_lr") else kw
 
@@ -648,7 +651,35 @@ def wrap(net: nn.Module, how: str) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         return fully_shard(net)
+    if how == "tp":
+        return tensor_parallel(net)
     raise ValueError(f"wrap={how!r}: one of {WRAPS}")
+
+
+def tensor_parallel(net: nn.Module) -> nn.Module:
+    """A :class:`Net` in tensor parallelism over the process group, every parameter a
+    DTensor (torch's foreach kernels refuse a mix of DTensors and tensors): ``l1`` column-
+    and ``l2`` row-parallel, ``l3`` and the heads column-parallel, their outputs gathered.
+    Where ``l3`` is tied to ``l2``, ``l1``'s output is gathered as a DTensor and the tied
+    layer replicated, still tied. Every rank sees the same batch (:func:`batch_seed`)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    mesh = init_device_mesh(DEVICE.type, (dist.get_world_size(),))
+    plan = {name: ColwiseParallel(output_layouts=Replicate())
+            for name in ("l3", "head", "branch", "extra")}
+    if net.l3.weight is not net.l2.weight:
+        return parallelize_module(net, mesh, {**plan, "l1": ColwiseParallel(),
+                                              "l2": RowwiseParallel()})
+    del plan["l3"]
+    plan["l1"] = ColwiseParallel(output_layouts=Replicate(), use_local_output=False)
+    for name, p in net.l2.named_parameters():
+        setattr(net.l2, name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()])))
+    net.l3.weight = net.l2.weight
+    return parallelize_module(net, mesh, plan)
 
 
 _GROUP: list[Any] = []  # the process group wrap() started, kept for the process's life
@@ -681,13 +712,15 @@ def full(x: Any) -> Any:
     return x
 
 
-def batch_seed(seed: int) -> int:
+def batch_seed(seed: int, prog: dict[str, Any] | None = None) -> int:
     """A batch's seed on this process: ``seed`` itself, but for the ranks after the first
     of a group of several processes (:func:`programs_on_ranks`), each its own batches, as
-    under torchrun - where a gradient reduced over the ranks differs from each one's."""
+    under torchrun - where a gradient reduced over the ranks differs from each one's;
+    under tensor parallelism (``prog``'s wrap ``tp``) every rank sees the same batch."""
     import torch.distributed as dist
 
-    return seed + 7919 * dist.get_rank() if dist.is_initialized() else seed
+    shared = prog is not None and wrap_of(prog) == "tp"
+    return seed + 7919 * dist.get_rank() if dist.is_initialized() and not shared else seed
 
 
 def fork_can_backward() -> bool:
@@ -974,7 +1007,7 @@ def run_program(prog: dict[str, Any], side: type[Side] = Side, classify: bool = 
     torch.manual_seed(prog["seed"])
     init = Net(prog["tied"]).state_dict()
     out: dict[str, Any] = {"seed": prog["seed"], "mix": prog["mix"], "status": "exact"}
-    if wrap_of(prog) == "fsdp2" and no_dtensor_rule([prog["opt"]]):
+    if wrap_of(prog) in DTENSOR_WRAPS and no_dtensor_rule([prog["opt"]]):
         return {**out, "status": "torch-error", "error": no_dtensor_rule([prog["opt"]]),
                 "unrunnable": True}
     t = side(prog, False, init)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from harness import FSDP2_ON_CPU, SOAK
+from harness import FSDP2_ON_CPU, SOAK, TORCH
 from loopfuzz import (_diff, assert_block, assert_wrapped_block, batch_seed, draw_program,
                       installed_third_party, on_ranks, programs_on_ranks, run_block,
                       run_program)
@@ -72,27 +72,33 @@ def test_random_loops_on_a_compiled_model(mix, n):
 
 # The same on two processes, each rank its own batches (loopfuzz.programs_on_ranks): the
 # gradients reduced over the ranks are neither rank's own, as in one process they are;
-# every rank must end the same way
-RANKED = [("ddp", "all", 40), ("ddp", "clip", 65), ("fsdp2", "clip", 12)]
+# every rank must end the same way. Under tensor parallelism (loopfuzz.tensor_parallel:
+# every layer sharded or replicated over the two ranks) the ranks share each batch.
+RANKED = [("ddp", "all", 40), ("ddp", "clip", 65), ("fsdp2", "clip", 12), ("tp", "all", 30),
+          ("tp", "clip", 30)]
 
 
 @pytest.mark.parametrize("wrap,mix,n", RANKED, ids=[f"{w}-{m}" for w, m, _ in RANKED])
 def test_random_loops_on_two_processes(wrap, mix, n):
     if wrap == "fsdp2" and not FSDP2_ON_CPU:
         pytest.skip("FSDP2 runs on CPU from torch 2.8")
+    if wrap == "tp" and TORCH < (2, 5):
+        pytest.skip("tensor parallelism on CPU from torch 2.5")
     outcomes = programs_on_ranks(run_program, draw_program, mix, 0, n * SOAK, wrap)
     assert_block(outcomes, f"loopfuzz.py --ranks 2 (LAYEROPT_FUZZ_WRAP={wrap})", mix, 1 / 3)
 
 
 def test_each_rank_draws_its_own_batches():
     """What makes the blocks above more than the one-process ones: the ranks' batches
-    differ (their gradients too), and one process draws the program's own."""
+    differ (their gradients too), and one process draws the program's own; tensor
+    parallelism's ranks share theirs."""
     seeds = on_ranks(functools.partial(_seed_on_rank, 17))
-    assert len(set(seeds)) == 2 and batch_seed(17) == 17
+    assert len({s for s, _ in seeds}) == 2 and batch_seed(17) == 17
+    assert [tp for _, tp in seeds] == [17, 17]
 
 
-def _seed_on_rank(seed: int, rank: int) -> int:
-    return batch_seed(seed)
+def _seed_on_rank(seed: int, rank: int) -> tuple[int, int]:
+    return batch_seed(seed), batch_seed(seed, {"wrap": "tp"})
 
 
 def _program(seed: int, mix: str, wrap: str, setup: dict[str, Any], ops: list[Any]
