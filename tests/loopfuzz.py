@@ -11,12 +11,13 @@ micro-batches, ``layeropt.backward(max_norm=)`` against ``clip_grad_norm_``,
 ``step()``, ``zero_grad()`` of the optimizer or the model (either ``set_to_none``),
 freezing layers, hyperparameters set by hand, schedulers (``OneCycleLR`` and
 ``CyclicLR`` move momentum or Adam's beta1 too), ``load_state_dict``,
-``add_param_group``, ``remove()`` and a new ``attach`` - then shuffled, dropped,
-repeated: orders no hand-written test tries. Every program ends exact (parameters and
-``state_dict()`` equal torch's bit for bit), refused by a layeropt error, or in a
-documented undetectable case it reaches (docs/rules.md, "What cannot be detected":
-a loop that never zeroes its gradients; a module's ``zero_grad()`` after a ``remove()``
-before ``zero_grad()``). Anything else is a bug:
+``add_param_group``, ``remove()`` and a new ``attach`` (the ``average`` mix: an EMA of
+the model, ``AveragedModel.update_parameters``, anywhere among them) - then shuffled,
+dropped, repeated: orders no hand-written test tries. Every program ends exact
+(parameters, ``state_dict()`` and the average equal torch's bit for bit), refused by a
+layeropt error, or in a documented undetectable case it reaches (docs/rules.md, "What
+cannot be detected": a loop that never zeroes its gradients; a module's ``zero_grad()``
+or an average after a ``remove()`` before ``zero_grad()``). Anything else is a bug:
 
 * ``diff``: the results differ without an error;
 * ``crash``: layeropt raised something other than a ``LayeroptError``;
@@ -88,7 +89,7 @@ THIRD_PARTY = [
     ("bitsandbytes.optim.Lion", {"weight_decay": [0.0, 0.01], "betas": [(0.9, 0.99)]}),
     ("bitsandbytes.optim.RMSprop", {"momentum": [0.0, 0.9]}),
 ]
-MIXES = ["all", "clip", "clipattach", "chaos", "resume", "thirdparty"]
+MIXES = ["all", "clip", "clipattach", "chaos", "resume", "thirdparty", "average"]
 # (race: an offloaded copy not ordered after what it depends on, tests/offloadfuzz.py)
 FAILURES = ("diff", "crash", "torch-error-only", "race",
             # (LAYEROPT_VERIFY silent, wrong, or alarmed on an exact loop: tests/verifyfuzz.py)
@@ -329,7 +330,7 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     r = random.Random(seed)
     kind, okw = draw_third_party(r) if mix == "thirdparty" else draw_optimizer(r)
     akw = draw_attach(r, mix)
-    gen = "all" if mix in ("chaos", "thirdparty") else mix
+    gen = "all" if mix in ("chaos", "thirdparty", "average") else mix
     reattach = gen in ("all", "resume") and not akw
     ops: list[Op] = []
     for _ in range(r.randint(2, 4)):
@@ -356,6 +357,9 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     comm = random.Random(seed + 3 * 10**7).choice([None, None, "fp16", "feedback"])
     if comm:
         prog["comm"] = comm
+    if mix == "average":  # "all"'s loops with an EMA of the model updated anywhere in them
+        for _ in range(r.randint(1, 3)):
+            prog["ops"].insert(r.randint(0, len(prog["ops"])), ("avg", {}))
     return prog
 
 
@@ -392,6 +396,7 @@ class Side:
         self.prog, self.layer, self.akw = prog, layer, prog["akw"]
         self.sched_kind = prog["sched"]
         self.sched: Any = None
+        self.average: Any = None  # (the "average" mix: an EMA of the model, AveragedModel)
         self.added = False
         self.model, self.opt = self._new(init)
         self.handle = self.attach()
@@ -553,12 +558,20 @@ class Side:
             self.handle = self.attach() if self.layer else None
         elif name == "resume":
             self.resume(a)
+        elif name == "avg":
+            if self.average is None:
+                swa = torch.optim.swa_utils
+                self.average = swa.AveragedModel(self.net,
+                                                 multi_avg_fn=swa.get_ema_multi_avg_fn(0.75))
+            self.average.update_parameters(self.net)
         else:
             raise ValueError(f"unknown op {name!r}")
 
     def snapshot(self) -> dict[str, Any]:
         return {"params": [full(p.detach()).clone() for p in self.model.parameters()],
-                "state": full(copy.deepcopy(self.opt.state_dict()))}
+                "state": full(copy.deepcopy(self.opt.state_dict())),
+                "average": [full(p.detach()).clone() for p in
+                            (self.average.parameters() if self.average is not None else ())]}
 
 
 def wrap_of(prog: dict[str, Any]) -> str:
@@ -877,6 +890,13 @@ def _unwatched_discard(lo: Side, name: str, a: dict[str, Any]) -> bool:
             and lo.opt._lo_engine.stepped_since_boundary)
 
 
+def _averaged_after_remove(lo: Side, name: str) -> bool:
+    """docs/rules.md's undetectable "``remove()`` inside a training step": an EMA of the
+    model (``AveragedModel``) updated after it, before the optimizer's ``step()``,
+    averages what the backward already updated, with nothing watching."""
+    return name == "avg" and not lo.attached and lo.opt._lo_engine.stepped_since_boundary
+
+
 def _saved_ahead(lo: Side, name: str) -> bool:
     """docs/rules.md's "a checkpoint saved ahead of torch's" (``state_dict()`` warns): saved
     after an attached backward updated parameters, before ``step()`` or ``zero_grad()``;
@@ -943,8 +963,10 @@ def _diff(a: Any, b: Any, path: str = "") -> list[str]:
 
 def _differences(t: Side, lo: Side) -> list[str]:
     names = [n for n, _ in t.model.named_parameters()]
-    return _diff(dict(zip(names, t.snapshot()["params"])), dict(zip(names, lo.snapshot()["params"])),
-                 "param") + _diff(t.snapshot()["state"], lo.snapshot()["state"], "state_dict")
+    ts, ls = t.snapshot(), lo.snapshot()
+    return (_diff(dict(zip(names, ts["params"])), dict(zip(names, ls["params"])), "param")
+            + _diff(ts["state"], ls["state"], "state_dict")
+            + _diff(ts["average"], ls["average"], "average"))
 
 
 def play_both(t: Any, lo: Any, name: str, a: dict[str, Any],
@@ -1030,7 +1052,8 @@ def run_program(prog: dict[str, Any], side: type[Side] = Side, classify: bool = 
                     or _unwatched_discard(lo, name, a) and "remove-discard"
                     or _unkept_after_remove(t, lo, name, a) and "remove-unkept"
                     or _unwatched_dropped(t, lo, name, a) and "remove-dropped"
-                    or _saved_ahead(lo, name) and "saved-ahead")
+                    or _saved_ahead(lo, name) and "saved-ahead"
+                    or _averaged_after_remove(lo, name) and "remove-average")
                 if why:  # (what ran before it, between steps, is compared)
                     found = [] if pending else _differences(t, lo)
                     return ({**out, "status": "diff", "at": i, "before": why,

@@ -28,6 +28,7 @@ BLOCKS = [
     ("chaos", 185),  # the loops shuffled, cut and padded with random operations
     ("resume", 45),  # checkpoints saved and resumed into a new model and optimizer
     ("thirdparty", 95),  # "all"'s loops with schedule-free and bitsandbytes optimizers
+    ("average", 60),  # "all"'s loops with an EMA of the model (AveragedModel) updated anywhere
 ]
 
 

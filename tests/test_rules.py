@@ -85,6 +85,19 @@ def _edit_grad(m, opt, x, lo, ctx):
     opt.zero_grad()
 
 
+def _averaged(before_step: bool) -> Callable[..., None]:
+    """An EMA of the model (``AveragedModel``) updated after ``step()``, or before it."""
+    def loop(m, opt, x, lo, ctx):
+        m(x).pow(2).mean().backward()
+        if before_step:
+            ctx["average"].update_parameters(ctx["inner"])
+        opt.step()
+        if not before_step:
+            ctx["average"].update_parameters(ctx["inner"])
+        opt.zero_grad()
+    return loop
+
+
 def _lr_between(m, opt, x, lo, ctx):
     m(x).pow(2).mean().backward()
     for g in opt.param_groups:  # a warm-up written after backward
@@ -311,6 +324,9 @@ RULES: dict[str, tuple[Callable[..., None], str, type | None, str]] = {
                                         layeropt.LayeroptError, "clip_value="),
     "gradient edited after backward": (_edit_grad, "loud", layeropt.BackwardStateError,
                                        "tensor hook"),
+    "AveragedModel updated after step()": (_averaged(False), EXACT, None, ""),
+    "AveragedModel updated between backward and step()": (
+        _averaged(True), "loud", layeropt.BackwardStateError, "after optimizer.step()"),
     "lr set between backward and step": (_lr_between, "loud", layeropt.BackwardStateError,
                                          "before backward"),
     "GradScaler recipe (unscale_ + clip)": (_scaler_recipe, EXACT, None, ""),
@@ -355,6 +371,9 @@ NOT_ON: dict[str, tuple[str, ...]] = {
     # DDP: refused (AttachError, the fix named): its reducer expects the frozen leaf's
     # gradient, which torch still computes; loud, not exact
     "GAN, D frozen after its forward, around G's backward": ("ddp",),
+    # FSDP2: torch refuses to deepcopy an FSDP2 module, so AveragedModel cannot be built
+    "AveragedModel updated after step()": ("fsdp2",),
+    "AveragedModel updated between backward and step()": ("fsdp2",),
 }
 NOT_ON_WHY = "not run on this kind (NOT_ON says why)"
 KINDS = ["plain", "ddp", pytest.param("fsdp2", marks=pytest.mark.skipif(
@@ -426,6 +445,12 @@ def _others(kind: str, rule: str, lo: bool, ctx: dict[str, Any]) -> list[torch.T
         ctx["G"], ctx["optG"] = G, lib.Adam(G.parameters(), lr=0.01)
         ctx["compare"], ctx["opts"] = list(G.parameters()), [ctx["optG"]]
         ctx["grads_kept"] = "no_step" in rule  # (D's held gradients wait for zero_grad)
+    if rule.startswith("AveragedModel"):  # (of the model DDP wraps, as users write it)
+        inner = ctx["model"].module if kind == "ddp" else ctx["model"]
+        ctx["inner"] = inner
+        ctx["average"] = torch.optim.swa_utils.AveragedModel(
+            inner, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+        ctx["compare"] = list(ctx["average"].parameters())
     if rule.startswith("shared trunk"):
         critic = _wrap_other(kind, torch.nn.Linear(3, 1))
         trunk = _layers(ctx["model"], 0)

@@ -32,6 +32,10 @@ own) decides whether the loop's numbers would differ from torch's:
 * any optimizer's ``step`` (torch's global step pre-hook): a plain optimizer
   about to step a parameter an attached backward already updated and freed,
   which it would skip.
+* ``torch.optim.swa_utils.AveragedModel.update_parameters`` (SWA, EMA): called
+  between an attached backward and ``step()`` in a loop that calls ``step()``, it
+  would average weights that backward already updated, where torch's loop averages
+  them before the update: refused (:func:`refuse_average_ahead`).
 * ``DistributedDataParallel.forward``: a DDP model whose parameters carry plain
   hooks (attached before wrapping, or on ``ddp_model.module``) would have each
   gradient applied before DDP averages it, then DDP's average written back
@@ -193,6 +197,11 @@ def _before_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
             getattr(inner, "optimizer", None), torch.optim.Optimizer):
         inner = inner.optimizer
     own = getattr(inner, "_lo_engine", None)
+    ahead = _AHEAD.pop(own, None) if own is not None else None
+    if ahead is not None and ahead[0] is own.train_step:  # (an average before this step())
+        raise BackwardStateError(AVERAGE_AHEAD.format(
+            name=ahead[1], this="the", holds="holds",
+            done="It was taken before this step(), the loop's first."))
     ids: set[int] | None = None
     for engine in list(ENGINES):
         if engine is own or engine._optimizer() is None:  # (deleted: its records are done)
@@ -256,6 +265,45 @@ def _zero_grad_watcher(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(self, *args, **kwargs)
 
     return zero_grad
+
+
+AVERAGE_AHEAD = (
+    "AveragedModel.update_parameters(model) between an attached backward and step(): "
+    "that backward already updated parameter {name} (and the others it reached), which "
+    "torch.optim updates at step(), so {this} average {holds} this step's weights where "
+    "torch's holds the last step's. {done} Call update_parameters() after optimizer.step()."
+)
+# engine -> the training step in which an average was taken ahead, before its loop's first
+# step() (each backward might have been the loop's step): said at that step(), if it comes
+_AHEAD: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def refuse_average_ahead(model: torch.nn.Module) -> None:
+    """Refuse an average of ``model``'s parameters that an attached backward updated
+    ahead of its loop's ``step()`` (:attr:`Engine.awaits_step`); before the loop's first
+    ``step()``, note it for that ``step()`` (:func:`_before_any_step`)."""
+    ids = {id(p) for p in model.parameters()}
+    for engine in list(ENGINES):
+        if not engine.stepped_since_boundary:
+            continue
+        p = next((p for p in engine.last.stepped if id(p) in ids), None)
+        if p is not None and engine.awaits_step:
+            raise BackwardStateError(AVERAGE_AHEAD.format(
+                name=engine.name_of(p), this="this", holds="would hold",
+                done="Nothing was averaged."))
+        if p is not None:
+            _AHEAD[engine] = (engine.train_step, engine.name_of(p))
+
+
+def _averaging_watcher(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``AveragedModel.update_parameters``: :func:`refuse_average_ahead` first."""
+
+    @functools.wraps(original)
+    def update_parameters(self: torch.nn.Module, model: torch.nn.Module) -> Any:
+        refuse_average_ahead(model)
+        return original(self, model)
+
+    return update_parameters
 
 
 PLAIN_UNDER_DDP = (
@@ -351,6 +399,9 @@ class Watchers:
         self._replace(torch.amp.GradScaler, "scale", _scale_watcher)
         self.undo.append(register_optimizer_step_pre_hook(_before_any_step).remove)
         self._replace(torch.nn.parallel.DistributedDataParallel, "forward", _ddp_forward_watcher)
+        self._replace(torch.optim.swa_utils.AveragedModel, "update_parameters",
+                      _averaging_watcher)
+        self.undo.append(_AHEAD.clear)
         checkpoint_cls = _nesting.checkpoint_function()
         if checkpoint_cls is not None:
             self._replace(checkpoint_cls, "forward", _nesting.segment_watcher)

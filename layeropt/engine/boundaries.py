@@ -396,6 +396,13 @@ class StepRules(Zeroing):
             self.calls.discard(_STEP_EXPECTED)
 
     @property
+    def awaits_step(self) -> bool:
+        """Whether an attached backward updated parameters that a loop calling ``step()``
+        (or known to) has not stepped since: torch would apply that update at its coming
+        ``step()``, so a read of those parameters now is ahead of torch's."""
+        return self.stepped_since_boundary and bool({"step()", _STEP_EXPECTED} & self.calls)
+
+    @property
     def stepped_since_boundary(self) -> bool:
         """Whether an attached backward updated parameters since the last step()/zero_grad()."""
         return self.train_step.stepped_backwards > 0
