@@ -58,11 +58,11 @@ REMOVE_OPEN_WARNING = (
 )
 
 SAVE_OPEN_WARNING = (
-    "optimizer.state_dict() between an attached backward and step(): that backward's "
-    "update is already in the parameters and this state, where torch.optim applies it at "
-    "step(), so a checkpoint saved here is a step ahead of torch's (and a run resumed from "
-    "it applies that backward twice if it runs it again). Save after step(). (Said once "
-    "per optimizer.)"
+    "{what} between an attached backward and step(): that backward's update is already in "
+    "the parameters and the optimizer's state, where torch.optim applies it at step(), so a "
+    "checkpoint saved here (or an average of the weights read here) is a step ahead of "
+    "torch's (and a run resumed from it applies that backward twice if it runs it again). "
+    "Save after step(). (Said once per optimizer.)"
 )
 
 CLOSURE_HOLD_WARNING = (

@@ -1028,7 +1028,7 @@ def _held(m, o, x, y):  # an accumulation window, saved inside it (its gradients
 SAVED = {
     "after step() and zero_grad()": (lambda m, o, x, y: _train(m, o, [x, y]), None),
     "in an accumulation window": (_held, None),
-    "between backward and step()": (_open_after_steps, "optimizer.state_dict() between"),
+    "between backward and step()": (_open_after_steps, "state_dict() between"),
 }
 
 
@@ -1056,7 +1056,51 @@ def test_a_checkpoint_ahead_of_torchs_warns(process_group, case, kind):
     if warned is None:
         assert said == [] and same
     else:
-        assert len(said) == 1 and said[0].startswith(warned) and not same
+        assert len(said) == 1 and warned in said[0] and not same  # (the model's, said first)
+
+
+def _read_model(m: nn.Module, o: torch.optim.Optimizer) -> None:
+    for _ in range(2):  # (a checkpoint of the model, or timm's ModelEmaV2.update reading
+        m.state_dict()  # it; twice: said once)
+
+
+# where a loop reads model.state_dict() -> whether it is ahead of torch's (warned)
+READ = {
+    "between backward and step()": (lambda m, o, x: (_train(m, o, [x]), m(x).sum().backward(),
+                                                     _read_model(m, o), o.step()), True),
+    "after step()": (lambda m, o, x: (_train(m, o, [x]), m(x).sum().backward(), o.step(),
+                                      _read_model(m, o)), False),
+    "in an accumulation window": (lambda m, o, x: (_train(m, o, [x]), _held_backward(m, o, x),
+                                                   _read_model(m, o), o.step()), False),
+    # (before the loop's first step() each backward may be its step: not said)
+    "before the loop's first step()": (lambda m, o, x: (m(x).sum().backward(),
+                                                        _read_model(m, o)), False),
+}
+
+
+def _held_backward(m: nn.Module, o: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    with o.no_step():
+        m(x).sum().backward()
+
+
+@pytest.mark.parametrize("kind", test_rules.KINDS)
+@pytest.mark.parametrize("case", list(READ))
+def test_the_model_read_ahead_of_step_warns(process_group, case, kind):
+    """``model.state_dict()`` between an attached backward and ``step()`` holds an update
+    torch's would not yet have: warned once, naming the module, as ``optimizer.state_dict()``
+    is; nowhere else."""
+    loop, ahead = READ[case]
+    model = test_rules._wrap(kind, _mlp())
+    opt = layeropt.SGD(model.parameters(), lr=0.1)
+    layeropt.attach(model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop(model, opt, _batches(1, 5)[0])
+    said = [str(w.message) for w in caught if "state_dict() between" in str(w.message)]
+    if ahead:
+        assert len(said) == 1 and said[0].startswith(f"{type(model).__name__}.state_dict() ")
+    else:
+        assert said == []
 
 
 @pytest.mark.parametrize("given", [True, False], ids=["attach(model, opt)", "attach(model)"])

@@ -36,6 +36,10 @@ own) decides whether the loop's numbers would differ from torch's:
   between an attached backward and ``step()`` in a loop that calls ``step()``, it
   would average weights that backward already updated, where torch's loop averages
   them before the update: refused (:func:`refuse_average_ahead`).
+* ``nn.Module.state_dict`` (a checkpoint, an EMA that reads it - timm's
+  ``ModelEmaV2``): there, parameters an attached backward updated ahead of the
+  loop's ``step()`` are a step ahead of torch's; warned as ``optimizer.state_dict()``
+  warns (``Engine.saving``, once per optimizer).
 * ``DistributedDataParallel.forward``: a DDP model whose parameters carry plain
   hooks (attached before wrapping, or on ``ddp_model.module``) would have each
   gradient applied before DDP averages it, then DDP's average written back
@@ -80,6 +84,7 @@ __all__ = ["WATCHERS", "Watchers", "scaled_backward", "graph_kept", "refuse_plai
 
 _SCALED: list[weakref.ref] = []  # outputs of GradScaler.scale still alive
 _CALLING: list[str] = []  # guarded clipping functions running now (the outermost checks)
+_READING: list[bool] = []  # nn.Module.state_dict calls running now (the outermost checks)
 _KEPT: list[bool] = []  # retain_graph of the torch.autograd.backward calls running now
 
 
@@ -306,6 +311,29 @@ def _averaging_watcher(original: Callable[..., Any]) -> Callable[..., Any]:
     return update_parameters
 
 
+def _state_dict_watcher(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``nn.Module.state_dict``: read ahead of ``step()``, said by the engines whose
+    backward updated its parameters (the outermost call; submodules' are inside it)."""
+
+    @functools.wraps(original)
+    def state_dict(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if _READING:
+            return original(self, *args, **kwargs)
+        ids: set[int] | None = None
+        for engine in list(ENGINES):
+            if engine.awaits_step:
+                ids = {id(p) for p in self.parameters()} if ids is None else ids
+                if any(id(p) in ids for p in engine.last.stepped):
+                    engine.saving(f"{type(self).__name__}.state_dict()")
+        _READING.append(True)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _READING.pop()
+
+    return state_dict
+
+
 PLAIN_UNDER_DDP = (
     "parameter {name!r} of this DistributedDataParallel model carries a plain layeropt "
     "hook, of {other} (attached before DDP(model), or to ddp_model.module): it would "
@@ -396,6 +424,7 @@ class Watchers:
 
         self._replace(torch.autograd, "backward", _backward_watcher)
         self._replace(torch.nn.Module, "zero_grad", _zero_grad_watcher)
+        self._replace(torch.nn.Module, "state_dict", _state_dict_watcher)
         self._replace(torch.amp.GradScaler, "scale", _scale_watcher)
         self.undo.append(register_optimizer_step_pre_hook(_before_any_step).remove)
         self._replace(torch.nn.parallel.DistributedDataParallel, "forward", _ddp_forward_watcher)

@@ -332,15 +332,15 @@ class StepRules(Zeroing):
             raise BackwardStateError(EARLY_DISCARD_BACKWARD_ERROR.format(
                 error=f"{type(error).__name__}: {error}")) from error
 
-    def saving(self) -> None:
-        """``optimizer.state_dict()`` (a checkpoint, say) inside a training step of a loop
-        that calls ``step()``: it holds the update an attached backward applied, torch's
-        would not yet; warn, once per optimizer. (Before the loop's first ``step()`` each
-        backward may be a step: not said.)"""
-        if (SAVE_WARNED not in self.calls and "step()" in self.calls
-                and self.stepped_since_boundary):
+    def saving(self, what: str = "optimizer.state_dict()") -> None:
+        """``optimizer.state_dict()`` (a checkpoint, say), or ``what`` else read the
+        parameters this optimizer's backward updated, inside a training step of a loop
+        that calls ``step()`` (:attr:`awaits_step`): it holds the update an attached
+        backward applied, torch's would not yet; warn, once per optimizer. (Before the
+        loop's first ``step()`` each backward may be a step: not said.)"""
+        if SAVE_WARNED not in self.calls and self.awaits_step:
             self.calls.add(SAVE_WARNED)
-            warn(SAVE_OPEN_WARNING)
+            warn(SAVE_OPEN_WARNING.format(what=what))
 
     def detached_step(self, torch_step: Callable[[], Any],
                       closure: Callable[[], Any] | None = None) -> Any:
