@@ -119,6 +119,25 @@ def test_lightning_with_callback_matches_torch_optim(setup):
         assert float(opt.last_grad_norm) == pytest.approx(ref.norms[-1], rel=1e-6)
 
 
+@pytest.mark.parametrize("setup", ["plain", "accumulate-3-clip"])
+def test_lightning_weight_averaging_matches_torch_optim(setup):
+    """Lightning's ``EMAWeightAveraging`` callback (an ``AveragedModel`` updated after each
+    optimizer step, swapped into the module when fit ends) beside ``LayeroptCallback``."""
+    import lightning.pytorch.callbacks as callbacks
+
+    EMAWeightAveraging = getattr(callbacks, "EMAWeightAveraging", None)
+    if EMAWeightAveraging is None:
+        pytest.skip(f"lightning {L.__version__} has no EMAWeightAveraging")
+    ref, ref_ema = Net(torch.optim.AdamW, weight_decay=0.1), EMAWeightAveraging(decay=0.5)
+    _fit(ref, [ref_ema], steps=4, **_kw(SETUPS[setup]))
+    module, ema = Net(layeropt.AdamW, weight_decay=0.1), EMAWeightAveraging(decay=0.5)
+    _fit(module, [LayeroptCallback(bucket_cap_mb=0), ema], steps=4, **_kw(SETUPS[setup]))
+    for p, q in zip(module.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach())
+    for p, q in zip(ema._average_model.parameters(), ref_ema._average_model.parameters()):
+        assert_same(p.detach(), q.detach())
+
+
 class _LateBranch(Net):
     """A branch the first step does not reach: its first gradient, and its momentum
     buffer, come a step later."""
