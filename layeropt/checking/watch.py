@@ -203,7 +203,7 @@ def _before_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         inner = inner.optimizer
     own = getattr(inner, "_lo_engine", None)
     ahead = _AHEAD.pop(own, None) if own is not None else None
-    if ahead is not None and ahead[0] is own.train_step:  # (an average before this step())
+    if ahead is not None and ahead[0]() is own.train_step:  # (an average before this step())
         raise BackwardStateError(AVERAGE_AHEAD.format(
             name=ahead[1], this="the", holds="holds",
             done="It was taken before this step(), the loop's first."))
@@ -297,7 +297,7 @@ def refuse_average_ahead(model: torch.nn.Module) -> None:
                 name=engine.name_of(p), this="this", holds="would hold",
                 done="Nothing was averaged."))
         if p is not None:
-            _AHEAD[engine] = (engine.train_step, engine.name_of(p))
+            _AHEAD[engine] = (weakref.ref(engine.train_step), engine.name_of(p))
 
 
 def _averaging_watcher(original: Callable[..., Any]) -> Callable[..., Any]:

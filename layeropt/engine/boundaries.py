@@ -114,7 +114,8 @@ class StepRecord:
     """
 
     __slots__ = ("stepped_backwards", "held_backwards", "held_after_step", "held", "hyper",
-                 "hyper_txn", "skipped", "scaler_skipped", "faulted", "clipped_zeros")
+                 "hyper_txn", "skipped", "scaler_skipped", "faulted", "clipped_zeros",
+                 "__weakref__")  # (a watcher's note names a step without keeping it)
 
     def __init__(self) -> None:
         self.stepped_backwards = self.held_backwards = 0
