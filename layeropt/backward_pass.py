@@ -93,6 +93,9 @@ def backward(
     Args:
         loss: the (scaled) loss to differentiate.
         optimizer: the attached layeropt optimizer(s); default: every attached one
+            but those inside their ``no_step()`` while another is not (a GAN's
+            discriminator held during the generator's backward: the generator's step
+            is clipped, as ``clip_grad_norm_(G.parameters())``)
             (one you no longer reference counts while something keeps it alive - a
             reference cycle until Python collects it, the traceback of an exception
             raised while it trained, which a notebook keeps: remove its attachment, or
@@ -503,6 +506,10 @@ def _grad_scale(optimizers: list[Any], scaler: Any, found: dict[Any, Tensor]) ->
 
 
 def _resolve(optimizer: Any) -> list[InBackwardOptimizer]:
+    """``optimizer`` as a list; ``None``: every attached optimizer, but those inside their
+    ``no_step()`` where another is not - they hold this backward's gradients for a step of
+    their own later (a GAN's D in G's backward), and torch's loop clips and unscales the
+    model it steps now."""
     if optimizer is None:
         found = [o for o in live_optimizers() if o.attached]
         if not found:
@@ -510,7 +517,7 @@ def _resolve(optimizer: Any) -> list[InBackwardOptimizer]:
                 "layeropt.backward found no attached layeropt optimizer; call "
                 "layeropt.attach(model, opt) first (or use loss.backward())."
             )
-        return found
+        return [o for o in found if not o._lo_engine.no_step_depth] or found
     return optimizer_list(optimizer)  # type: ignore[return-value]
 
 

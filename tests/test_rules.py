@@ -249,11 +249,18 @@ def _gan(fix: str | None) -> Callable[..., None]:
         optD.step()
         if fix == "freeze":
             D.requires_grad_(False)
-        with optD.no_step() if lo and fix == "no_step" else contextlib.nullcontext():
+        with optD.no_step() if lo and fix in ("no_step", "no_step clipped") \
+                else contextlib.nullcontext():
             out = D(fake).mean(1)
             if fix == "freeze after forward":  # around the backward alone: torch still
                 D.requires_grad_(False)  # fires D's hooks, its gradients are discarded
-            bce(out, torch.ones(4)).backward()
+            if fix != "no_step clipped":
+                bce(out, torch.ones(4)).backward()
+            elif lo:  # (by default the optimizers that step now: optG, not the held optD)
+                ctx["norms"].append(layeropt.backward(bce(out, torch.ones(4)), max_norm=0.05))
+            else:  # G's step clipped, as the tutorial's loop would add it
+                bce(out, torch.ones(4)).backward()
+                ctx["norms"].append(torch.nn.utils.clip_grad_norm_(G.parameters(), 0.05))
         D.requires_grad_(True)
         optG.step()
     return loop
@@ -348,6 +355,8 @@ RULES: dict[str, tuple[Callable[..., None], str, type | None, str]] = {
                                             "requires_grad_(False)"),
     "GAN, D frozen during G's backward": (_gan("freeze"), EXACT, None, ""),
     "GAN, G's backward inside optD.no_step()": (_gan("no_step"), EXACT, None, ""),
+    "GAN, G's backward inside optD.no_step(), clipped": (_gan("no_step clipped"), EXACT,
+                                                         None, ""),
     "GAN, D frozen after its forward, around G's backward": (
         _gan("freeze after forward"), EXACT, None, ""),
     "no step(): layeropt.backward(max_norm) is the step": (_no_step_call(True), EXACT, None, ""),
