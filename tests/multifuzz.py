@@ -21,6 +21,9 @@ optimizer over one model does not reach. Each program is drawn from
   inside its ``no_step()``, or neither);
 * ``handover``: the same, an optimizer often replaced by a new one of another class
   (its handle removed, or the optimizer deleted) - also between a backward and its step;
+* ``heldclip``: the same, most iterations clipped, with some optimizers inside their
+  ``no_step()`` around ``layeropt.backward(max_norm=)`` (by default left out of the
+  clip, as ``clip_grad_norm_`` over the stepping ones; an optimizer it clips refused);
 * ``checkpoint``: one optimizer over a residual MLP whose blocks run under torch's
   checkpoint (reentrant or not), ``layeropt.checkpoint`` or
   ``layeropt.checkpoint_modules``, mixed per block, a block applied three times in one
@@ -87,7 +90,7 @@ from loopfuzz import _diff, cli, draw_optimizer, draw_options, drop_chunks, muta
 from streamsim import offload_in_mode
 
 MIXES = ["multi", "gan", "handover", "checkpoint", "offload", "ckoffload", "verify", "vgan",
-          "vck"]
+          "vck", "heldclip"]
 OFFLOADED = {"offload": "multi", "ckoffload": "checkpoint"}  # mix -> the mix it offloads
 VERIFIED = {"verify": "multi", "vgan": "gan", "vck": "checkpoint"}  # mix -> the mix verified
 Op = tuple[str, dict[str, Any]]
@@ -221,8 +224,11 @@ def make_net(prog: dict[str, Any]) -> Heads | Blocks:
 # -- drawing a program ------------------------------------------------------------------
 BODIES = {"multi": ["plain", "plain", "accum", "clip", "clipsub", "gan"],
           "gan": ["gan", "gan", "gan", "plain", "accum", "clip"],
-          "handover": ["plain", "plain", "accum", "clip", "clipsub", "gan"]}
-HANDOVER = {"multi": 0.15, "gan": 0.05, "handover": 0.5}
+          "handover": ["plain", "plain", "accum", "clip", "clipsub", "gan"],
+          # clipped backwards with some optimizers inside their no_step() (a GAN's D
+          # held while G's step is clipped)
+          "heldclip": ["clip", "clip", "clipsub", "accum", "gan", "plain"]}
+HANDOVER = {"multi": 0.15, "gan": 0.05, "handover": 0.5, "heldclip": 0.1}
 # a layer frozen for one backward: one the loss does not need alone (the programs train)
 FREEZABLE = {"full": ["head", "trunk"], "headonly": ["trunk"], "trunkonly": ["head"]}
 
@@ -289,7 +295,10 @@ def _heads_iteration(r: random.Random, mix: str, names: list[str],
         ops.append(("clip", {"seed": r.randrange(10**6), "kind": r.choice(["full", "full", "headonly"]),
                              "aux": r.random() < 0.4, "max_norm": r.choice([0.01, 0.1, 1e9]),
                              "sub": ["trunk", "head"] if body == "clipsub" else None,
-                             "opt": r.choice([None, None, "o1", "o2", "both"])}))
+                             "opt": r.choice([None, None, "o1", "o2", "both"]),
+                             # (held ones: by default left out, else refused)
+                             **({"ns": [n for n in lo if r.random() < 0.4]}
+                                if mix == "heldclip" and r.random() < 0.7 else {})}))
     else:
         ops.append(_fb(r, []))
     return ops + _steps(r, names)
@@ -489,10 +498,16 @@ class Side:
         ps = [p for m in mods for p in m.parameters()] + [p for n in lo for p in self.params(n)]
         return list({id(p): p for p in ps}.values())
 
-    def _torch_clipped(self, sel: str | None) -> list[torch.Tensor]:
+    def _torch_clipped(self, sel: str | None, held: list[str] = ()) -> list[torch.Tensor]:
         """torch's ``clip_grad_norm_`` set for ``layeropt.backward(loss, opt)``: the default
-        set, less the parameters of layeropt optimizers other than ``sel`` if one."""
+        set, less the parameters of layeropt optimizers other than ``sel`` if one - by
+        default (``sel`` None), of those ``held`` inside their ``no_step()`` where another
+        is not."""
         ps = self._attached_params()
+        lo = [n for n in self.opts if self.prog["layer"][n]]
+        if sel is None and held and any(n not in held for n in lo):
+            out = {id(p) for n in held for p in self.params(n)}
+            return [p for p in ps if id(p) not in out]
         if sel is None or sel == "both" or not self.prog["layer"][sel]:
             return ps
         others = {id(p) for n in self.opts if n != sel and self.prog["layer"][n]
@@ -517,16 +532,20 @@ class Side:
 
     def _clip(self, a: dict[str, Any]) -> None:
         loss = self.model.loss(a, self.top)
+        held = [n for n in a.get("ns", ()) if self.prog["layer"][n]]  # (in their no_step())
 
         def subset() -> list[torch.Tensor]:  # (FSDP2, after the forward: the unsharded)
             return [p for m in a["sub"] for p in self.model.get_submodule(m).parameters()]
         if self.layer:
             kw = {} if a["sub"] is None else {"parameters": subset()}
-            layeropt.backward(loss, self._selected(a["opt"]), max_norm=a["max_norm"], **kw)
+            with contextlib.ExitStack() as stack:
+                for n in held:
+                    stack.enter_context(self.opts[n].no_step())
+                layeropt.backward(loss, self._selected(a["opt"]), max_norm=a["max_norm"], **kw)
         else:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(
-                self._torch_clipped(a["opt"]) if a["sub"] is None else subset(),
+                self._torch_clipped(a["opt"], held) if a["sub"] is None else subset(),
                 a["max_norm"])
 
     def _handover(self, n: str, new: list[Any], how: str) -> None:

@@ -32,6 +32,7 @@ BLOCKS = [
     ("verify", 35),  # multi's alone, then verified: verifyfuzz's outcomes
     ("vgan", 20),  # gan's alone, then verified
     ("vck", 20),  # checkpoint's alone, then verified
+    ("heldclip", 40),  # clipped backwards with some optimizers inside their no_step()
 ]
 
 
