@@ -143,7 +143,8 @@ def backward(
             o.last_grad_norm = None  # (nothing measured: no earlier step's norm left)
         _attached_backward(loss, engines, retain_graph, None)
         return None
-    held = [o for o in optimizers if o._lo_engine.no_step_depth] if max_norm is not None else ()
+    held = [o for o in optimizers if o._lo_engine.no_step_depth] \
+        if max_norm is not None or scaler is not None else ()
     if held:  # (clip_grad_norm_ there would clip the sums held so far, in .grad: not built)
         raise LayeroptError(CLIP_HELD.format(name=type(held[0]).__name__))
     if scaler is not None:
@@ -509,11 +510,12 @@ def _grad_scale(optimizers: list[Any], scaler: Any, found: dict[Any, Tensor]) ->
 
 
 CLIP_HELD = (
-    "layeropt.backward(max_norm=...) inside {name}.no_step() of an optimizer it clips: that "
-    "backward's gradients are held for a later step, and the clip belongs to the backward "
-    "that steps. Run the held micro-batches as plain loss.backward() inside no_step() and "
-    "the last one as layeropt.backward(loss, max_norm=...) outside it (it measures and "
-    "clips the held sums with it), or pass optimizer= without the held one. Nothing was run."
+    "layeropt.backward(max_norm= or scaler=) inside {name}.no_step() of an optimizer it "
+    "clips or unscales: that backward's gradients are held for a later step, and the clip "
+    "and the unscale belong to the backward that steps. Run the held micro-batches as plain "
+    "loss.backward() (scaler.scale(loss).backward()) inside no_step() and the last one "
+    "through layeropt.backward(...) outside it (it measures, unscales and clips the held "
+    "sums with it), or pass optimizer= without the held one. Nothing was run."
 )
 
 

@@ -88,6 +88,36 @@ def test_global_clipping_with_accumulation():
     assert_models_equal(ref, model)
 
 
+@pytest.mark.parametrize("how", ["max_norm", "scaler", "optimizer=opt"])
+def test_clipping_or_unscaling_inside_the_optimizers_no_step_is_refused(how):
+    """``layeropt.backward(max_norm= / scaler=)`` inside the ``no_step()`` of an optimizer it
+    clips or unscales ran and differed from torch's clip (or ``scaler.step``) there
+    (multifuzz heldclip seed 702,007): refused before anything runs, the held gradients
+    kept; the recipe (the held micro-batches plain, the last through layeropt.backward
+    outside) then equals torch."""
+    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair(
+        "mlp", "SGD", dict(lr=0.1, momentum=0.9), attach={})
+    gen = torch.Generator().manual_seed(0)
+    a, b = batch_fn(gen), batch_fn(gen)
+    (loss_fn(ref, a) / 2).backward()
+    (loss_fn(ref, b) / 2).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    ref_opt.step()
+    scaler = torch.amp.GradScaler("cpu", enabled=how == "scaler")
+    kw = {"scaler": scaler} if how == "scaler" else {"max_norm": 0.1}
+    with opt.no_step():
+        (loss_fn(model, a) / 2).backward()
+        held = {n: p.grad.clone() for n, p in model.named_parameters()}
+        with pytest.raises(layeropt.LayeroptError, match="inside SGD.no_step"):
+            layeropt.backward(loss_fn(model, b) / 2, opt if how == "optimizer=opt" else None,
+                              **kw)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, held[n]), n
+    norm = layeropt.backward(loss_fn(model, b) / 2, max_norm=0.1)
+    assert torch.equal(norm, ref_norm)
+    assert_models_equal(ref, model)
+
+
 def test_measure_pass_that_raises_keeps_the_accumulated_gradients():
     """no_step() gradients are set aside for layeropt.backward's measure pass; a pass that
     raises puts them back (they were lost), as a plain backward that raises keeps them."""
