@@ -631,6 +631,7 @@ class Watch:
         self.stepped: set[str] = set()  # called step() (this optimizer, not one before it)
         self.pending: dict[str, None] = {}  # a backward gave it gradients since its step()
         self.grads: list[torch.Tensor | None] = []
+        self.held: set[int] = set()  # layeropt held a gradient of them before the backward
         # torch holds their gradient, layeropt freed it, and the optimizer that applied it
         # was deleted in a loop whose latest zero_grad set gradients to None
         self.left: set[int] = set()
@@ -649,6 +650,7 @@ class Watch:
                 return "never-zeroed"
         elif name in ("fb", "clip"):
             self.grads = [None if p.grad is None else p.grad.clone() for p, _ in self.pairs]
+            self.held = {id(p) for p, q in self.pairs if not self._applied(q)}
             if name == "clip" and any(id(p) in self.applied and p.grad is not None
                                       and bool(p.grad.any()) for p, _ in self.pairs):
                 return "never-zeroed"  # (torch's clip measures them; a backward onto
@@ -714,14 +716,18 @@ class Watch:
 
     def _backward(self) -> None:
         """Optimizers the backward gave gradients to are pending; layeropt ones whose
-        gradients it applied (freed on layeropt's side) are open."""
+        gradients it applied (freed on layeropt's side) are open - also those whose held
+        gradients it applied without reaching them (a stepping backward ends the window of
+        ``no_step()`` ones: multifuzz heldclip seed 704,498, a later forward read them)."""
         reached = {id(p): q for (p, q), g in zip(self.pairs, self.grads)
                    if p.grad is not None and (g is None or not torch.equal(g, p.grad))}
+        qs = {id(p): q for p, q in self.pairs}
         for n in self.t.opts:
             mine = {id(p) for p in self.t.params(n)} & reached.keys()
             if mine:
                 self.pending[n] = None
-            if any(self._applied(reached[i]) for i in mine & self._lo_ids(n)):
+            was_held = self.held & self._lo_ids(n)
+            if any(self._applied(qs[i]) for i in (mine & self._lo_ids(n)) | was_held):
                 self.open.add(n)
                 self.updated.add(n)
 
