@@ -143,8 +143,7 @@ def backward(
             o.last_grad_norm = None  # (nothing measured: no earlier step's norm left)
         _attached_backward(loss, engines, retain_graph, None)
         return None
-    held = [o for o in optimizers if o._lo_engine.no_step_depth] \
-        if max_norm is not None or scaler is not None else ()
+    held = [o for o in optimizers if o._lo_engine.no_step_depth]
     if held:  # (clip_grad_norm_ there would clip the sums held so far, in .grad: not built)
         raise LayeroptError(CLIP_HELD.format(name=type(held[0]).__name__))
     if scaler is not None:
