@@ -243,10 +243,16 @@ class LoopAccumulator:
         Inside an outer ``no_step()`` the gradient keeps accumulating (scaled,
         unclipped): the outer accumulation's last backward clips the whole sum.
         """
+        # (held: inside their no_step(); an outer accumulation of the accumulator's own, or
+        # of all, defers the clip to its last backward; another's - a GAN's D held in G's
+        # backward - is left out, as layeropt.backward leaves it out of its default)
         attached = self._attached()
-        if not self._clips() or any(o._lo_engine.no_step_depth for o in attached):
+        held = [o for o in attached if o._lo_engine.no_step_depth]
+        if not self._clips() or held and len(held) == len(attached) or any(
+                any(o is h for h in held) for o in self.optimizers):
             loss.backward()
             return
+        attached = [o for o in attached if not any(o is h for h in held)]
         plain = [o for o in self.optimizers if not any(o is a for a in attached)]
         scaler = self.scaler if self.scaler is not None and self.scaler.is_enabled() else None
         # Plain optimizers: scaler.unscale_(opt) only to clip, as torch's clipping recipe

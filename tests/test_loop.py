@@ -644,6 +644,45 @@ def test_clipping_with_parameters_only_early_iterations_reach(use_scaler):
         assert_same(r.state_dict(), o.state_dict())
 
 
+def _gan_generator_loop(lo: bool, given: bool) -> list[Tensor]:
+    """A GAN whose generator's two-sample loss runs through a clipping accumulator while
+    the discriminator is held (``optD.no_step()``); torch's loop clips G's gradients."""
+    torch.manual_seed(0)
+    G, D = nn.Linear(2, 3), nn.Linear(3, 1)
+    lib = layeropt if lo else torch.optim
+    optG, optD = lib.Adam(G.parameters(), lr=1e-2), lib.Adam(D.parameters(), lr=1e-2)
+    handles = [layeropt.attach(G, optG), layeropt.attach(D, optD)] if lo else []
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        real, z = torch.randn(4, 3, generator=gen), torch.randn(2, 4, 2, generator=gen)
+        optD.zero_grad()
+        (F.softplus(-D(real)) + F.softplus(D(G(z[0]).detach()))).mean().backward()
+        optD.step()
+        optG.zero_grad()
+        if lo:
+            with optD.no_step(), LoopAccumulator(2, optG if given else None,
+                                                 max_norm=0.01) as acc:
+                for i in range(2):
+                    acc.backward(F.softplus(-D(G(z[i]))).mean() * 50)
+        else:
+            for i in range(2):
+                (F.softplus(-D(G(z[i]))).mean() * 50 / 2).backward()
+            torch.nn.utils.clip_grad_norm_(G.parameters(), 0.01)
+        optG.step()
+    for h in handles:
+        h.remove()
+    return [*G.parameters(), *D.parameters()]
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["optG given", "default"])
+def test_a_gan_generators_accumulator_clips_it_while_the_discriminator_is_held(given):
+    """Another attached optimizer inside its ``no_step()`` (a GAN's D during G's loss) is
+    left out of the accumulator's clip: before 2026-12-07 the accumulator took it for an
+    outer accumulation of its own and stepped G unclipped."""
+    for p, q in zip(_gan_generator_loop(True, given), _gan_generator_loop(False, given)):
+        assert_same(p.detach(), q.detach())
+
+
 @pytest.mark.parametrize("clip, use_scaler", [(CLIP, False), (None, True)],
                          ids=["clip", "scaler"])
 def test_clipping_with_an_attached_and_a_plain_optimizer(clip, use_scaler):
