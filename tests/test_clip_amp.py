@@ -88,13 +88,10 @@ def test_global_clipping_with_accumulation():
     assert_models_equal(ref, model)
 
 
-@pytest.mark.parametrize("how", ["max_norm", "scaler", "optimizer=opt"])
-def test_clipping_or_unscaling_inside_the_optimizers_no_step_is_refused(how):
-    """``layeropt.backward(max_norm= / scaler=)`` inside the ``no_step()`` of an optimizer it
-    clips or unscales ran and differed from torch's clip (or ``scaler.step``) there
-    (multifuzz heldclip seed 702,007): refused before anything runs, the held gradients
-    kept; the recipe (the held micro-batches plain, the last through layeropt.backward
-    outside) then equals torch."""
+def _two_micro_batches_clipped_by_torch() -> tuple[Any, ...]:
+    """An MLP pair (SGD with momentum) and two micro-batches, the torch side trained on them
+    (accumulated, clipped at 0.1, stepped); the layeropt side, its optimizer, the loss, the
+    batches, the torch side and its norm."""
     model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair(
         "mlp", "SGD", dict(lr=0.1, momentum=0.9), attach={})
     gen = torch.Generator().manual_seed(0)
@@ -103,6 +100,17 @@ def test_clipping_or_unscaling_inside_the_optimizers_no_step_is_refused(how):
     (loss_fn(ref, b) / 2).backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
     ref_opt.step()
+    return model, opt, loss_fn, (a, b), ref, ref_norm
+
+
+@pytest.mark.parametrize("how", ["max_norm", "scaler", "optimizer=opt"])
+def test_clipping_or_unscaling_inside_the_optimizers_no_step_is_refused(how):
+    """``layeropt.backward(max_norm= / scaler=)`` inside the ``no_step()`` of an optimizer it
+    clips or unscales ran and differed from torch's clip (or ``scaler.step``) there
+    (multifuzz heldclip seed 702,007): refused before anything runs, the held gradients
+    kept; the recipe (the held micro-batches plain, the last through layeropt.backward
+    outside) then equals torch."""
+    model, opt, loss_fn, (a, b), ref, ref_norm = _two_micro_batches_clipped_by_torch()
     scaler = torch.amp.GradScaler("cpu", enabled=how == "scaler")
     kw = {"scaler": scaler} if how == "scaler" else {"max_norm": 0.1}
     with opt.no_step():
@@ -121,15 +129,7 @@ def test_clipping_or_unscaling_inside_the_optimizers_no_step_is_refused(how):
 def test_measure_pass_that_raises_keeps_the_accumulated_gradients():
     """no_step() gradients are set aside for layeropt.backward's measure pass; a pass that
     raises puts them back (they were lost), as a plain backward that raises keeps them."""
-    model, ref, opt, ref_opt, batch_fn, loss_fn, _ = make_pair(
-        "mlp", "SGD", dict(lr=0.1, momentum=0.9), attach={}
-    )
-    gen = torch.Generator().manual_seed(0)
-    a, b = batch_fn(gen), batch_fn(gen)
-    (loss_fn(ref, a) / 2).backward()
-    (loss_fn(ref, b) / 2).backward()
-    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
-    ref_opt.step()
+    model, opt, loss_fn, (a, b), ref, ref_norm = _two_micro_batches_clipped_by_torch()
     with opt.no_step():
         (loss_fn(model, a) / 2).backward()
     held = {n: p.grad.clone() for n, p in model.named_parameters()}
