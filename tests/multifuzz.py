@@ -23,7 +23,8 @@ optimizer over one model does not reach. Each program is drawn from
   (its handle removed, or the optimizer deleted) - also between a backward and its step;
 * ``heldclip``: the same, most iterations clipped, with some optimizers inside their
   ``no_step()`` around ``layeropt.backward(max_norm=)`` (by default left out of the
-  clip, as ``clip_grad_norm_`` over the stepping ones; an optimizer it clips refused);
+  clip, as ``clip_grad_norm_`` over the stepping ones; an optimizer it clips refused),
+  or around a clipping ``LoopAccumulator`` over 2-3 batches;
 * ``checkpoint``: one optimizer over a residual MLP whose blocks run under torch's
   checkpoint (reentrant or not), ``layeropt.checkpoint`` or
   ``layeropt.checkpoint_modules``, mixed per block, a block applied three times in one
@@ -84,6 +85,7 @@ import torch.utils.checkpoint as tuc
 
 import harness
 import layeropt
+from layeropt import LoopAccumulator
 import offloadfuzz
 import loopfuzz
 from loopfuzz import _diff, cli, draw_optimizer, draw_options, drop_chunks, mutate, play_both
@@ -298,7 +300,10 @@ def _heads_iteration(r: random.Random, mix: str, names: list[str],
                              "opt": r.choice([None, None, "o1", "o2", "both"]),
                              # (held ones: by default left out, else refused)
                              **({"ns": [n for n in lo if r.random() < 0.4]}
-                                if mix == "heldclip" and r.random() < 0.7 else {})}))
+                                if mix == "heldclip" and r.random() < 0.7 else {}),
+                             # (a LoopAccumulator's clip over 2-3 batches)
+                             **({"n": r.choice([2, 3])}
+                                if mix == "heldclip" and r.random() < 0.35 else {})}))
     else:
         ops.append(_fb(r, []))
     return ops + _steps(r, names)
@@ -531,8 +536,10 @@ class Side:
                 mod.requires_grad_(True)
 
     def _clip(self, a: dict[str, Any]) -> None:
-        loss = self.model.loss(a, self.top)
         held = [n for n in a.get("ns", ()) if self.prog["layer"][n]]  # (in their no_step())
+        if a.get("n"):
+            return self._accumulated(a, held)
+        loss = self.model.loss(a, self.top)
 
         def subset() -> list[torch.Tensor]:  # (FSDP2, after the forward: the unsharded)
             return [p for m in a["sub"] for p in self.model.get_submodule(m).parameters()]
@@ -547,6 +554,28 @@ class Side:
             torch.nn.utils.clip_grad_norm_(
                 self._torch_clipped(a["opt"], held) if a["sub"] is None else subset(),
                 a["max_norm"])
+
+    def _accumulated(self, a: dict[str, Any], held: list[str]) -> None:
+        """``a``'s clip as a ``LoopAccumulator(n, opt, max_norm=)`` over ``n`` batches (its
+        own or every attached optimizer but those ``held`` clipped at its last backward);
+        torch's: ``n`` backwards of ``loss / n`` and ``clip_grad_norm_``, none where the
+        accumulator defers its clip to an outer accumulation (its optimizer held, or all)."""
+        n, sel = a["n"], a["opt"]
+        losses = [{**a, "seed": a["seed"] + i} for i in range(n)]
+        if self.layer:
+            with contextlib.ExitStack() as stack:
+                for h in held:
+                    stack.enter_context(self.opts[h].no_step())
+                with LoopAccumulator(n, self._selected(sel), max_norm=a["max_norm"]) as acc:
+                    for b in losses:
+                        acc.backward(self.model.loss(b, self.top))
+            return
+        for b in losses:
+            (self.model.loss(b, self.top) / n).backward()
+        lo = [k for k in self.opts if self.prog["layer"][k]]
+        chosen = lo if sel == "both" else [sel] if sel in lo else []
+        if not held or not (all(k in held for k in lo) or any(k in held for k in chosen)):
+            torch.nn.utils.clip_grad_norm_(self._torch_clipped(None, held), a["max_norm"])
 
     def _handover(self, n: str, new: list[Any], how: str) -> None:
         """``n`` replaced by a new optimizer of class ``new``: its attachment removed (the
