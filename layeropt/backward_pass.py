@@ -227,8 +227,9 @@ def backward(
                 e.finish_measure()
         unhooked.measure(measured, norm, inv_scale, found, clipped)
         unhooked.refuse_strays()
-        if scaler is not None:
-            _refuse_unscaled([e for e in reached if any(e is o for o in others)])
+        if scaler is not None:  # (one inside its no_step() holds them scaled, as torch's
+            _refuse_unscaled([e for e in reached  # .grad: unscaled by its scaler.step)
+                              if any(e is o for o in others) and not e.no_step_depth])
     except BaseException as exc:
         undo_pass_1()
         if isinstance(exc, RuntimeError) and "donated buffers" in str(exc):  # torch.compile's
@@ -477,8 +478,9 @@ def _refuse_unscaled(engines: list[Any]) -> None:
             f"layeropt.backward(scaler=...) reached the parameters of attached optimizer(s) "
             f"not given to it ({names}): they step in this backward on gradients still "
             "scaled, where scaler.step(opt) would unscale them. Pass every attached optimizer "
-            "the loss reaches (optimizer=[opt1, opt2]; the default is all of them) and clip "
-            "a subset with parameters=. Nothing was updated."
+            "the loss reaches (optimizer=[opt1, opt2]; the default is all of them but those "
+            "inside their no_step()), or hold them there, and clip a subset with "
+            "parameters=. Nothing was updated."
         )
 
 

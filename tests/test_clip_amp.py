@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import layeropt
 from harness import (
@@ -965,3 +966,48 @@ def test_skipped_step_keeps_zeroed_gradients_as_torch(opt_name):
                 o.zero_grad(set_to_none=False)
     assert_models_equal(model, ref)
     assert_same(opt.state_dict(), ref_opt.state_dict())
+
+
+def _gan_with_a_scaler(lo: bool, given: bool) -> list[torch.Tensor]:
+    """A GAN with one GradScaler for both losses (torch's AMP recipe for several
+    optimizers); the generator's loss overflows at step 2 (its step skipped, the scale
+    halved). layeropt's: D through ``layeropt.backward(..., optD, scaler=)``, G's loss
+    inside ``optD.no_step()``, D's scaled gradients held there as torch's ``.grad``."""
+    torch.manual_seed(0)
+    G, D = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
+    lib = layeropt if lo else torch.optim
+    optG, optD = lib.Adam(G.parameters(), lr=1e-2), lib.Adam(D.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1000.0, growth_interval=1)
+    handles = [layeropt.attach(G, optG), layeropt.attach(D, optD)] if lo else []
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        real, z = torch.randn(4, 3, generator=gen), torch.randn(4, 2, generator=gen)
+        optD.zero_grad()
+        fake = G(z)
+        loss_d = (F.softplus(-D(real)) + F.softplus(D(fake.detach()))).mean()
+        if lo:
+            layeropt.backward(scaler.scale(loss_d), optD, scaler=scaler)
+        else:
+            scaler.scale(loss_d).backward()
+        scaler.step(optD)
+        optG.zero_grad()
+        loss_g = F.softplus(-D(fake)).mean() * (1e30 if step == 2 else 1.0)
+        with optD.no_step() if lo else contextlib.nullcontext():
+            if lo:
+                layeropt.backward(scaler.scale(loss_g), optG if given else None, scaler=scaler)
+            else:
+                scaler.scale(loss_g).backward()
+        scaler.step(optG)
+        scaler.update()
+    for h in handles:
+        h.remove()
+    return [*G.parameters(), *D.parameters(), torch.tensor(scaler.get_scale())]
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["optG given", "default"])
+def test_a_gan_with_one_scaler_holds_the_discriminators_scaled_gradients(given):
+    """Another attached optimizer inside its ``no_step()`` is not refused as one stepping
+    on scaled gradients (before 2026-12-07 it was, with either form): it holds them, and
+    its ``scaler.step`` unscales them as torch's does."""
+    for p, q in zip(_gan_with_a_scaler(True, given), _gan_with_a_scaler(False, given)):
+        assert_same(p.detach(), q.detach())
