@@ -600,3 +600,41 @@ def test_free_memory_leaves_a_loop_without_step_to_the_optimizer():
             ref_opt.zero_grad()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_same(p.detach(), q.detach())
+
+
+def _gan(lo: bool) -> list[torch.Tensor]:
+    """A GAN under accelerate: D's backward and step, then G's loss through D (held by
+    ``optD.no_step()`` on the prepared optimizer, as integrations.md says), G clipped by
+    ``accelerator.clip_grad_norm_(G.parameters())``."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    torch.manual_seed(0)
+    G, D = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
+    lib = layeropt if lo else torch.optim
+    optG, optD = lib.Adam(G.parameters(), lr=1e-2), lib.Adam(D.parameters(), lr=1e-2)
+    acc = (LayeroptAccelerator if lo else accelerate.Accelerator)(cpu=True)
+    G, D, optG, optD = acc.prepare(G, D, optG, optD)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        real, z = torch.randn(4, 3, generator=gen), torch.randn(4, 2, generator=gen)
+        optD.zero_grad()
+        fake = G(z)
+        acc.backward((torch.nn.functional.softplus(-D(real))
+                      + torch.nn.functional.softplus(D(fake.detach()))).mean())
+        optD.step()
+        optG.zero_grad()
+        with optD.no_step() if lo else contextlib.nullcontext():
+            acc.backward(torch.nn.functional.softplus(-D(fake)).mean() * 50)
+        acc.clip_grad_norm_(G.parameters(), 0.05)
+        optG.step()
+    params = [p.detach().clone() for p in [*G.parameters(), *D.parameters()]]
+    acc.free_memory()
+    return params
+
+
+def test_a_gan_holds_the_discriminator_through_the_prepared_optimizers_no_step():
+    """``optimizer.no_step()`` on the optimizer ``prepare`` returned (accelerate's wrapper:
+    an AttributeError before 2026-12-07) holds D's gradients in G's backward; G's clipped
+    step equals accelerate with torch.optim bit for bit."""
+    for p, q in zip(_gan(True), _gan(False)):
+        assert_same(p, q)

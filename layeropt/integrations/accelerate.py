@@ -212,6 +212,10 @@ class LayeroptAccelerator(Accelerator):
         with _comm_hook_aside(getattr(self, "ddp_handler", None)) as comm:
             out = super().prepare(*args, **kwargs)
         opts = self.layeropt_optimizers
+        for wrapper in self._optimizers:  # (optimizer.no_step() on the prepared optimizer,
+            inner = unwrap_optimizer(wrapper)  # as the loop holds a backward: the inner one's)
+            if isinstance(inner, InBackwardOptimizer) and not hasattr(wrapper, "no_step"):
+                wrapper.no_step = inner.no_step
         # The models as prepared (DistributedDataParallel under several processes):
         # the wrapper is what the loop calls, and what averages the gradients.
         prepared = out if isinstance(out, tuple) else (out,)
