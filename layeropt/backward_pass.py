@@ -512,19 +512,24 @@ def _grad_scale(optimizers: list[Any], scaler: Any, found: dict[Any, Tensor]) ->
 
 CLIP_HELD = (
     "layeropt.backward(max_norm= or scaler=) inside {name}.no_step() of an optimizer it "
-    "clips or unscales: that backward's gradients are held for a later step, and the clip "
-    "and the unscale belong to the backward that steps. Run the held micro-batches as plain "
-    "loss.backward() (scaler.scale(loss).backward()) inside no_step() and the last one "
-    "through layeropt.backward(...) outside it (it measures, unscales and clips the held "
-    "sums with it), or pass optimizer= without the held one. Nothing was run."
+    "clips or unscales: the clip and the unscale belong to the backward that steps. Run the "
+    "held micro-batches as plain loss.backward() (scaler.scale(loss).backward()) inside "
+    "no_step() and the last one through layeropt.backward(...) outside it (it measures, "
+    "unscales and clips the held sums with it), or pass optimizer= without it. Nothing ran."
 )
 
 
+def stepping(optimizers: list[Any]) -> list[Any]:
+    """``optimizers`` but those inside their ``no_step()``, where another is not: they hold
+    this backward's gradients for a step of their own later (a GAN's D in G's backward),
+    and torch's loop clips and unscales the model it steps now. All of them where all are
+    held (an outer accumulation)."""
+    return [o for o in optimizers if not o._lo_engine.no_step_depth] or optimizers
+
+
 def _resolve(optimizer: Any) -> list[InBackwardOptimizer]:
-    """``optimizer`` as a list; ``None``: every attached optimizer, but those inside their
-    ``no_step()`` where another is not - they hold this backward's gradients for a step of
-    their own later (a GAN's D in G's backward), and torch's loop clips and unscales the
-    model it steps now."""
+    """``optimizer`` as a list; ``None``: every attached optimizer that steps now
+    (:func:`stepping`)."""
     if optimizer is None:
         found = [o for o in live_optimizers() if o.attached]
         if not found:
@@ -532,7 +537,7 @@ def _resolve(optimizer: Any) -> list[InBackwardOptimizer]:
                 "layeropt.backward found no attached layeropt optimizer; call "
                 "layeropt.attach(model, opt) first (or use loss.backward())."
             )
-        return [o for o in found if not o._lo_engine.no_step_depth] or found
+        return stepping(found)
     return optimizer_list(optimizer)  # type: ignore[return-value]
 
 

@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint
 
-from .backward_pass import backward, default_parameters
+from .backward_pass import backward, default_parameters, stepping
 from .errors import LayeroptError
 from .optim import InBackwardOptimizer, live_optimizers, optimizer_list
 
@@ -243,16 +243,14 @@ class LoopAccumulator:
         Inside an outer ``no_step()`` the gradient keeps accumulating (scaled,
         unclipped): the outer accumulation's last backward clips the whole sum.
         """
-        # (held: inside their no_step(); an outer accumulation of the accumulator's own, or
-        # of all, defers the clip to its last backward; another's - a GAN's D held in G's
-        # backward - is left out, as layeropt.backward leaves it out of its default)
-        attached = self._attached()
-        held = [o for o in attached if o._lo_engine.no_step_depth]
-        if not self._clips() or held and len(held) == len(attached) or any(
-                any(o is h for h in held) for o in self.optimizers):
+        # (an outer accumulation - its own optimizers inside no_step(), or all - defers the
+        # clip to its last backward; another held - a GAN's D in G's backward - is left
+        # out, as layeropt.backward leaves it out of its default)
+        attached = stepping(self._attached())
+        own = [o for o in self.optimizers if isinstance(o, InBackwardOptimizer)]
+        if not self._clips() or any(o._lo_engine.no_step_depth for o in [*attached, *own]):
             loss.backward()
             return
-        attached = [o for o in attached if not any(o is h for h in held)]
         plain = [o for o in self.optimizers if not any(o is a for a in attached)]
         scaler = self.scaler if self.scaler is not None and self.scaler.is_enabled() else None
         # Plain optimizers: scaler.unscale_(opt) only to clip, as torch's clipping recipe

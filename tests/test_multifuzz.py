@@ -49,12 +49,16 @@ def test_random_programs_equal_torch_or_are_refused(mix, n):
 # than on a plain model: torch's reentrant checkpoint raises under DDP (torch-error), and
 # DDP's reducer refuses a plainly hooked submodule's parameter left unused (torch-error)
 DDP_BLOCKS = [("multi", 40), ("gan", 45), ("handover", 30), ("checkpoint", 20),
-              ("offload", 12), ("ckoffload", 5), ("verify", 20), ("vgan", 20), ("vck", 12)]
+              ("offload", 12), ("ckoffload", 5), ("verify", 20), ("vgan", 20), ("vck", 12),
+              ("heldclip", 40)]
 
 
 @pytest.mark.parametrize("mix,n", DDP_BLOCKS, ids=[b[0] for b in DDP_BLOCKS])
 def test_random_programs_on_ddp(mix, n):
-    assert_wrapped_block(run_block, "multifuzz.py", mix, n * SOAK, "ddp", 1 / 5)
+    # (heldclip's programs end refused more often on DDP: 8 of its first 40 exact, 14 of
+    # 60, torch 2.13, 2026-12-07; the share still shows they train)
+    share = 1 / 8 if mix == "heldclip" else 1 / 5
+    assert_wrapped_block(run_block, "multifuzz.py", mix, n * SOAK, "ddp", share)
 
 
 # ... and on two DDP processes, each rank its own batches (loopfuzz.programs_on_ranks)
