@@ -185,31 +185,12 @@ SPARSE_ERROR = (
     "torch.optim optimizer."
 )
 
-HYPERPARAMETER_ERROR = (
-    "param_groups[{index}][{key!r}] changed from {old} to {new} after an attached "
-    "backward had already updated the parameters with {old}; torch, which reads it "
-    "in {where}, would have used {new} for this step. Set hyperparameters before "
-    "backward: a learning-rate schedule at the top of the iteration, or "
-    "scheduler.step() after optimizer.step() (its documented place)."
-)
-
 LOAD_BETWEEN_ERROR = (
     "{name}.load_state_dict() between an attached backward and step(): that backward "
     "already updated the parameters and this state, so the load would drop its update "
     "(torch's step() applies it to the loaded state). Load before backward (at the top "
     "of the iteration), or after step(); to roll back a bad step, call step() and "
     "zero_grad() first, then load both the model and the optimizer. Nothing was loaded."
-)
-
-SECOND_UPDATE_ERROR = (
-    "{where} found a gradient on {n} parameter(s) (the first of shape {shape}) that "
-    "the attached backward already updated in this training step: code after that "
-    "backward set or changed .grad (per-sample clipping and noise as in Opacus, "
-    "gradient surgery). torch would apply one update with that gradient in "
-    "its step(); layeropt applied the backward's and drops this one. Change gradients "
-    "before they are applied - in a tensor hook (param.register_hook) or with "
-    "layeropt.backward's clipping - or run that backward inside `with opt.no_step():` "
-    "so that step() applies the final gradient once."
 )
 
 CLIP_AFTER_BACKWARD = (

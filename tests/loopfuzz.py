@@ -12,7 +12,8 @@ micro-batches, ``layeropt.backward(max_norm=)`` against ``clip_grad_norm_``,
 freezing layers, hyperparameters set by hand, schedulers (``OneCycleLR`` and
 ``CyclicLR`` move momentum or Adam's beta1 too), ``load_state_dict``,
 ``add_param_group``, ``remove()`` and a new ``attach`` (the ``average`` mix: an EMA of
-the model, ``AveragedModel.update_parameters``, anywhere among them) - then shuffled,
+the model, ``AveragedModel.update_parameters``, anywhere among them; the ``write`` mix:
+the weights written in place - clamped, decayed by hand, loaded - anywhere among them) - then shuffled,
 dropped, repeated: orders no hand-written test tries. Every program ends exact
 (parameters, ``state_dict()`` and the average equal torch's bit for bit), refused by a
 layeropt error, or in a documented undetectable case it reaches (docs/rules.md, "What
@@ -89,7 +90,7 @@ THIRD_PARTY = [
     ("bitsandbytes.optim.Lion", {"weight_decay": [0.0, 0.01], "betas": [(0.9, 0.99)]}),
     ("bitsandbytes.optim.RMSprop", {"momentum": [0.0, 0.9]}),
 ]
-MIXES = ["all", "clip", "clipattach", "chaos", "resume", "thirdparty", "average"]
+MIXES = ["all", "clip", "clipattach", "chaos", "resume", "thirdparty", "average", "write"]
 # (race: an offloaded copy not ordered after what it depends on, tests/offloadfuzz.py)
 FAILURES = ("diff", "crash", "torch-error-only", "race",
             # (LAYEROPT_VERIFY silent, wrong, or alarmed on an exact loop: tests/verifyfuzz.py)
@@ -330,7 +331,7 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     r = random.Random(seed)
     kind, okw = draw_third_party(r) if mix == "thirdparty" else draw_optimizer(r)
     akw = draw_attach(r, mix)
-    gen = "all" if mix in ("chaos", "thirdparty", "average") else mix
+    gen = "all" if mix in ("chaos", "thirdparty", "average", "write") else mix
     reattach = gen in ("all", "resume") and not akw
     ops: list[Op] = []
     for _ in range(r.randint(2, 4)):
@@ -360,6 +361,10 @@ def draw_program(seed: int, mix: str) -> dict[str, Any]:
     if mix == "average":  # "all"'s loops with an EMA of the model updated anywhere in them
         for _ in range(r.randint(1, 3)):
             prog["ops"].insert(r.randint(0, len(prog["ops"])), ("avg", {}))
+    if mix == "write":  # "all"'s loops with the weights written in place anywhere in them
+        for _ in range(r.randint(1, 3)):
+            prog["ops"].insert(r.randint(0, len(prog["ops"])),
+                               ("write", {"how": r.choice(["clamp", "decay", "load"])}))
     return prog
 
 
@@ -399,6 +404,7 @@ class Side:
         self.average: Any = None  # (the "average" mix: an EMA of the model, AveragedModel)
         self.added = False
         self.model, self.opt = self._new(init)
+        self.first = copy.deepcopy(self.net.state_dict())  # (the "write" mix's load)
         self.handle = self.attach()
 
     def _new(self, init: dict[str, torch.Tensor]) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -564,6 +570,12 @@ class Side:
                 self.average = swa.AveragedModel(self.net,
                                                  multi_avg_fn=swa.get_ema_multi_avg_fn(0.75))
             self.average.update_parameters(self.net)
+        elif name == "write":  # in place, as a weight clamp, a decay by hand, a reset do
+            with torch.no_grad():
+                if a["how"] == "load":
+                    self.net.load_state_dict(self.first)
+                for p in self.net.parameters() if a["how"] != "load" else ():
+                    p.clamp_(-0.3, 0.3) if a["how"] == "clamp" else p.mul_(0.95)
         else:
             raise ValueError(f"unknown op {name!r}")
 

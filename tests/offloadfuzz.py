@@ -34,7 +34,7 @@ import loopfuzz
 from loopfuzz import FAILURES, Side, cli, detach, drop_chunks
 from streamsim import offload_in_mode, simulate
 
-MIXES = ["all", "clip", "clipattach", "chaos", "toggle", "thirdparty"]
+MIXES = ["all", "clip", "clipattach", "chaos", "toggle", "thirdparty", "write"]
 
 
 def draw_mode(r: random.Random) -> dict[str, Any]:

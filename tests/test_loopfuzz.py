@@ -29,6 +29,7 @@ BLOCKS = [
     ("resume", 45),  # checkpoints saved and resumed into a new model and optimizer
     ("thirdparty", 95),  # "all"'s loops with schedule-free and bitsandbytes optimizers
     ("average", 60),  # "all"'s loops with an EMA of the model (AveragedModel) updated anywhere
+    ("write", 40),  # "all"'s loops with the weights written in place (clamp, decay, load) anywhere
 ]
 
 
@@ -51,7 +52,7 @@ def test_random_loops_equal_torch_or_are_refused(mix, n):
 
 # The same programs on a DistributedDataParallel model and on an FSDP2 one (a process
 # group of this process alone): torch's DDP / FSDP2 against layeropt's, bit for bit
-WRAPPED = [("all", 40), ("chaos", 60), ("resume", 20)]
+WRAPPED = [("all", 40), ("chaos", 60), ("resume", 20), ("write", 20)]
 
 
 @pytest.mark.parametrize("wrap", ["ddp", pytest.param("fsdp2", marks=pytest.mark.skipif(

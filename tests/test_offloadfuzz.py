@@ -25,6 +25,7 @@ BLOCKS = [
     ("chaos", 28),  # the loops shuffled, cut and padded with random operations
     ("toggle", 14),  # offload stopped and started, checkpoints resumed into new optimizers
     ("thirdparty", 24),  # "all"'s loops with schedule-free and bitsandbytes optimizers
+    ("write", 16),  # "all"'s loops with the weights written in place anywhere
 ]
 
 

@@ -98,6 +98,29 @@ def _averaged(before_step: bool) -> Callable[..., None]:
     return loop
 
 
+def _clamped(where: str) -> Callable[..., None]:
+    """The weights clamped in place (WGAN's weight clipping): after ``step()``, between
+    backward and ``step()``, or there in torch's loop and - layeropt's form of it - in a
+    post-accumulate-grad hook, which runs before the update."""
+    def clamp(p: torch.Tensor) -> None:
+        with torch.no_grad():
+            p.clamp_(-0.3, 0.3)
+
+    def loop(m, opt, x, lo, ctx):
+        if where == "hook" and lo and "hooks" not in ctx:
+            ctx["hooks"] = [p.register_post_accumulate_grad_hook(clamp) for p in m.parameters()]
+        m(x).pow(2).mean().backward()
+        if where == "between" or where == "hook" and not lo:
+            for p in m.parameters():
+                clamp(p)
+        opt.step()
+        if where == "after":
+            for p in m.parameters():
+                clamp(p)
+        opt.zero_grad()
+    return loop
+
+
 def _lr_between(m, opt, x, lo, ctx):
     m(x).pow(2).mean().backward()
     for g in opt.param_groups:  # a warm-up written after backward
@@ -334,6 +357,10 @@ RULES: dict[str, tuple[Callable[..., None], str, type | None, str]] = {
     "AveragedModel updated after step()": (_averaged(False), EXACT, None, ""),
     "AveragedModel updated between backward and step()": (
         _averaged(True), "loud", layeropt.BackwardStateError, "after optimizer.step()"),
+    "weights clamped after step()": (_clamped("after"), EXACT, None, ""),
+    "weights clamped between backward and step()": (
+        _clamped("between"), "loud", layeropt.BackwardStateError, "post-accumulate-grad hook"),
+    "weights clamped in a post-accumulate-grad hook": (_clamped("hook"), EXACT, None, ""),
     "lr set between backward and step": (_lr_between, "loud", layeropt.BackwardStateError,
                                          "before backward"),
     "GradScaler recipe (unscale_ + clip)": (_scaler_recipe, EXACT, None, ""),

@@ -22,7 +22,8 @@ from verifyfuzz import draw_program, run_block, run_program
 # (mix, programs): loopfuzz's mixes, each program run alone, then verified
 BLOCKS = [("all", 110), ("clip", 35), ("clipattach", 25), ("chaos", 95),
           ("thirdparty", 35),  # ("all"'s loops with schedule-free and bitsandbytes)
-          ("average", 30)]  # ("all"'s loops with an EMA of the model updated anywhere)
+          ("average", 30),  # ("all"'s loops with an EMA of the model updated anywhere)
+          ("write", 30)]  # ("all"'s loops with the weights written in place anywhere)
 
 
 @pytest.mark.parametrize("mix,n", BLOCKS, ids=[b[0] for b in BLOCKS])

@@ -38,7 +38,7 @@ from typing import Any
 import loopfuzz
 from loopfuzz import Side, cli
 
-MIXES = ["all", "clip", "clipattach", "chaos", "thirdparty", "average"]
+MIXES = ["all", "clip", "clipattach", "chaos", "thirdparty", "average", "write"]
 STEPS = 1000  # verify= for every program: more steps than any program makes
 # loopfuzz's undetectable cases verify does not find either (docs/rules.md, "What cannot
 # be detected": the last five; and verify watches while attached - "How to check your

@@ -516,8 +516,7 @@ class Verifier(Wrapper):
         stepped = list(self.shadows)
         name = self.shadows[stepped[0]].name
         self._apply(optimizer)
-        for p in stepped:  # freed, as the in-backward update frees them
-            p.grad = None
+        engine.applied_late(stepped)
         self.unzeroed.clear()
         self.done += 1
         warn(VERIFY_NO_STEP.format(where=where, n=self.done))

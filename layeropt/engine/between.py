@@ -1,7 +1,7 @@
 """Between ``backward()`` and ``step()``: what torch's ``step()`` would still see.
 
 torch applies the update in ``step()``, reading ``.grad`` and ``param_groups``
-then; an attached backward has already applied it. Three things a loop can do
+then; an attached backward has already applied it. Four things a loop can do
 in between therefore need a word (``Engine.step_call`` and
 ``Engine.check_boundary`` call these):
 
@@ -16,6 +16,10 @@ in between therefore need a word (``Engine.step_call`` and
   :func:`refuse_second_update` drops it and raises - at ``step()``, or where a
   loop without ``step()`` would lose it: a ``zero_grad()``, the next backward
   (``StepRules.refuse_regrown``).
+* **weights written after the update** (a clamp, a hand-written weight decay,
+  ``model.load_state_dict``): torch's ``step()`` would update the written
+  weights. ``Engine._step`` records each updated parameter's version counter;
+  :func:`refuse_written` refuses at ``step()`` where one moved.
 * **``zero_grad(set_to_none=False)``**: torch keeps a zero ``.grad`` for every
   parameter that had one and updates it at each ``step()``, used or not
   (weight decay, momentum). :func:`kept_after_zero_grad` follows which;
@@ -25,15 +29,40 @@ in between therefore need a word (``Engine.step_call`` and
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import Tensor
 
-from ..errors import (
-    BackwardStateError,
-    HYPERPARAMETER_ERROR,
-    SECOND_UPDATE_ERROR,
+from ..errors import BackwardStateError
+
+HYPERPARAMETER_ERROR = (
+    "param_groups[{index}][{key!r}] changed from {old} to {new} after an attached "
+    "backward had already updated the parameters with {old}; torch, which reads it "
+    "in {where}, would have used {new} for this step. Set hyperparameters before "
+    "backward: a learning-rate schedule at the top of the iteration, or "
+    "scheduler.step() after optimizer.step() (its documented place)."
+)
+
+SECOND_UPDATE_ERROR = (
+    "{where} found a gradient on {n} parameter(s) (the first of shape {shape}) that "
+    "the attached backward already updated in this training step: code after that "
+    "backward set or changed .grad (per-sample clipping and noise as in Opacus, "
+    "gradient surgery). torch would apply one update with that gradient in "
+    "its step(); layeropt applied the backward's and drops this one. Change gradients "
+    "before they are applied - in a tensor hook (param.register_hook) or with "
+    "layeropt.backward's clipping - or run that backward inside `with opt.no_step():` "
+    "so that step() applies the final gradient once."
+)
+
+WRITTEN_ERROR = (
+    "step() found {n} parameter(s) (the first: {name}) written in place after the "
+    "attached backward had updated them - `with torch.no_grad(): p.clamp_(...)`, a "
+    "weight decay by hand, model.load_state_dict(...) between backward and step(). "
+    "torch's step() would apply the update to the written weights; the attached backward "
+    "applied it before the write. Nothing more is applied at this step(). Write weights "
+    "before backward, or after step(); to write them before the update, do it in a "
+    "post-accumulate-grad hook (p.register_post_accumulate_grad_hook), which runs first."
 )
 
 
@@ -93,6 +122,16 @@ def refuse_second_update(stepped: Iterable[Tensor], params: list[Tensor],
             p.grad = None  # not applied: nothing more changes
         raise BackwardStateError(SECOND_UPDATE_ERROR.format(
             where=where, n=len(again), shape=tuple(again[0].shape)))
+
+
+# -- weights written after their update --------------------------------------------
+def refuse_written(updated: dict[Tensor, int], name_of: Callable[[Tensor], str]) -> None:
+    """Raise if a parameter of ``updated`` (with its version counter just after the
+    update) was written in place since: torch's ``step()`` would update the written
+    weights. (A write through ``.data`` moves no counter and is not seen.)"""
+    written = [p for p, version in updated.items() if p._version != version]
+    if written:
+        raise BackwardStateError(WRITTEN_ERROR.format(n=len(written), name=name_of(written[0])))
 
 
 # -- zero_grad(set_to_none=False) ------------------------------------------------

@@ -108,6 +108,8 @@ class StepRecord:
             ``zero_grad(set_to_none=False)`` keeps them as zeros.
         faulted: a backward of it raised after updating parameters: how many and the
             first one's name (:meth:`StepRules.check_boundary` refuses the step's end).
+        updated: the parameters its backwards updated, with their version counters
+            just after (``layeropt/engine/between.py``: a write since is refused).
         clipped_zeros: the kept zeros ``layeropt.backward`` clipped into ``.grad`` (by
             ``id`` of the parameter), which ``step()`` updates on: not gradients a later
             clipped backward of the step holds and steps.
@@ -115,7 +117,7 @@ class StepRecord:
 
     __slots__ = ("stepped_backwards", "held_backwards", "held_after_step", "held", "hyper",
                  "hyper_txn", "skipped", "scaler_skipped", "faulted", "clipped_zeros",
-                 "__weakref__")  # (a watcher's note names a step without keeping it)
+                 "updated", "__weakref__")  # (a watcher's note names a step without keeping it)
 
     def __init__(self) -> None:
         self.stepped_backwards = self.held_backwards = 0
@@ -127,6 +129,7 @@ class StepRecord:
         self.hyper: list[dict[str, Any]] | None = None
         self.hyper_txn = -1
         self.clipped_zeros: dict[int, Tensor] = {}
+        self.updated: dict[Tensor, int] = {}
 
 
 class StepRules(Zeroing):
@@ -232,6 +235,19 @@ class StepRules(Zeroing):
             if rec.by_backward is not None:  # (the backward's part, then step()'s)
                 rec.by_backward = sum(id(p) not in ids for p in rec.stepped[:rec.by_backward])
             rec.stepped = [p for p in rec.stepped if id(p) not in ids]
+        updated = self.train_step.updated
+        for p in [p for p in updated if id(p) in ids]:
+            del updated[p]
+
+    def applied_late(self, params: list[Tensor]) -> None:
+        """``params``' updates were applied after their backward (by a stepper wrapper, at
+        the loop's next forward): their gradients freed, as an update in backward frees
+        them, and their version counters taken again for ``step()`` to compare with."""
+        updated = self.train_step.updated
+        for p in params:
+            p.grad = None
+            if p in updated:
+                updated[p] = p._version
 
     def skip(self, had_grad: list[Tensor]) -> None:
         """This optimizer's step was skipped (an inf/NaN under ``GradScaler``): drop its
@@ -421,6 +437,9 @@ class StepRules(Zeroing):
             optimizer = self._optimizer()
             if optimizer is not None:
                 _between.check_unchanged(before, optimizer.param_groups, where)
+        if step.updated and where == "step()":
+            updated, step.updated = step.updated, {}
+            _between.refuse_written(updated, self.name_of)
         stepped, held = step.stepped_backwards, step.held_backwards
         if stepped and not held and where == "step()" and step.held_after_step:
             held = 1  # a no_step() / kept-graph backward after the stepping one, before the

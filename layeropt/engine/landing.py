@@ -328,6 +328,9 @@ class Engine(Rules):
         rec = self.last
         rec.steps += len(params)
         rec.stepped += params
+        updated = step.updated  # (their version counters now: a write since is refused)
+        for p in params:
+            updated[p] = p._version
         if not rec.counted:  # this backward updated parameters (the accumulation rule)
             rec.counted = True
             step.stepped_backwards += 1
