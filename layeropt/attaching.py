@@ -21,7 +21,7 @@ from .distributed.fsdp_offload import check_fsdp2_offload
 from .engine.boundaries import refuse_open_updates, take_over
 from .engine.registry import hooked_by, mark_hooked, unmark_hooked
 from .checking.watch import WATCHERS
-from .errors import (ATTACHED_TWICE, NO_OWNER_ERROR, NOT_LEAF_ERROR,
+from .errors import (ATTACHED_TWICE, BASE_OPTIMIZER_ERROR, NO_OWNER_ERROR, NOT_LEAF_ERROR,
                      OWNED_TWICE_ERROR, SPARSE_MODULE_ERROR, AttachError, user_frame, warn)
 from .engine.landing import Bucket, Settings, drop_dead_hooks
 from .optim import (InBackwardOptimizer, check_groups, in_backward_spelling, owners_of,
@@ -56,6 +56,8 @@ def resolve_owners(model: nn.Module, optimizer: Any) -> list[InBackwardOptimizer
     for o in optimizers:
         if not isinstance(o, InBackwardOptimizer):
             cls = type(o)
+            if isinstance(getattr(o, "base_optimizer", None), InBackwardOptimizer):
+                raise AttachError(BASE_OPTIMIZER_ERROR.format(name=cls.__qualname__))
             raise AttachError(
                 f"{cls.__module__}.{cls.__qualname__} is not a layeropt optimizer, so it "
                 f"cannot step in backward. Build it as {in_backward_spelling(cls)}(...) "

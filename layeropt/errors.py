@@ -272,6 +272,15 @@ WRAPPED_STEP_ERROR = (
     "layeropt."
 )
 
+BASE_OPTIMIZER_ERROR = (
+    "{name} steps the layeropt optimizer in its .base_optimizer after moving the weights "
+    "between two backwards (sharpness-aware minimization: its first_step reads every "
+    "gradient of the first backward). Attach the base optimizer, "
+    "layeropt.attach(model, opt.base_optimizer), and run both backwards inside "
+    "`with opt.base_optimizer.no_step():` - their gradients stay in .grad for {name}, "
+    "and its second_step applies them, as torch's does (docs/recipes.md, SAM)."
+)
+
 RANDOM_STEP_ERROR = (
     "{name}.step() draws random numbers (stochastic rounding, gradient noise): stepped "
     "one layer at a time during backward it would draw them in another order than one "

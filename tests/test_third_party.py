@@ -10,6 +10,7 @@ package is missing.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import warnings
@@ -325,3 +326,78 @@ def test_refusals_name_the_fix():
     with pytest.raises(layeropt.AttachError, match=r"layeropt.AdamW\(\.\.\.\)"):
         layeropt.attach(model, torch.optim.AdamW(model.parameters()))
     assert importlib.import_module("layeropt").in_backward(torch.optim.NAdam).__name__ == "NAdam"
+
+
+class TwoStepSAM(torch.optim.Optimizer):
+    """Sharpness-aware minimization (Foret et al., 2021, Algorithm 1) written as the
+    common implementations are (davda54's ``sam.py``): ``first_step`` climbs to
+    ``w + rho * g / |g|``, ``second_step`` climbs back and steps the base optimizer with
+    the gradient taken there; both skip a parameter whose ``.grad`` is ``None``."""
+
+    def __init__(self, params: Any, base: type, rho: float = 0.05, **kwargs: Any) -> None:
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self) -> None:
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                self.state[p]["e_w"] = e_w = p.grad * (group["rho"] / (norm + 1e-12))
+                p.add_(e_w)
+        self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(self.state[p]["e_w"])
+        self.base_optimizer.step()
+        self.zero_grad()
+
+
+def _sam_training(layer: bool, held: bool, verify: int | None = None) -> torch.nn.Module:
+    """Three SAM steps of an MLP over SGD with momentum: torch's, or layeropt's attached
+    with both backwards inside the base optimizer's ``no_step()`` (``held``, the recipe
+    of docs/recipes.md) or only the first (the second then steps in backward)."""
+    model, batch_fn, loss_fn = make_model("mlp")
+    opt = TwoStepSAM(model.parameters(), layeropt.SGD if layer else torch.optim.SGD,
+                     rho=0.5, lr=0.1, momentum=0.9)
+    handle = layeropt.attach(model, opt.base_optimizer, verify=verify) if layer else None
+    hold = opt.base_optimizer.no_step if layer else contextlib.nullcontext
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        data = batch_fn(gen)
+        with hold():
+            loss_fn(model, data).backward()
+        opt.first_step()
+        with hold() if held else contextlib.nullcontext():
+            loss_fn(model, data).backward()
+        opt.second_step()
+    handle and handle.remove()
+    return model
+
+
+def test_sam_with_both_backwards_held_equals_torch_and_verify_finds_the_other_loop():
+    """SAM reads every gradient between its two backwards and skips a parameter whose
+    ``.grad`` is ``None`` (docs/rules.md, "What cannot be detected"): with the second
+    backward updating in backward it climbs back from nothing and the update is taken
+    at the perturbed weights - silently. Verified, the gradients stay in ``.grad``, so it
+    climbs back after the update: refused at ``step()``, naming the recipe. Both
+    backwards held: exact."""
+    ref = _sam_training(False, held=True)
+    assert_same(list(ref.parameters()), list(_sam_training(True, held=True).parameters()))
+    silent = _sam_training(True, held=False)
+    assert not all(torch.equal(a, b) for a, b in zip(ref.parameters(), silent.parameters()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(layeropt.BackwardStateError, match="both backwards inside"):
+            _sam_training(True, held=False, verify=3)
+    sam = TwoStepSAM(ref.parameters(), layeropt.SGD, lr=0.1)  # attached itself: the recipe
+    with pytest.raises(layeropt.AttachError, match=r"opt.base_optimizer.no_step\(\)"):
+        layeropt.attach(ref, sam)

@@ -62,7 +62,10 @@ WRITTEN_ERROR = (
     "torch's step() would apply the update to the written weights; the attached backward "
     "applied it before the write. Nothing more is applied at this step(). Write weights "
     "before backward, or after step(); to write them before the update, do it in a "
-    "post-accumulate-grad hook (p.register_post_accumulate_grad_hook), which runs first."
+    "post-accumulate-grad hook (p.register_post_accumulate_grad_hook), which runs first. "
+    "An optimizer that moves the weights between two backwards and steps after the "
+    "second (SAM's first_step / second_step): run both backwards inside "
+    "`with opt.no_step():` (opt: the layeropt optimizer it steps), which holds them."
 )
 
 
