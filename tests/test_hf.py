@@ -458,6 +458,30 @@ def test_trainer_with_layers_unfrozen_mid_training(tmp_path, ga):
         assert_same(p.detach(), q.detach(), name)
 
 
+class _Clamp(TrainerCallback):
+    """Weights clamped in place (WGAN's weight clipping) before each optimizer step."""
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-0.05, 0.05)
+
+
+@pytest.mark.parametrize("kind", ["layeropt", "callback"])
+def test_weights_clamped_before_the_optimizer_step_are_refused(tmp_path, kind):
+    """``on_pre_optimizer_step`` runs between backward and the step: torch's step updates
+    the clamped weights, the attached backward updated them before the clamp - refused
+    at the step (silent before 2026-12-07); the same callback trains under torch."""
+    for name in ("torch", kind):
+        trainer, _, _ = _trainer(tmp_path, name, ga=2)
+        trainer.add_callback(_Clamp())
+        if name == "torch":
+            trainer.train()
+            continue
+        with pytest.raises(layeropt.BackwardStateError, match="written in place after"):
+            trainer.train()
+
+
 @pytest.mark.filterwarnings("ignore:.*the norm is not measured")  # its grad_norm logging
 @pytest.mark.parametrize("ga, max_grad_norm, error", [
     (2, 0.0, layeropt.BackwardStateError),  # every micro-batch would step

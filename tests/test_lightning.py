@@ -478,3 +478,41 @@ def test_a_backward_of_its_own_is_refused(name):
         _fit(module, [LayeroptCallback()], **kw())
     assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before))
     assert not module.trainer.optimizers[0].attached
+
+
+class _Clamped(Net):
+    """Weights clamped in place each step (WGAN's weight clipping), in the hook ``where``."""
+
+    def __init__(self, opt_cls: Any, where: str) -> None:
+        super().__init__(opt_cls)
+        self.where = where
+
+    def _clamp(self) -> None:
+        with torch.no_grad():
+            for p in self.parameters():
+                p.clamp_(-0.2, 0.2)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.where == "on_before_optimizer_step":
+            self._clamp()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.where == "on_train_batch_end":
+            self._clamp()
+
+
+@pytest.mark.parametrize("where", ["on_before_optimizer_step", "on_train_batch_end"])
+def test_weights_clamped_before_the_step_are_refused_after_it_exact(where):
+    """Between backward and the step (``on_before_optimizer_step``) torch's step updates
+    the clamped weights, the callback's backward updated them before the clamp: refused
+    at the step (silent before 2026-12-07). After the step (``on_train_batch_end``): exact."""
+    ref = _Clamped(torch.optim.AdamW, where)
+    _fit(ref)
+    module = _Clamped(layeropt.AdamW, where)
+    if where == "on_train_batch_end":
+        _fit(module, [LayeroptCallback()])
+        for p, q in zip(module.parameters(), ref.parameters()):
+            assert_same(p.detach(), q.detach())
+        return
+    with pytest.raises(layeropt.BackwardStateError, match="written in place after"):
+        _fit(module, [LayeroptCallback()])
