@@ -1192,3 +1192,54 @@ def test_a_forward_between_a_backward_and_its_step_ends_verification_and_its_ste
     (ref, _), (ours, said) = runs
     assert any("step() after verification ended at a forward" in s for s in said), said
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), ours.parameters()))
+
+
+def _actor_critic(lo: bool, order: list[str], verify: int | None = None) -> list[torch.Tensor]:
+    """An actor-critic loop: each iteration the critic's backward, then the actor's loss
+    through the (frozen) critic - after the critic's step() ("stepped") as CleanRL's DDPG
+    orders it, or before it ("between"), both steps at the end."""
+    torch.manual_seed(0)
+    actor = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    critic = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    cls = layeropt.Adam if lo else torch.optim.Adam
+    opt_a, opt_c = cls(actor.parameters(), lr=0.01), cls(critic.parameters(), lr=0.01)
+    if lo:
+        layeropt.attach(actor, opt_a, verify=verify)
+        layeropt.attach(critic, opt_c, verify=verify)
+    gen = torch.Generator().manual_seed(1)
+    for where in order:
+        s, a, r = (torch.randn(6, n, generator=gen) for n in (3, 2, 1))
+        (critic(torch.cat([s, a], 1)) - r).pow(2).mean().backward()
+        if where == "stepped":
+            opt_c.step()
+        critic.requires_grad_(False)
+        (-critic(torch.cat([s, actor(s)], 1)).mean()).backward()
+        critic.requires_grad_(True)
+        if where == "between":
+            opt_c.step()
+        opt_a.step()
+        opt_c.zero_grad()
+        opt_a.zero_grad()
+    return [p.detach().clone() for p in [*actor.parameters(), *critic.parameters()]]
+
+
+@pytest.mark.parametrize("order,step", [(["between"] * 3, 1),
+                                        (["stepped", "between", "stepped"], 2)],
+                         ids=["from-the-first-step", "after-a-step"])
+def test_a_forward_through_a_model_its_backward_updated_before_its_step_is_found(order, step):
+    """docs/rules.md's undetectable forward: the actor's loss reads the critic its backward
+    updated, where torch's reads the critic before its step(). Without verify it differs
+    silently; verify raises - at that forward once the loop has called step(), at the
+    step() after it in the first training step (before, the forward may have been a
+    loop without step()'s next iteration). In DDPG's order: exact, verify quiet."""
+    ref = _actor_critic(False, order)
+    silent = _actor_critic(True, order)
+    assert not all(torch.equal(a, b) for a, b in zip(ref, silent))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(layeropt.VerifyError, match="reads parameter '0.weight'.*"
+                           f"training step {step}:"):
+            _actor_critic(True, order, verify=5)
+        exact = ["stepped"] * 3
+        assert all(torch.equal(a, b) for a, b in zip(_actor_critic(False, exact),
+                                                      _actor_critic(True, exact, verify=5)))

@@ -27,9 +27,14 @@ as usual: in-backward updating would refuse them too. After ``N`` equal
 steps a warning says so once, and the optimizer updates in backward from
 then on, at no further cost.
 
+A forward between a backward and its ``step()`` that reads a parameter the
+backward updated in backward mode (an actor's loss through a critic) raises
+:class:`~layeropt.errors.VerifyError` in a loop that calls ``step()``: a
+forward pre-hook on each module while verifying (``layeropt/checking/forwards.py``).
+
 A loop that never calls ``step()`` (each ``layeropt.backward`` is a step)
-goes on to a ``zero_grad()`` or to its next forward instead (a forward
-pre-hook on each attached model while verifying): there
+goes on to a ``zero_grad()`` or to its next forward instead (the attached
+model's pre-hook): there
 (:meth:`Verifier.settle`) the pending step is applied with torch's ``step``
 and compared, a warning says the loop steps in backward, and verification
 ends - the loop trains as it does without ``LAYEROPT_VERIFY``; a ``step()``
@@ -62,6 +67,7 @@ from ..engine.registry import is_dtensor
 from ..engine.stepper import Wrapper, outside_autocast
 from ..engine.subset import _restore, _Saved, _snapshot
 from ..engine.transforms import prepare_grads, unscaled_in_kernel
+from .forwards import after_forward, read_ahead, say_at_next_step, watch
 from ..errors import (
     VERIFY_CAUSES,
     VERIFY_ENDED,
@@ -75,15 +81,6 @@ from ..errors import (
 )
 
 __all__ = ["Verifier", "verify", "verify_steps"]
-
-VERIFY_STEP_AFTER_FORWARD = (
-    "LAYEROPT_VERIFY: step() after verification ended at a forward: the loop went on to "
-    "a forward between a backward and this step() (another loss's), which verify took for "
-    "a loop without step() ({n} training step(s) verified), so the steps since were not "
-    "verified and a difference there (gradients not zeroed between steps, say) would not "
-    "be found. To verify them, call step() before that forward, or verify each "
-    "optimizer's loss in a loop of its own."
-)
 
 # The causes errors.VERIFY_CAUSES names, and those the loop's order of calls decides.
 CAUSES = {
@@ -230,45 +227,10 @@ def _zero_watch(verifier: Verifier, param: Tensor) -> Callable[[Tensor], None]:
     return hook
 
 
-def _say_at_next_step(optimizer: Any, done: int) -> None:
-    """:data:`VERIFY_STEP_AFTER_FORWARD` at ``optimizer``'s next ``step()``, once."""
-    handle: list[Any] = []
-
-    def said(*_: Any) -> None:
-        handle.pop().remove()
-        warn(VERIFY_STEP_AFTER_FORWARD.format(n=done))
-
-    handle.append(optimizer.register_step_pre_hook(said))
-
-
 def _remove_hooks(handles: dict[int, Any]) -> None:
     for handle in handles.values():
         handle.remove()
     handles.clear()
-
-
-class _ForwardWatch:
-    """The forward pre-hook :meth:`Verifier._watch_forwards` puts on an attached model:
-    calls the verifier's :meth:`~Verifier.on_forward`, and returns None - whatever else a
-    pre-hook returns, torch passes to ``forward`` as its arguments (a lambda returning
-    ``False`` once the verifier was gone ran ``forward(False)``).
-
-    Inert on any other module and once the verifier is gone: a ``copy.deepcopy`` of
-    the model (an EMA) copies its hooks, and its forward must not settle the original's
-    step. A copy or a pickle of the hook itself (``torch.save(model)``) is inert.
-    """
-
-    def __init__(self, verifier: Verifier | None = None, model: Any = None) -> None:
-        self.refs = None if verifier is None else (weakref.ref(verifier), weakref.ref(model))
-
-    def __call__(self, module: Any, args: Any) -> None:
-        if self.refs is not None and module is self.refs[1]():
-            verifier = self.refs[0]()
-            if verifier is not None:
-                verifier.on_forward()
-
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
-        return type(self), ()
 
 
 class Verifier(Wrapper):
@@ -296,8 +258,10 @@ class Verifier(Wrapper):
         # (held, not ids: an id of a freed tensor is another tensor's later)
         self.applied: tuple[Any, list[Tensor]] = (None, [])
         self.discarded: tuple[str, int] | None = None  # settled at a zero_grad(): see settle
+        self.settled: set[Tensor] | None = None  # settled at a forward: see settle
+        self.read: str | None = None  # that forward read them: said at a step() after it
         self.kernel_scale: Tensor | None = None  # see unscale_in_kernel
-        self.forward_hooks: dict[int, Any] = {}  # id(model) -> its forward pre-hook's handle
+        self.forward_hooks: dict[int, Any] = {}  # id(module) -> its forward pre-hook's handle
         self.grad_hooks: dict[int, Any] = {}  # id(param) -> its tensor hook's handle
         # (a verifier dropped while verifying, its optimizer deleted: its hooks go with it)
         weakref.finalize(self, _remove_hooks, self.forward_hooks)
@@ -493,7 +457,7 @@ class Verifier(Wrapper):
             return self.step_call(engine, closure)
         return self.inner.detached_step_call(engine, torch_step, closure)
 
-    def settle(self, where: str, discards: bool = True) -> None:
+    def settle(self, where: str, discards: bool = True, module: Any = None) -> None:
         """The loop went on (``where``: a ``zero_grad()``, its next forward) after a
         backward whose updates wait for a ``step()``, and has never called ``step()``:
         each backward is its own training step. Apply this one as ``step()`` would,
@@ -505,7 +469,8 @@ class Verifier(Wrapper):
         batch) that in-backward updating applied, and that ``step()`` raises. At a
         forward, verification ends; a ``step()`` after it says that forward came between
         a backward and its ``step()`` (another loss's), and that the steps since were not
-        verified (a warning, by a step pre-hook of the optimizer's that goes with it)."""
+        verified (a warning, by a step pre-hook of the optimizer's that goes with it) - or
+        raises where that forward (of ``module``) read what was applied here."""
         engine = self.engine
         optimizer = engine._optimizer()
         if not engine.attachments:  # detached: nothing of it acts any more
@@ -524,26 +489,34 @@ class Verifier(Wrapper):
             self.discarded = (name, self.done)
             self._unwatch()
         else:
-            self._end()
-            _say_at_next_step(optimizer, self.done)
+            self.settled = set(stepped)  # read in this forward: said at a step() after it
+            self.engine.unwrap(self)  # in backward from the next backward on
+            after_forward(module, self._unwatch)
+            say_at_next_step(optimizer, self)
 
     def _watch_forwards(self) -> None:
-        """A forward pre-hook on each attached model: a loop's next forward is where a
-        pending step of a loop without ``step()`` must be applied (:meth:`settle`)."""
-        for attachment in list(self.engine.attachments):
-            model = attachment.model
-            if model is not None and id(model) not in self.forward_hooks:
-                self.forward_hooks[id(model)] = model.register_forward_pre_hook(
-                    _ForwardWatch(self, model))
+        """Forward pre-hooks on the attached models and their modules
+        (``layeropt/checking/forwards.py``)."""
+        watch(self, self.forward_hooks)
 
-    def on_forward(self) -> None:
-        """An attached model's forward begins: apply a pending step (:meth:`settle`);
-        a gradient the loop zeroed in place since ``step()`` (``p.grad.zero_()``) is no
-        longer the last step's (also where no tensor hook sees it: FSDP2's sharded
-        gradients are written by FSDP, not accumulated by autograd)."""
-        self.settle("its next forward", discards=False)
-        for key in [k for k, (g, _) in self.unzeroed.items() if not g.any()]:
-            del self.unzeroed[key]
+    def on_forward(self, module: Any, root: bool) -> None:
+        """A watched forward begins. An attached model's (``root``) applies a pending
+        step (:meth:`settle`), and a gradient the loop zeroed in place since ``step()``
+        (``p.grad.zero_()``) is no longer the last step's (also where no tensor hook sees
+        it: FSDP2's sharded gradients are written by FSDP, not accumulated by autograd).
+        One that reads a parameter updated in backward mode, before its ``step()``,
+        raises :class:`VerifyError` (``forwards.read_ahead``)."""
+        if root:
+            self.settle("its next forward", discards=False, module=module)
+            for key in [k for k, (g, _) in self.unzeroed.items() if not g.any()]:
+                del self.unzeroed[key]
+        text = read_ahead(module, self)
+        if text is not None and self.settled is not None:
+            self.read = self.read or text  # (said at step(), if the loop calls it)
+        elif text is not None:
+            self.shadows = {}
+            self._unwatch()  # (the error says how it ended)
+            raise VerifyError(text)
 
     def _end(self) -> None:
         self._unwatch()
