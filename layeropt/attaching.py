@@ -26,6 +26,7 @@ from .errors import (ATTACHED_TWICE, BASE_OPTIMIZER_ERROR, NO_OWNER_ERROR, NOT_L
 from .engine.landing import Bucket, Settings, drop_dead_hooks
 from .optim import (InBackwardOptimizer, check_groups, in_backward_spelling, owners_of,
                     optimizer_list)
+from .checking.forwards import ReadWatch
 from .checking.verify import Verifier, verify_steps
 from .checking.verify import verify as start_verifying
 
@@ -168,6 +169,12 @@ class Attachment:
         except BaseException:
             self._watching()
             raise
+        # a forward between a backward and step() reading what it updated: refused
+        # (layeropt/checking/forwards.py); off with remove() or garbage collection
+        reads = ReadWatch(self)
+        self._reads = weakref.finalize(self, _remove, [
+            model.register_forward_pre_hook(reads.pre),
+            model.register_forward_hook(reads.post, always_call=True)])
 
     @property
     def optimizers(self) -> list[InBackwardOptimizer]:
@@ -310,6 +317,7 @@ class Attachment:
             for opt in self.optimizers:
                 opt._lo_engine.remove_attachment(self)
             self._removed = True
+            self._reads()
             self._watching()  # (the last attachment undoes the watchers)
 
     def __enter__(self) -> Attachment:
@@ -321,6 +329,11 @@ class Attachment:
     def __repr__(self) -> str:
         state = "removed" if self._removed else f"{len(self.buckets)} buckets"
         return f"<layeropt.Attachment {state}>"
+
+
+def _remove(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _start_verifying(optimizers: list[InBackwardOptimizer], verify: int | None) -> None:

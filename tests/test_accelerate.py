@@ -554,8 +554,8 @@ def test_accumulation_by_hand_is_exact_or_refused_before_it_is_applied(backwards
             assert_same(p.detach(), q.detach())
     else:
         assert raised and raised[0] == expected, raised
-        assert re.search("Nothing of this second backward was applied|Nothing was updated yet",
-                         raised[1]), raised
+        assert re.search("Nothing of this second backward was applied|Nothing was updated yet"
+                         "|Nothing of this forward ran", raised[1]), raised  # (forwards.py)
         if given == "learned":  # (the learning step: nothing applied at all)
             untrained = _by_hand(False, 0, None, None, {})[0]
             for p, q in zip(got.parameters(), untrained.parameters()):

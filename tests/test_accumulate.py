@@ -90,7 +90,10 @@ def test_step_after_no_step_backwards_steps_held_gradients():
 def test_held_backward_after_a_stepping_one_is_refused(held):
     """Stepping first, holding second (the wrong way round): torch sums both into one step,
     layeropt had applied the first as a step of its own and held the second for step()
-    (3 Adam steps where torch has 2). Refused before anything of the second applies."""
+    (3 Adam steps where torch has 2). Refused before anything of the second applies: at
+    its forward, which would read the weights the first updated (checking/forwards.py;
+    the refusal at its backward, "held for step", where no forward is watched: several
+    processes, tests/test_distributed.py)."""
     model, batch_fn, loss_fn = make_model("mlp")
     opt = layeropt.Adam(model.parameters(), lr=0.01)
     layeropt.attach(model, opt)
@@ -100,12 +103,44 @@ def test_held_backward_after_a_stepping_one_is_refused(held):
     opt.zero_grad()
     loss_fn(model, batch_fn(gen)).backward()  # applied at once
     after_first = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(layeropt.BackwardStateError, match="held for step"):
+    with pytest.raises(layeropt.BackwardStateError, match="Nothing of this forward ran.*"
+                       "every micro-batch but the last"):
         if held == "no_step":
             with opt.no_step():
                 loss_fn(model, batch_fn(gen)).backward()
         else:
             loss_fn(model, batch_fn(gen)).backward(retain_graph=True)
+    assert all(torch.equal(a, p) for a, p in zip(after_first, model.parameters()))
+
+
+class _Functional(torch.nn.Module):
+    """Its layer's weight read through ``F.linear``: no module's forward holds it, so the
+    forward watch (checking/forwards.py) does not see the read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.layer.weight, self.layer.bias)
+
+
+def test_held_backward_after_a_stepping_one_is_refused_at_it_where_no_forward_is_seen():
+    """The same wrong order where the forward reads the weights functionally: refused at
+    the held backward, before anything of it applies."""
+    torch.manual_seed(0)
+    model = _Functional()
+    opt = layeropt.Adam(model.parameters(), lr=0.01)
+    layeropt.attach(model, opt)
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    model(x).sum().backward()  # applied at once
+    after_first = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(layeropt.BackwardStateError, match="held for step"):
+        with opt.no_step():
+            model(x).sum().backward()
     assert all(torch.equal(a, p) for a, p in zip(after_first, model.parameters()))
 
 

@@ -1,39 +1,52 @@
-"""The forwards a verifier watches (``layeropt/checking/verify.py``).
+"""Forwards between an attached backward and ``step()``.
 
-While it verifies, a :class:`~layeropt.checking.verify.Verifier` puts a forward
-pre-hook (:class:`ForwardWatch`) on each attached model and on each of its
-modules that holds parameters, and takes them off when verification ends. Two
-things are seen there:
+torch's ``step()`` updates the weights; an attached backward already has. A
+forward in between (an actor's loss through the critic, a generator's through
+the discriminator, an evaluation placed there) therefore reads this step's
+weights where torch's reads the last step's. Two watches see it:
 
-* **an attached model's forward** after a backward whose updates wait for a
-  ``step()``, in a loop that has not called ``step()``: each backward is that
-  loop's step, so the verifier applies it there (``Verifier.settle``) and
-  watches that forward (:func:`after_forward`); a ``step()`` after it says
-  that the steps since were not verified (:func:`say_at_next_step`) - or,
-  where that forward read what it applied, raises, as below;
-* **a module's forward that reads a parameter a verified backward updated**,
-  before its ``step()``, in a loop that calls ``step()``: torch's forward reads
-  the weights before the update, in-backward updating's reads them after it (an
-  actor's loss through a critic, a generator's through a discriminator): a
-  :class:`~layeropt.errors.VerifyError` (:data:`VERIFY_READ_AHEAD`). Without
-  verify nothing sees it (docs/rules.md, "What cannot be detected"): a hook on
-  every module costs each forward, so it is there only while verifying.
+* :class:`ReadWatch`, a forward pre-hook ``attach`` puts on the attached model
+  (it goes with the attachment). While an optimizer of the attachment holds
+  updates a ``step()`` of a loop that calls ``step()`` has still to come
+  (``Engine.awaits_step``; the updated parameters: ``StepRecord.updated``), the
+  model's forward puts a pre-hook on each of its modules that holds one of them
+  for that forward alone (:func:`watch_reads`): one that runs raises
+  :data:`READ_AHEAD_ERROR` before its forward. Otherwise it costs a check per
+  forward of the model, not of each module.
+* While it verifies, a :class:`~layeropt.checking.verify.Verifier` puts a
+  :class:`ForwardWatch` on each attached model and each of its modules that
+  holds parameters (:func:`watch`), off when verification ends. An attached
+  model's forward after a backward whose updates wait for a ``step()``, in a
+  loop that has not called ``step()``, is where each backward is that loop's
+  step: the verifier applies it there (``Verifier.settle``) and watches on,
+  up to the model's next forward or that optimizer's ``step()``; a ``step()``
+  says the steps since were not verified (:func:`say_at_next_step`), or
+  raises where a forward read what was applied (:func:`read_ahead`): the first
+  training step, where :class:`ReadWatch` cannot yet tell such a loop from one
+  without ``step()``.
 
 Not seen: a read that calls no module's forward (``F.linear(x, layer.weight)``),
-a module's forward under ``torch.compile`` (its hook returns at once while
-compiling) or FSDP2 (its modules hold the unsharded parameters in forward), a forward inside
-backward (checkpointing's recomputation).
+a forward under ``torch.compile`` (the hooks return at once while compiling), a
+forward inside backward (checkpointing's recomputation), a forward in a job of
+several processes (its path may differ by rank, and a refusal on one rank alone
+would leave the others waiting in their next collective); under FSDP2, a module
+whose parameters are gathered already when the model's forward begins (the
+root's own group: :func:`watch_reads` finds the updated shards by identity) -
+and, by verify, any (its module hooks look when each module's forward begins).
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..engine.nesting import _graph_task_id
-from ..errors import VerifyError, warn
+from ..engine.registry import world_size
+from ..errors import BackwardStateError, VerifyError, warn
 
 VERIFY_STEP_AFTER_FORWARD = (
     "LAYEROPT_VERIFY: step() after verification ended at a forward: the loop went on to "
@@ -42,6 +55,18 @@ VERIFY_STEP_AFTER_FORWARD = (
     "verified and a difference there (gradients not zeroed between steps, say) would not "
     "be found. To verify them, call step() before that forward, or verify each "
     "optimizer's loss in a loop of its own."
+)
+
+READ_AHEAD_ERROR = (
+    "A forward of {module} between an attached backward and step() reads parameter "
+    "{name}, which that backward already updated (torch.optim updates it at step()): "
+    "it would compute with this step's weights where torch's computes with the last "
+    "step's - the next micro-batch of an accumulation, an actor's loss through the "
+    "critic, a generator's through the discriminator, an evaluation placed there. "
+    "Nothing of this forward ran. Run that backward inside `with opt.no_step():` (its "
+    "update then waits for step(), as torch's does; accumulating, every micro-batch but "
+    "the last), or call step() before this forward (the order of the DCGAN tutorial and "
+    "CleanRL's DDPG)."
 )
 
 VERIFY_READ_AHEAD = (
@@ -63,22 +88,12 @@ def say_at_next_step(optimizer: Any, verifier: Any) -> None:
 
     def said(*_: Any) -> None:
         handle.pop().remove()
+        verifier.unwatch()  # (its watch after a settled forward ends here)
         if verifier.read is not None:
             raise VerifyError(verifier.read)
         warn(VERIFY_STEP_AFTER_FORWARD.format(n=verifier.done))
 
     handle.append(optimizer.register_step_pre_hook(said))
-
-
-def after_forward(module: Any, then: Any) -> None:
-    """``then()`` once ``module``'s forward running now has ended (or raised)."""
-    handle: list[Any] = []
-
-    def ended(*_: Any) -> None:
-        handle.pop().remove()
-        then()
-
-    handle.append(module.register_forward_hook(ended, always_call=True))
 
 
 class ForwardWatch:
@@ -123,18 +138,66 @@ def watch(verifier: Any, hooks: dict[int, Any]) -> None:
 
 def read_ahead(module: Any, verifier: Any) -> str | None:
     """:data:`VERIFY_READ_AHEAD` where ``module``'s forward, outside backward, reads a
-    parameter updated in backward mode before its ``step()``: one the verifier's shadows
-    hold, in a loop that calls ``step()``, or one a forward settled (``verifier.settled``:
-    the loop's next ``step()``, if one comes, says it); else ``None``."""
-    if _graph_task_id() >= 0:
+    parameter a forward settled (``verifier.settled``: the loop's next ``step()``, if
+    one comes, says it); else ``None``."""
+    if not verifier.settled or _graph_task_id() >= 0 or world_size() > 1:
         return None
-    engine, ahead = verifier.engine, verifier.settled
-    if ahead is None:
-        ahead = verifier.shadows if engine.awaits_step else None
-    if not ahead:
-        return None
-    read = next((p for p in module._parameters.values() if p is not None and p in ahead),
+    read = _reading(module, verifier.settled)
+    return None if read is None else VERIFY_READ_AHEAD.format(
+        module=type(module).__name__, name=verifier.engine.name_of(read), step=verifier.done)
+
+
+def _reading(module: Any, params: Any) -> Any:
+    """The first of ``module``'s own parameters in ``params`` (by identity), or None."""
+    return next((p for p in module._parameters.values() if p is not None and p in params),
                 None)
-    return None if read is None else VERIFY_READ_AHEAD.format(  # (a settled step: counted)
-        module=type(module).__name__, name=engine.name_of(read),
-        step=verifier.done + (verifier.settled is None))
+
+
+class ReadWatch:
+    """The forward pre-hook (``pre``) and post-hook (``post``, also where the forward
+    raises) ``attach`` puts on the attached model (see the module docstring). Holds the
+    attachment weakly; inert on any other module (a copy of the model carries it) and
+    once the attachment is gone; a pickle of it is inert."""
+
+    def __init__(self, attachment: Any = None) -> None:
+        self.ref = None if attachment is None else weakref.ref(attachment)
+        self.handles: list[Any] = []  # this forward's hooks on the modules (watch_reads)
+
+    def pre(self, module: Any, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # (first: traced, nothing else of it is)
+        attachment = None if self.ref is None else self.ref()
+        if attachment is None or module is not attachment.model:
+            return
+        engines = [o._lo_engine for o in attachment.optimizers]
+        if any(e.awaits_step for e in engines) and _graph_task_id() < 0 and world_size() == 1:
+            self.handles += watch_reads(module, [e for e in engines if e.awaits_step])
+
+    def post(self, module: Any, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # (nothing was put on while compiling)
+        while self.handles:  # (not its own handle: torch iterates its dict after a raise)
+            self.handles.pop().remove()
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return type(self), ()
+
+
+def watch_reads(model: Any, engines: list[Any]) -> list[Any]:
+    """A pre-hook on each module of ``model`` that holds a parameter ``engines`` updated
+    ahead of ``step()``, raising :data:`READ_AHEAD_ERROR` before that module's forward
+    (``model``'s own: at once). Returns their handles, for the end of the forward. Each
+    names the parameter found now: by its forward FSDP2 may have put the unsharded one,
+    gathered from the updated shard, in its place."""
+    updated = {p: e for e in engines for p in e.train_step.updated}
+
+    def refuse(p: Tensor, module: Any, args: Any = ()) -> None:
+        raise BackwardStateError(READ_AHEAD_ERROR.format(
+            module=type(module).__name__, name=updated[p].name_of(p)))
+
+    own = _reading(model, updated)
+    if own is not None:
+        refuse(own, model)
+    found = ((m, _reading(m, updated)) for m in model.modules())
+    return [m.register_forward_pre_hook(functools.partial(refuse, p))
+            for m, p in found if p is not None]

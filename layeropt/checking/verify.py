@@ -28,9 +28,11 @@ steps a warning says so once, and the optimizer updates in backward from
 then on, at no further cost.
 
 A forward between a backward and its ``step()`` that reads a parameter the
-backward updated in backward mode (an actor's loss through a critic) raises
-:class:`~layeropt.errors.VerifyError` in a loop that calls ``step()``: a
-forward pre-hook on each module while verifying (``layeropt/checking/forwards.py``).
+backward updated (an actor's loss through a critic) is refused at that forward
+once the loop has called ``step()``, verified or not; in its first training
+step, only verify finds it: a forward pre-hook on each module while verifying
+(``layeropt/checking/forwards.py``), :class:`~layeropt.errors.VerifyError` at
+the ``step()`` after it.
 
 A loop that never calls ``step()`` (each ``layeropt.backward`` is a step)
 goes on to a ``zero_grad()`` or to its next forward instead (the attached
@@ -67,7 +69,7 @@ from ..engine.registry import is_dtensor
 from ..engine.stepper import Wrapper, outside_autocast
 from ..engine.subset import _restore, _Saved, _snapshot
 from ..engine.transforms import prepare_grads, unscaled_in_kernel
-from .forwards import after_forward, read_ahead, say_at_next_step, watch
+from .forwards import read_ahead, say_at_next_step, watch
 from ..errors import (
     VERIFY_CAUSES,
     VERIFY_ENDED,
@@ -134,7 +136,7 @@ def verify(engine: Any, steps: int) -> None:
         current.left = max(steps, 1)
         return
     if current is not None:
-        current._unwatch()
+        current.unwatch()
         engine.unwrap(current)
     if steps > 0:
         engine.wrap(Verifier(engine, steps))
@@ -457,7 +459,7 @@ class Verifier(Wrapper):
             return self.step_call(engine, closure)
         return self.inner.detached_step_call(engine, torch_step, closure)
 
-    def settle(self, where: str, discards: bool = True, module: Any = None) -> None:
+    def settle(self, where: str, discards: bool = True) -> None:
         """The loop went on (``where``: a ``zero_grad()``, its next forward) after a
         backward whose updates wait for a ``step()``, and has never called ``step()``:
         each backward is its own training step. Apply this one as ``step()`` would,
@@ -470,11 +472,11 @@ class Verifier(Wrapper):
         forward, verification ends; a ``step()`` after it says that forward came between
         a backward and its ``step()`` (another loss's), and that the steps since were not
         verified (a warning, by a step pre-hook of the optimizer's that goes with it) - or
-        raises where that forward (of ``module``) read what was applied here."""
+        raises where a forward before it read what was applied here."""
         engine = self.engine
         optimizer = engine._optimizer()
         if not engine.attachments:  # detached: nothing of it acts any more
-            self._unwatch()
+            self.unwatch()
             return
         if not self.shadows or "step()" in engine.calls or optimizer is None:
             return  # (a loop that calls step(): the usual rules decide)
@@ -487,12 +489,11 @@ class Verifier(Wrapper):
         warn(VERIFY_NO_STEP.format(where=where, n=self.done))
         if discards:
             self.discarded = (name, self.done)
-            self._unwatch()
+            self.unwatch()
         else:
-            self.settled = set(stepped)  # read in this forward: said at a step() after it
+            self.settled = set(stepped)  # read before a step(): said at that step()
             self.engine.unwrap(self)  # in backward from the next backward on
-            after_forward(module, self._unwatch)
-            say_at_next_step(optimizer, self)
+            say_at_next_step(optimizer, self)  # (the watch ends there, or at the next forward)
 
     def _watch_forwards(self) -> None:
         """Forward pre-hooks on the attached models and their modules
@@ -504,25 +505,23 @@ class Verifier(Wrapper):
         step (:meth:`settle`), and a gradient the loop zeroed in place since ``step()``
         (``p.grad.zero_()``) is no longer the last step's (also where no tensor hook sees
         it: FSDP2's sharded gradients are written by FSDP, not accumulated by autograd).
-        One that reads a parameter updated in backward mode, before its ``step()``,
-        raises :class:`VerifyError` (``forwards.read_ahead``)."""
+        One in the forward that settled it, reading what was applied, is noted for the
+        ``step()`` after it, if one comes (``forwards.read_ahead``)."""
+        if root and self.settled is not None:  # the forward after a settled one: no
+            self.unwatch()  # step() came between (a loop without step())
+            return
         if root:
-            self.settle("its next forward", discards=False, module=module)
+            self.settle("its next forward", discards=False)
             for key in [k for k, (g, _) in self.unzeroed.items() if not g.any()]:
                 del self.unzeroed[key]
-        text = read_ahead(module, self)
-        if text is not None and self.settled is not None:
-            self.read = self.read or text  # (said at step(), if the loop calls it)
-        elif text is not None:
-            self.shadows = {}
-            self._unwatch()  # (the error says how it ended)
-            raise VerifyError(text)
+        self.read = self.read or read_ahead(module, self)  # (said at a step() after it)
 
     def _end(self) -> None:
-        self._unwatch()
+        self.unwatch()
         self.engine.unwrap(self)  # in backward from the next backward on
 
-    def _unwatch(self) -> None:
+    def unwatch(self) -> None:
+        """Its hooks off, and off the list of verifiers reported at exit."""
         _ACTIVE.discard(self)
         _remove_hooks(self.forward_hooks)
         _remove_hooks(self.grad_hooks)
@@ -611,6 +610,6 @@ class Verifier(Wrapper):
 
     def _fail(self, p: Tensor, cause: str, name: str, size: str) -> None:
         self.shadows = {}
-        self._unwatch()  # (the error says how it ended)
+        self.unwatch()  # (the error says how it ended)
         raise VerifyError(VERIFY_ERROR.format(
             name=name, step=self.done + 1, size=size or "-", cause=CAUSES[cause]))
