@@ -102,9 +102,10 @@ Op = tuple[str, dict[str, Any]]
 WHY = {
     "never-zeroed": "What cannot be detected: a loop that never zeroes its gradients "
                     "(or step() twice on one backward's gradients)",
-    "reads-updated": "What cannot be detected: code that reads the parameters between "
-                     "backward and step() (here a forward through a model whose attached "
-                     "backward updated it, before that optimizer's step())",
+    "reads-updated": "A forward between backward and step: one through a model whose "
+                     "attached backward updated it, before that optimizer's step(), where "
+                     "nothing watches it (the loop's first step() not called yet, a "
+                     "handover, several processes, compiled, FSDP2)",
     "step-less": "Gradient accumulation: a loop that never calls step() takes each "
                  "backward as a step (here its optimizer handed over before its first "
                  "step(), the backward's update kept)",
@@ -665,6 +666,15 @@ class Watch:
         # was deleted in a loop whose latest zero_grad set gradients to None
         self.left: set[int] = set()
 
+    def _read_refused(self, hit: list[str]) -> bool:
+        """Whether layeropt refuses the forward that reads ``hit``'s updated layers
+        (checking/forwards.py): one of them has called ``step()`` in this loop (its
+        ``step()`` is known to come), nothing was handed over, in one process, neither
+        compiled nor under FSDP2 (whose root group it does not see)."""
+        return (any(n in self.stepped and self.t.prog["layer"][n] for n in hit)
+                and not self.removed and layeropt.engine.registry.world_size() == 1
+                and loopfuzz.wrap_of(self.t.prog) not in ("compile", "fsdp2"))
+
     def _lo_ids(self, n: str) -> set[int]:
         return {id(p) for p in self.t.params(n)} if self.t.prog["layer"][n] else set()
 
@@ -685,7 +695,8 @@ class Watch:
                 return "never-zeroed"  # (torch's clip measures them; a backward onto
                 # them matters only at a step() applying them again, or a clip)
             read = t.model.reads(a)
-            if any(read & set(t.prog["owned"][n]) for n in self.open):
+            hit = [n for n in self.open if read & set(t.prog["owned"][n])]
+            if hit and not self._read_refused(hit):
                 return "reads-updated"
         elif name == "mzg" and not a["stn"] and self.removed and any(
                 p.grad is not None and self._applied(q) for p, q in self.pairs):
