@@ -33,6 +33,9 @@
 #    streams (tests/offloadfuzz.py, LAYEROPT_FUZZ_DEVICE=cuda: torch.optim and layeropt
 #    on the GPU, bit for bit, or refused; the CPU checks their order on simulated
 #    streams; never run on a GPU yet, ~40 s by the CPU's pace);
+# 5b. plan's calibration again for llama-3.2-1b with eager attention and clipping
+#    (--attention eager --max-norm 1: the 7B run's two settings the plan models since
+#    2026-12-07; its replay still fell 1.06 GiB short of that run's reserved memory);
 # 6. torch's optimizers stepped a bucket at a time against one step() on the GPU
 #    (benchmarks/subset_ways.py: every implementation and dtype, a parameter's first
 #    gradient late, a non-dense parameter; a SILENT row is a difference layeropt does
@@ -42,7 +45,8 @@
 # 8. the 135M GPT, fp32 and bf16, vs fused Adam (benchmarks/gpu_quick.py), the step
 #    tables of gpu.sh in bf16 (~1B GPT; 23M GPT, many-small), and where a bf16 step's
 #    time goes (benchmarks/gpu_profile.py).
-# On 2026-12-04 every part but the 7B one ran in 209 s together: ~435 s in all.
+# On 2026-12-04 every part but the 7B one ran in 209 s together: ~435 s in all, and up to
+# 40 s more for part 5b (added 2026-12-07, not yet run).
 # Each part is capped by `timeout` and by what is left of DEADLINE (default 540 s, under
 # the device tool's 600 s a command): a slow part is cut short, not the rest, and a part
 # with under 15 s left is skipped, saying so. The parts run in the order of what waits
@@ -89,6 +93,7 @@ part offload-bench 90 python benchmarks/offload_bench.py --layers 4 --steps 3 --
 part plan-calibrate 50 python benchmarks/plan_calibrate.py
 part offload-7b 300 python benchmarks/offload_7b.py --modes torch sync overlap-prefetch two-streams budget --budget-gib 6 --micro 2 --steps 3
 part offload-fuzz 40 env LAYEROPT_FUZZ_DEVICE=cuda python tests/offloadfuzz.py --mix all --n 150
+part plan-calibrate-eager-clip 40 python benchmarks/plan_calibrate.py --models llama-3.2-1b --attention eager --max-norm 1
 part subset-ways 20 python benchmarks/subset_ways.py --device cuda
 part ddp-nccl 30 python examples/ddp_train.py --device cuda --nproc 1 --tiny
 part ddp-nccl-no-overlap 30 python examples/ddp_train.py --device cuda --nproc 1 --tiny --no-overlap

@@ -21,9 +21,15 @@ then ``replay-res`` (the replay's error), ``used-res`` (the CUDA context, what
 ``Margin.fixed`` stands for) and ``need-used`` (negative: the plan promised a fit
 the device did not have). ``docs/plan.md`` keeps the 2026-12-04 H200 run.
 
+``--attention eager`` and ``--max-norm X`` plan and run the steps with eager
+attention and clipping (``clip_grad_norm_`` before torch's ``step()``,
+``layeropt.backward(loss, max_norm=X)`` for layeropt's), the two settings of the
+2026-12-04 Llama-2-7B run that the plan did not model until 2026-12-07.
+
 Usage (one GPU, a few minutes):
     python benchmarks/plan_calibrate.py                  # gpt2 and llama-3.2-1b
     python benchmarks/plan_calibrate.py --models gpt2 --seq 1024
+    python benchmarks/plan_calibrate.py --models llama-3.2-1b --attention eager --max-norm 1
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ VARIANTS = [
 MiB = 2**20
 
 
-def real_step(name: str, variant: Variant, seq: int, batch: int, dtype: torch.dtype) -> dict:
+def real_step(name: str, variant: Variant, seq: int, batch: int, dtype: torch.dtype,
+              attention: str = "sdpa", max_norm: float | None = None) -> dict:
     """One real warm-up step, then the measured one; the allocator's peaks."""
     import transformers
 
@@ -56,7 +63,7 @@ def real_step(name: str, variant: Variant, seq: int, batch: int, dtype: torch.dt
     config.use_cache = False
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation="sdpa"
+            config, dtype=dtype, attn_implementation=attention
         ).train()
         ids = torch.randint(0, config.vocab_size, (batch, seq))
     if variant.checkpointing:
@@ -72,7 +79,13 @@ def real_step(name: str, variant: Variant, seq: int, batch: int, dtype: torch.dt
 
     def step() -> None:
         loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        if max_norm is None:
+            loss.backward()
+        elif variant.in_backward:
+            layeropt.backward(loss, max_norm=max_norm)
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
         opt.step()
         opt.zero_grad()
 
@@ -98,20 +111,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=None, help="default: 2048 or the model's")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa")
+    parser.add_argument("--max-norm", type=float, default=None, help="clip (default: no)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("plan_calibrate.py needs a CUDA GPU", file=sys.stderr)
         return 2
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}")
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
+          f"{args.attention} attention, "
+          + ("no clipping" if args.max_norm is None else f"clipped to {args.max_norm:g}"))
     print(f"{'model':<14}{'configuration':<46}{'planned':>8}{'allocated':>10}{'reserved':>9}"
           f"{'used':>7}{'replayed':>9}{'need':>7}{'replay-res':>11}{'used-res':>9}"
           f"{'need-used':>10}  (MiB)")  # fmt: skip
     short = []
     for name in args.models:
-        p = plan(name, seq=args.seq, batch=args.batch, dtype=args.dtype, variants=VARIANTS)
+        p = plan(name, seq=args.seq, batch=args.batch, dtype=args.dtype, variants=VARIANTS,
+                 attention=args.attention, max_norm=args.max_norm)
         for row in p.rows:
-            real = real_step(name, row.variant, p.seq, args.batch, dtype)
+            real = real_step(name, row.variant, p.seq, args.batch, dtype, args.attention,
+                             args.max_norm)
             gc.collect()  # the model and optimizer of that step are gone
             torch.cuda.empty_cache()
             need = p.need(row)

@@ -435,27 +435,28 @@ class _Unhooked:
 class _BufferSnapshot:
     """The attached models' buffers, to undo what the measure pass's recomputes wrote.
 
-    Compared by value: kernels such as ``batch_norm`` update running statistics
-    without bumping their version counter. Restored through ``.data``, which
-    leaves the version counter alone: the values are the ones the graph saw.
+    Every buffer is copied back, unread: kernels such as ``batch_norm`` update running
+    statistics without bumping their version counter, and comparing would read them
+    (a copy costs what comparing would; fake tensors - ``layeropt plan`` - cannot
+    compare). Restored through ``.data``, which leaves the version counter alone: the
+    values are the ones the graph saw.
     """
 
     def __init__(self, engines: list[Any]) -> None:
         seen: set[int] = set()
-        self.saved: list[tuple[Tensor, int, Tensor]] = []
+        self.saved: list[tuple[Tensor, Tensor]] = []
         for e in engines:
             for attachment in list(e.attachments):
                 model = attachment.model
                 for b in model.buffers() if model is not None else ():
                     if id(b) not in seen:
                         seen.add(id(b))
-                        self.saved.append((b, b._version, b.detach().clone()))
+                        self.saved.append((b, b.detach().clone()))
 
     def restore(self) -> None:
         with torch.no_grad():
-            for b, version, value in self.saved:
-                if b._version != version or not torch.equal(b, value):
-                    b.data.copy_(value)
+            for b, value in self.saved:
+                b.data.copy_(value)
 
 
 def _refuse_fp16_unscale(optimizers: list[Any]) -> None:

@@ -153,10 +153,10 @@ def hf_config(kind: str):
     return cfg
 
 
-def hf_real(cfg, dtype):
+def hf_real(cfg, dtype, attention="sdpa"):
     def build():
         return transformers.AutoModelForCausalLM.from_config(
-            cfg, dtype=dtype, attn_implementation="sdpa"
+            cfg, dtype=dtype, attn_implementation=attention
         ).train()
 
     def checkpoint(m):
@@ -558,7 +558,7 @@ def _config_file_rows_once(monkeypatch):
         if not _CONFIG_FILE.get():
             return real_simulate(workload, variants, **kw)
         shape = (workload.name, workload.description, workload.seq, workload.batch,
-                 sorted((k, v) for k, v in kw.items() if k not in ("progress", "jobs")))
+                 workload.attention, sorted((k, v) for k, v in kw.items() if k not in ("progress", "jobs")))
         missing = [v for v in variants if repr((shape, v)) not in _ROWS]
         if missing:
             n_params, rows = real_simulate(workload, missing, **kw)
@@ -877,8 +877,8 @@ def test_cli_default_is_short_all_is_every_row_json_is_whole(tiny_config, capsys
     told = set(re.findall(r'"(\w+)"', '"model"' + schema))
     assert set(out) <= told and set(out["variants"][0]) <= told
     assert set(out) == {"model", "parameters", "dtype", "seq", "batch", "device",
-                        "gpu_memory_bytes", "accumulate", "link", "budget_bytes", "margin",
-                        "variants", "recommendation", "notes"}
+                        "gpu_memory_bytes", "accumulate", "attention", "max_norm", "link",
+                        "budget_bytes", "margin", "variants", "recommendation", "notes"}
     assert set(out["recommendation"]) == {"label", "peak_bytes", "held_device_bytes", "why"}
     assert out["recommendation"]["why"] == p.why(p.choice)  # the whole why, as before
 
@@ -1032,13 +1032,18 @@ class _NumpyHost(layeropt.offload.held.HostHeld):
         return torch.from_numpy(raw).view(like.dtype).view(like.shape)
 
 
-def real_window(variant: Variant, build, make_batch, loss_fn, n):
+def real_window(variant: Variant, build, make_batch, loss_fn, n, max_norm=None,
+                checkpoint=None):
     """``(start, peak above start, (to device, to host) bytes)`` of a real steady-state
-    window of ``n`` micro-batches: torch sums them, layeropt holds all but the last."""
+    window of ``n`` micro-batches: torch sums them, layeropt holds all but the last;
+    with ``max_norm`` clipped as a loop does (``clip_grad_norm_`` before torch's
+    ``step()``, ``layeropt.backward(max_norm=)`` for layeropt's last backward)."""
     torch.manual_seed(0)
     with torch.backends.mkldnn.flags(enabled=False):
         model = build()
         batch = make_batch()
+        if checkpoint is not None and variant.checkpointing:
+            checkpoint(model)
         opt = REAL_OPTIMIZERS[f"{variant.optimizer}/{variant.implementation}"](
             [p for p in model.parameters() if p.requires_grad])
         handle = layeropt.attach(model, opt, bucket_cap_mb=0.0) if variant.in_backward else None
@@ -1052,9 +1057,14 @@ def real_window(variant: Variant, build, make_batch, loss_fn, n):
         def window() -> None:
             for k in range(n):
                 loss = loss_fn(model, batch)
+                if max_norm is not None and variant.in_backward and k == n - 1:
+                    layeropt.backward(loss, max_norm=max_norm)
+                    continue
                 with opt.no_step() if variant.in_backward and k < n - 1 else _nothing():
                     loss.backward()
                 del loss
+            if max_norm is not None and not variant.in_backward:
+                torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], max_norm)
             opt.step()
             opt.zero_grad()
 
@@ -1106,6 +1116,70 @@ def test_accumulation_plan_equals_real_run(n):
     assert held.to_host_bytes - part.to_host_bytes == (n - 1) * on_device
     assert held.to_device_bytes - part.to_device_bytes == on_device
     assert "of %d micro-batches" % n in p.table()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_clipping_and_eager_attention_plan_equal_real_run(n, attention):
+    """``max_norm=`` (clip_grad_norm_ before torch's step, layeropt.backward's two
+    passes) and ``attention="eager"``: every row to the byte against a real CPU window,
+    with checkpointing and state offload too; eager attention keeps more than sdpa."""
+    cfg = hf_config("llama")
+    build, make_batch, loss, checkpoint, _ = hf_real(cfg, torch.float32, attention)
+    rows = [FUSED, FOREACH, LAYEROPT, LAYEROPT_CKPT, OFFLOAD] + ([HELD] if n > 1 else [])
+    # eager attention multiplies the scores by a Python scalar, which torch wraps into an
+    # 8-byte tensor outside the dispatcher and autograd saves: one per layer, unseen
+    slack = 8 * cfg.num_hidden_layers if attention == "eager" else 0
+    kw = dict(seq=SEQ, batch=BATCH, dtype=torch.float32, device="cpu", bucket_cap_mb=0.0,
+              accumulate=n, attention=attention)
+    p = plan(cfg, variants=rows, max_norm=0.5, **kw)
+    for v in rows:
+        start, peak, link = real_window(v, build, make_batch, loss, n, 0.5, checkpoint)
+        assert_matches(p.row(v), (start, peak), slack)
+        assert (p.row(v).to_device_bytes, p.row(v).to_host_bytes) == link, v.label
+    unclipped = plan(cfg, variants=[FUSED, LAYEROPT], **kw)
+    # clip_grad_norm_'s norms and coefficient: a few bytes more than the step without
+    assert p.row(FUSED).peak_bytes >= unclipped.row(FUSED).peak_bytes
+    assert p.to_dict()["max_norm"] == 0.5 and p.to_dict()["attention"] == attention
+    assert "gradients clipped to norm 0.5" in p.header()
+    if attention == "eager":  # a whole sequence's scores, saved for backward
+        sdpa = plan(cfg, variants=[LAYEROPT], **{**kw, "attention": "sdpa"})
+        assert unclipped.row(LAYEROPT).peak_bytes > sdpa.row(LAYEROPT).peak_bytes
+
+
+@PLANS_TINY_CONFIG
+def test_cli_attention_and_max_norm(tiny_config, capsys):
+    base = [tiny_config, "--seq", SEQ, "--optimizer", "layeropt.AdamW"]
+    default = _plan_json(capsys, *base)
+    assert default["attention"] == "sdpa" and default["max_norm"] is None
+    out = _plan_json(capsys, *base, "--attention", "eager", "--max-norm", "1")
+    assert out["attention"] == "eager" and out["max_norm"] == 1.0
+    peaks = {r["label"]: r["peak_bytes"] for r in default["variants"]}
+    assert peaks.keys() == {r["label"] for r in out["variants"]}
+    # (the chunked loss's rows take impl="chunked" when clipping: another kernel)
+    assert all(r["peak_bytes"] > peaks[r["label"]] for r in out["variants"]
+               if not r["chunked_loss"])
+    assert main(["plan", *map(str, base), "--attention", "eager", "--max-norm", "1",
+                 "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "gradients clipped to norm 1" in text and "(eager attention)" in text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_norm": 0.0}, "max_norm must be a positive number"),
+    ({"max_norm": float("inf")}, "max_norm must be a positive number"),
+    ({"max_norm": True}, "max_norm must be a positive number"),
+    ({"attention": "flash"}, "attention must be one of sdpa, eager"),
+])
+def test_clipping_and_attention_refused_with_the_values_they_take(kwargs, message):
+    with pytest.raises(PlanError, match=message):
+        plan(hf_config("llama"), seq=SEQ, device="cpu", variants=[LAYEROPT], **kwargs)
+
+
+def test_attention_is_a_hugging_face_option():
+    with pytest.raises(PlanError, match="attention= sets a Hugging Face model's"):
+        plan(lambda: UNet(1, 8), inputs=lambda: torch.randn(2, 1, 16, 16),
+             loss=lambda m, x: m(x).square().mean(), attention="eager", variants=[LAYEROPT])
 
 
 # -- what a GPU holds: the caching allocator, replayed ------------------------------

@@ -104,6 +104,8 @@ def plan(
     jobs: int = 1,
     accumulate: int = 1,
     link_gbps: float | str | Link = H200,
+    attention: str | None = None,
+    max_norm: float | None = None,
 ) -> Plan:
     """Plan one training step's memory under several configurations.
 
@@ -161,6 +163,15 @@ def plan(
             one rate in GB/s (each way, the two directions at once adding up) or
             ``"TO_GPU,TO_HOST,BOTH"`` (default: :data:`~layeropt.plan.link.H200`,
             the link an H200 measured: 54.9, 54.7 and 88.0 GB/s, 2026-12-04).
+        attention: a Hugging Face model's attention implementation, ``"sdpa"``
+            (default: flash attention on the ``"cuda"`` target) or ``"eager"``
+            (its matmuls and softmax, as ``attn_implementation="eager"`` runs them).
+        max_norm: clip the gradients' total norm to it in every row, as a loop
+            calling ``clip_grad_norm_(params, max_norm)`` before ``step()`` does
+            (torch's rows) and ``layeropt.backward(loss, max_norm=max_norm)`` on
+            the last micro-batch (layeropt's: a measure pass, then the step pass;
+            a Hugging Face model's chunked loss then with ``impl="chunked"``, whose
+            backward runs twice); default ``None``, no clipping.
 
     Returns:
         The :class:`Plan`: ``.table()``, ``.to_dict()``, ``.plot(path)``,
@@ -201,12 +212,18 @@ def plan(
         else:
             torch_dtype = torch_dtype or torch.bfloat16
             workload = hf_workload(
-                model, seq=seq, batch=batch, dtype=torch_dtype, max_positions=max_positions
+                model, seq=seq, batch=batch, dtype=torch_dtype, max_positions=max_positions,
+                attention=attention or "sdpa",
+                chunked_impl="auto" if max_norm is None else "chunked",  # (two passes)
             )
+        if attention is not None and workload.attention is None:
+            raise PlanError("attention= sets a Hugging Face model's attn_implementation; "
+                            "a model factory or a Workload builds its own attention: leave "
+                            "it out")
         rows = _variants(workload, variants, optimizers, accumulate)
         n_params, measured = simulate(
             workload, rows, device=device, bucket_cap_mb=bucket_cap_mb, progress=progress,
-            jobs=jobs, accumulate=accumulate,
+            jobs=jobs, accumulate=accumulate, max_norm=max_norm,
         )  # fmt: skip
         result = Plan(
             model=workload.name,
@@ -221,6 +238,8 @@ def plan(
             notes=[note] if note else [],
             accumulate=accumulate,
             link=link,
+            attention=workload.attention,
+            max_norm=max_norm,
         )
 
         if not isinstance(variants, str) and variants is not None:
@@ -228,7 +247,7 @@ def plan(
 
         def measure(variant: Variant) -> Measurement:
             return simulate(workload, [variant], device=device, bucket_cap_mb=bucket_cap_mb,
-                            accumulate=accumulate)[1][0]
+                            accumulate=accumulate, max_norm=max_norm)[1][0]
 
         return _keep_held_on_the_gpu(result, measure)
 

@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from .variants import OPTIMIZERS, Variant
-from .workloads import BUILTIN_SHAPES, PlanError
+from .workloads import ATTENTION, BUILTIN_SHAPES, PlanError
 
 __all__ = ["add_parser", "run", "join_size_units"]
 
@@ -105,6 +105,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "gradients planned on the GPU and in host memory as separate rows",
     )  # fmt: skip
     p.add_argument(
+        "--attention", choices=ATTENTION, default="sdpa",
+        help="a Hugging Face model's attn_implementation: sdpa (default; flash attention "
+        "on a GPU) or eager (its matmuls and softmax: a whole sequence's scores alive)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-norm", type=float, default=None, metavar="X",
+        help="clip gradients to total norm X in every row, as clip_grad_norm_ before step() "
+        "(torch) and layeropt.backward(loss, max_norm=X) (layeropt: a measure pass, then "
+        "the step pass) do; default: no clipping",
+    )  # fmt: skip
+    p.add_argument(
         "--link-gbps", default=None, metavar="GB/S",
         help="the host link's rates, for the step-time floor of rows that copy over it: "
         "one (GB/s each way, e.g. 25 for PCIe 4.0 x16 in practice) or TO_GPU,TO_HOST,BOTH "
@@ -148,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
             jobs=args.jobs if args.jobs is not None else _cores(),
             accumulate=args.accumulate,
             link_gbps=H200 if args.link_gbps is None else args.link_gbps,
+            attention=args.attention,
+            max_norm=args.max_norm,
         )
         if progress is not None:
             print(file=sys.stderr)

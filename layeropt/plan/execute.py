@@ -17,6 +17,11 @@ loss.backward(); opt.step(); opt.zero_grad()`` is counted by
   added; then each optimizer steps once on the gradients (warm-up) and its
   second ``step()`` is measured. The larger peak is the step's.
 
+With ``max_norm`` the step clips as a training loop would: torch's rows call
+``clip_grad_norm_`` before ``step()`` (counted in the step's phase), layeropt's
+last backward is ``layeropt.backward(loss, max_norm=...)`` (its measure pass and
+its step pass, both run).
+
 On the ``"cuda"`` target the tracker also logs every allocation and free
 (:attr:`~layeropt.plan.tracker.LiveBytes.log`), and a run of steps made of
 them - the model built, the first step, steady-state steps until the
@@ -113,6 +118,7 @@ def simulate(
     progress: Callable[[int, int, Variant], None] | None = None,
     jobs: int = 1,
     accumulate: int = 1,
+    max_norm: float | None = None,
 ) -> tuple[int, list[Measurement]]:
     """Measure one steady-state training step per variant, on fake tensors.
 
@@ -133,6 +139,9 @@ def simulate(
             a process with no other Python thread and no CUDA context; each
             builds its own fake model; the numbers do not depend on it).
         accumulate: micro-batches per training step (the same batch each time).
+        max_norm: clip the gradients' total norm to it, as ``clip_grad_norm_``
+            (torch) and ``layeropt.backward(max_norm=)`` (layeropt) do; ``None``:
+            no clipping.
 
     Returns:
         ``(number of parameters, one Measurement per variant)``.
@@ -144,6 +153,10 @@ def simulate(
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise PlanError(f"accumulate must be a whole number of micro-batches >= 1, got "
                         f"{accumulate!r}")
+    if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
+                                 or not 0 < max_norm < float("inf")):
+        raise PlanError(f"max_norm must be a positive number (or None: no clipping), got "
+                        f"{max_norm!r}")
     for v in variants:
         if v.checkpointing and workload.checkpoint is None:
             raise PlanError(
@@ -158,7 +171,7 @@ def simulate(
 
         if can_fork():
             options = {"device": device, "bucket_cap_mb": bucket_cap_mb,
-                       "accumulate": accumulate}
+                       "accumulate": accumulate, "max_norm": max_norm}
             try:
                 return run_sharded(simulate, workload, variants, units, jobs, progress, options)
             except RuntimeError as e:  # (the rows run here instead: below)
@@ -198,7 +211,7 @@ def simulate(
             done[0] += 1
 
         run = _Run(model, batch, trainable, workload, live, bucket_cap_mb, tick, accumulate,
-                   built)
+                   built, max_norm)
         results: dict[Variant, Measurement] = {}
         for unit in units:
             if unit[0].in_backward:
@@ -272,6 +285,7 @@ class _Run:
     tick: Callable[[Variant], None]
     accumulate: int = 1
     built: list[Event] | None = None  # the allocations before the steps (None: not logged)
+    max_norm: float | None = None  # clipping (None: none)
 
     @property
     def micro(self) -> int:
@@ -389,6 +403,8 @@ def _measure_plain(
             live.start()
             try:
                 live.phase = "optimizer step"
+                if run.max_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(run.params, run.max_norm)
                 opt.step()
             finally:
                 live.phase = "idle"
@@ -422,7 +438,7 @@ def _measure_in_backward(run: _Run, variant: Variant) -> Measurement:
             offload, first = _first_step(run, variant, opt, loss_fn, attached)
             with _gc_paused():
                 live.start()
-                _step(run.model, run.batch, loss_fn, opt, live, run.micro)
+                _step(run.model, run.batch, loss_fn, opt, live, run.micro, run.max_norm)
             host, link = _link(offload, run)
             reserved = _reserved(run, first, alive(first), _taken(live))
             return Measurement(
@@ -466,7 +482,7 @@ def _first_step(
         return offload, alive(_taken(live))  # the state (the zero gradients are gone)
     attached.append(layeropt.attach(run.model, opt, **cap))
     with _gc_paused():
-        _step(run.model, run.batch, loss_fn, opt, live, run.micro)
+        _step(run.model, run.batch, loss_fn, opt, live, run.micro, run.max_norm)
     live.track(list(opt.state.values()), STATE)
     return None, _taken(live)
 
@@ -525,9 +541,12 @@ def _offloaded(opt: Any, live: LiveBytes, variant: Variant) -> Any:
 
 
 def _step(model: nn.Module, batch: Any, loss_fn: Any, opt: Any, live: LiveBytes,
-          micro: int = 1) -> None:
+          micro: int = 1, max_norm: float | None = None) -> None:
     """``loss = loss_fn(model, batch); loss.backward(); opt.step(); opt.zero_grad()``,
-    the first ``micro - 1`` backwards inside ``opt.no_step()``."""
+    the first ``micro - 1`` backwards inside ``opt.no_step()``; with ``max_norm`` the
+    last through ``layeropt.backward(loss, max_norm=max_norm)``."""
+    import layeropt
+
     try:
         for _ in range(micro - 1):
             live.phase = "forward"
@@ -539,7 +558,10 @@ def _step(model: nn.Module, batch: Any, loss_fn: Any, opt: Any, live: LiveBytes,
         live.phase = "forward"
         loss = loss_fn(model, batch)
         live.phase = "backward"
-        loss.backward()
+        if max_norm is None:
+            loss.backward()
+        else:
+            layeropt.backward(loss, max_norm=max_norm)
         live.phase = "optimizer step"
         opt.step()
         live.phase = "zero_grad"

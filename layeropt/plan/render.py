@@ -205,6 +205,9 @@ class Plan:
         link: the host link's rates (:class:`~layeropt.plan.link.Link`), for the
             step-time floor of the rows that copy over it (default: the link an
             H200 measured, :data:`~layeropt.plan.link.H200`).
+        attention: a Hugging Face model's attention implementation (``"sdpa"``,
+            ``"eager"``), ``None`` for other models.
+        max_norm: the clipping each row's step does (``None``: none).
     """
 
     model: str
@@ -219,6 +222,8 @@ class Plan:
     notes: list[str] = dataclasses.field(default_factory=list)
     accumulate: int = 1
     link: Link = H200
+    attention: str | None = None
+    max_norm: float | None = None
 
     def __post_init__(self) -> None:
         self.rows = sorted(self.rows, key=lambda r: (r.peak_bytes, len(r.variant.changes())))
@@ -368,11 +373,15 @@ class Plan:
         shape = ""
         if self.seq is not None:
             shape = f", batch {self.batch} x {self.seq} tokens"
-        kernels = {"cuda": "a CUDA GPU's kernels modelled (flash attention); no GPU used",
+        attention = ("eager attention" if self.attention == "eager"
+                     else "flash attention")  # (sdpa, or a model of its own: its own calls)
+        kernels = {"cuda": f"a CUDA GPU's kernels modelled ({attention}); no GPU used",
                    "cpu": "torch's CPU kernels"}.get(self.device, f"{self.device}'s kernels")
         step = "one steady-state training step"
         if self.accumulate > 1:
             step += f" of {self.accumulate} micro-batches (gradient accumulation)"
+        if self.max_norm is not None:
+            step += f", gradients clipped to norm {self.max_norm:g}"
         lines = [
             f"layeropt plan: {self.model} ({_count(self.parameters)} parameters"
             f"{', ' + self.dtype if self.dtype else ''}{shape}), {step}",
@@ -647,8 +656,9 @@ class Plan:
             ``held_host_bytes`` (the held gradients' part of ``host_bytes``),
             ``to_device_bytes`` / ``to_host_bytes`` (per step over the host link)
             and ``link_floor_seconds`` (:meth:`link_floor`); the plan has
-            ``accumulate`` and ``link`` (``{"to_device_gbps", "to_host_gbps",
-            "both_gbps", "measured"}``).
+            ``accumulate``, ``attention`` (``"sdpa"``, ``"eager"`` or ``None``),
+            ``max_norm`` (``None``: no clipping) and ``link``
+            (``{"to_device_gbps", "to_host_gbps", "both_gbps", "measured"}``).
         """
         choice = self.choice
         return {
@@ -660,6 +670,8 @@ class Plan:
             "device": self.device,
             "gpu_memory_bytes": self.gpu_memory,
             "accumulate": self.accumulate,
+            "attention": self.attention,
+            "max_norm": self.max_norm,
             "link": {"to_device_gbps": self.link.to_device, "to_host_gbps": self.link.to_host,
                      "both_gbps": self.link.both, "measured": self.link.measured},
             "budget_bytes": self.budget,

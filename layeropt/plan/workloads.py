@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from ..errors import LayeroptError
 
-__all__ = ["Workload", "PlanError", "BUILTIN_SHAPES", "hf_workload", "load_config"]
+__all__ = ["Workload", "PlanError", "BUILTIN_SHAPES", "ATTENTION", "hf_workload", "load_config"]
 
 
 class PlanError(LayeroptError, ValueError):
@@ -54,6 +54,8 @@ class Workload:
         description: a short line about the shape (for the report).
         seq: tokens per sequence, for language models (for the report).
         batch: sequences per batch, for language models (for the report).
+        attention: a Hugging Face model's attention implementation (``"sdpa"``
+            or ``"eager"``; for the report), ``None`` for other models.
     """
 
     name: str
@@ -65,7 +67,13 @@ class Workload:
     description: str = ""
     seq: int | None = None
     batch: int | None = None
+    attention: str | None = None
 
+
+#: The attention implementations a Hugging Face model is planned with: ``sdpa``
+#: (a GPU's flash attention modelled on the ``"cuda"`` target) and ``eager`` (the
+#: model's own matmuls and softmax, the scores of a whole sequence alive).
+ATTENTION = ("sdpa", "eager")
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -252,6 +260,8 @@ def hf_workload(
     batch: int = 1,
     dtype: torch.dtype = torch.bfloat16,
     max_positions: int | None = None,
+    attention: str = "sdpa",
+    chunked_impl: str = "auto",
 ) -> Workload:
     """A :class:`Workload` for a Hugging Face causal LM: ``model(input_ids=ids, labels=ids).loss``.
 
@@ -265,12 +275,19 @@ def hf_workload(
         max_positions: the model's positions (``max_position_embeddings``
             or ``n_positions``), replacing the config's: to plan a ``seq``
             longer than the config allows (learned position embeddings grow).
+        attention: ``"sdpa"`` (default) or ``"eager"`` (:data:`ATTENTION`): the
+            ``attn_implementation`` the model is built with.
+        chunked_impl: the chunked loss's ``impl`` (:func:`~layeropt.losses.linear_cross_entropy`):
+            ``"chunked"`` where its backward runs twice (``layeropt.backward``'s
+            clipping; torch's own op runs it once).
 
     Returns:
-        The workload: attention through ``sdpa``, ``use_cache=False``,
+        The workload: attention through ``attention``, ``use_cache=False``,
         checkpointing with ``use_reentrant=False``, and a chunked-loss variant
         when the output layer is an ``nn.Linear``.
     """
+    if attention not in ATTENTION:
+        raise PlanError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
     transformers = _transformers()
     name, config = load_config(model)
     config.use_cache = False
@@ -298,12 +315,12 @@ def hf_workload(
     def build() -> nn.Module:
         try:
             m = transformers.AutoModelForCausalLM.from_config(
-                config, dtype=dtype, attn_implementation="sdpa"
+                config, dtype=dtype, attn_implementation=attention
             )
         except ValueError as e:
             raise PlanError(
                 f"{name} ({type(config).__name__}) is not a causal LM transformers can build "
-                f"with sdpa attention: {e}"
+                f"with {attention} attention: {e}"
             ) from e
         return m.train()
 
@@ -328,7 +345,7 @@ def hf_workload(
         hidden = base(input_ids=ids).last_hidden_state
         head = m.get_output_embeddings()
         targets = F.pad(ids[:, 1:], (0, 1), value=-100)  # HF's shift, last position ignored
-        return linear_cross_entropy(hidden, head.weight, targets, head.bias)
+        return linear_cross_entropy(hidden, head.weight, targets, head.bias, impl=chunked_impl)
 
     return Workload(
         name=name,
@@ -340,6 +357,7 @@ def hf_workload(
         checkpoint=checkpoint,
         chunked_loss=chunked if _plain_head(config) else None,
         description=type(config).__name__,
+        attention=attention,
     )
 
 
