@@ -105,7 +105,7 @@ WHY = {
     "reads-updated": "A forward between backward and step: one through a model whose "
                      "attached backward updated it, before that optimizer's step(), where "
                      "nothing watches it (the loop's first step() not called yet, a "
-                     "handover, several processes, compiled, FSDP2)",
+                     "handover, compiled, FSDP2)",
     "step-less": "Gradient accumulation: a loop that never calls step() takes each "
                  "backward as a step (here its optimizer handed over before its first "
                  "step(), the backward's update kept)",
@@ -669,10 +669,11 @@ class Watch:
     def _read_refused(self, hit: list[str]) -> bool:
         """Whether layeropt refuses the forward that reads ``hit``'s updated layers
         (checking/forwards.py): one of them has called ``step()`` in this loop (its
-        ``step()`` is known to come), nothing was handed over, in one process, neither
-        compiled nor under FSDP2 (whose root group it does not see)."""
+        ``step()`` is known to come), nothing was handed over, neither compiled nor
+        under FSDP2 (whose root group it does not see); on every rank alike (one
+        program, the same path)."""
         return (any(n in self.stepped and self.t.prog["layer"][n] for n in hit)
-                and not self.removed and layeropt.engine.registry.world_size() == 1
+                and not self.removed
                 and loopfuzz.wrap_of(self.t.prog) not in ("compile", "fsdp2"))
 
     def _lo_ids(self, n: str) -> set[int]:

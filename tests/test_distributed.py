@@ -506,23 +506,43 @@ def _errors(rank: int) -> dict[str, str]:
             opt.zero_grad()  # (not opt_b's)
             F.mse_loss(ddp(x, (True, False)), y).backward()
 
-    def reached_on_one_rank():  # b used on rank 1 alone, its optimizer neither stepped nor
-        ddp = DDP(_Branchy(), process_group=group, find_unused_parameters=True)  # zeroed
-        b = list(ddp.module.b.parameters())  # since its last backward: every rank refuses,
-        opt_b = layeropt.Adam(b)  # at the flush (the used flags all-reduced), before any
+    def b_pending():  # b updated by a backward, its optimizer neither stepped nor zeroed
+        ddp = DDP(_Branchy(), process_group=group, find_unused_parameters=True)  # since
+        b = list(ddp.module.b.parameters())
+        opt_b = layeropt.Adam(b)
         opt = layeropt.Adam([p for p in ddp.parameters() if all(p is not q for q in b)])
-        with layeropt.attach(ddp, [opt, opt_b]):  # bucket lands
-            x, y = torch.randn(4, 8), torch.randn(4, 3)
-            for o in ([opt, opt_b], [opt]):  # (a loop calling step(): not step-less)
-                F.mse_loss(ddp(x, (True, True)), y).backward()
-                for each in o:
-                    each.step()
-                    each.zero_grad()
-            before = [p.detach().clone() for p in ddp.parameters()]
+        handle = layeropt.attach(ddp, [opt, opt_b])
+        x, y = torch.randn(4, 8), torch.randn(4, 3)
+        for o in ([opt, opt_b], [opt]):  # (a loop calling step(): not step-less)
+            F.mse_loss(ddp(x, (True, True)), y).backward()
+            for each in o:
+                each.step()
+                each.zero_grad()
+        before = [p.detach().clone() for p in ddp.parameters()]
+        return ddp, handle, (opt, opt_b), x, y, before  # (the optimizers kept alive)
+
+    def reached_on_one_rank():  # b reached on rank 1 alone, through F.linear (a read no
+        ddp, handle, _opts, x, y, before = b_pending()  # forward hook sees): every rank refuses, at
+        with handle:  # the flush (the used flags all-reduced), before any bucket lands
             try:
-                F.mse_loss(ddp(x, (True, rank == 1)), y).backward()
+                F.mse_loss(ddp(x, (True, rank == 1), functional=True), y).backward()
             finally:
                 assert all(torch.equal(a, p) for a, p in zip(before, ddp.parameters()))
+
+    def read_on_one_rank():  # b's module run on rank 1 alone: that rank's forward is refused
+        ddp, handle, _opts, x, y, before = b_pending()  # before it runs; the other's reads nothing
+        with handle:  # updated (the ranks agree on a flag before any backward, as a loop
+            refused = None  # would need to: alone, rank 0 would wait in its next collective)
+            try:
+                ddp(x, (True, rank == 1))
+            except layeropt.BackwardStateError as e:
+                refused = e
+            flag = torch.tensor([int(refused is not None)])
+            dist.all_reduce(flag, group=group)
+            assert all(torch.equal(a, p) for a, p in zip(before, ddp.parameters()))
+            if refused is not None:
+                raise refused
+            return f"ok: {flag.item()} rank(s) refused"
 
     def another_hook_on_reattach():
         ddp = DDP(_model(), process_group=group)
@@ -551,6 +571,7 @@ def _errors(rank: int) -> dict[str, str]:
         stateful_hook_kept_gradients=stateful_hook_kept_gradients,
         stateful_hook_kept_unused=stateful_hook_kept_unused,
         reached_on_one_rank=reached_on_one_rank,
+        read_on_one_rank=read_on_one_rank,
         another_hook_on_reattach=another_hook_on_reattach,
         comm_hook_without_ddp=comm_hook_without_ddp,
         negative_cap=negative_cap,
@@ -900,12 +921,13 @@ class _Branchy(nn.Module):
         self.body, self.a, self.b, self.spare = (
             nn.Linear(8, 8), nn.Linear(8, 3), nn.Linear(8, 3), nn.Linear(3, 3))
 
-    def forward(self, x: torch.Tensor, use: tuple[bool, bool]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, use: tuple[bool, bool],
+                functional: bool = False) -> torch.Tensor:
         h = torch.tanh(self.body(x))
         out = h[:, :3]
         for head, used in zip((self.a, self.b), use):
-            if used:
-                out = out + head(h)
+            if used:  # (functional: no forward of the head's module runs)
+                out = out + (F.linear(h, head.weight, head.bias) if functional else head(h))
         return out
 
 
@@ -1144,8 +1166,6 @@ def test_rules_on_two_processes(ranks, kind, rule, cap):
     """tests/test_rules.py's table on two processes: exact, or loud in the first step."""
     if kind in test_rules.NOT_ON.get(rule, ()):
         pytest.skip(test_rules.NOT_ON_WHY)
-    if rule in test_rules.ONE_PROCESS:
-        pytest.skip("refused in one process only (test_rules.ONE_PROCESS says why)")
     outs = [r[f"rules/{kind}/{rule}/{cap}"] for r in ranks]
     for out in outs:
         test_rules.check_rule(rule, out)
@@ -1369,6 +1389,18 @@ def test_plain_hooks_never_step_on_local_gradients(ranks, case):
     for outcome in _get(ranks, "errors"):
         for text in ERRORS[case]:
             assert text in outcome[case], outcome[case]
+
+
+def test_a_forward_reading_ahead_on_one_rank_is_refused_on_that_rank(ranks):
+    """DDP: a forward between a backward and step() runs an updated head's module on rank
+    1 alone. Rank 1's forward raises before it runs, saying the other ranks go on; rank
+    0's reads nothing updated and runs (the case then ends both before any backward)."""
+    zero, one = (outcome["read_on_one_rank"] for outcome in _get(ranks, "errors"))
+    assert zero == "ok", zero
+    for text in ("BackwardStateError: A forward of Linear between an attached backward",
+                 "'module.b.weight'", "Nothing of this forward ran", "`with opt.no_step():`",
+                 "A job of 2 processes", "waits in its next collective"):
+        assert text in one, one
 
 
 def test_a_comm_hook_is_checked_as_ddp_checks_it(ranks):

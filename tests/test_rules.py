@@ -422,10 +422,6 @@ NOT_ON: dict[str, tuple[str, ...]] = {
     "AveragedModel updated between backward and step()": ("fsdp2",),
 }
 NOT_ON_WHY = "not run on this kind (NOT_ON says why)"
-# Rows refused in one process only (tests/test_distributed.py runs the table on two):
-# a forward's path may differ by rank, and a refusal at a forward on one rank alone
-# would leave the other waiting in its next collective (docs/rules.md)
-ONE_PROCESS = {"DDPG, critic frozen, its step() after the actor's"}
 KINDS = ["plain", "ddp", pytest.param("fsdp2", marks=pytest.mark.skipif(
     not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.8"))]
 

@@ -25,14 +25,21 @@ weights where torch's reads the last step's. Two watches see it:
   training step, where :class:`ReadWatch` cannot yet tell such a loop from one
   without ``step()``.
 
+In a job of several processes each rank watches its own forwards: where the
+ranks' forwards take the same path (the updated parameters are the same on every
+rank: DDP and FSDP2 update what the reduced gradients reach) every rank raises at
+the same module; where only some ranks' forwards read an updated parameter,
+those raise and the others go on to their next collective, where they wait until
+the launcher ends the job (torchrun and ``mp.spawn`` end it when a rank fails) -
+loud where the alternative is a silently different run.
+
 Not seen: a read that calls no module's forward (``F.linear(x, layer.weight)``),
 a forward under ``torch.compile`` (the hooks return at once while compiling), a
-forward inside backward (checkpointing's recomputation), a forward in a job of
-several processes (its path may differ by rank, and a refusal on one rank alone
-would leave the others waiting in their next collective); under FSDP2, a module
+forward inside backward (checkpointing's recomputation); under FSDP2, a module
 whose parameters are gathered already when the model's forward begins (the
 root's own group: :func:`watch_reads` finds the updated shards by identity) -
-and, by verify, any (its module hooks look when each module's forward begins).
+and, by verify, any (its module hooks look when each module's forward begins;
+verify's own read check stays off in a job of several processes).
 """
 
 from __future__ import annotations
@@ -67,6 +74,11 @@ READ_AHEAD_ERROR = (
     "update then waits for step(), as torch's does; accumulating, every micro-batch but "
     "the last), or call step() before this forward (the order of the DCGAN tutorial and "
     "CleanRL's DDPG)."
+)
+
+READ_AHEAD_RANKS = (
+    " (A job of {n} processes: this rank's forward reads it; a rank whose forward does not "
+    "goes on, and waits in its next collective until the launcher ends the job.)"
 )
 
 VERIFY_READ_AHEAD = (
@@ -170,7 +182,7 @@ class ReadWatch:
         if attachment is None or module is not attachment.model:
             return
         engines = [o._lo_engine for o in attachment.optimizers]
-        if any(e.awaits_step for e in engines) and _graph_task_id() < 0 and world_size() == 1:
+        if any(e.awaits_step for e in engines) and _graph_task_id() < 0:
             self.handles += watch_reads(module, [e for e in engines if e.awaits_step])
 
     def post(self, module: Any, args: Any, output: Any) -> None:
@@ -192,8 +204,10 @@ def watch_reads(model: Any, engines: list[Any]) -> list[Any]:
     updated = {p: e for e in engines for p in e.train_step.updated}
 
     def refuse(p: Tensor, module: Any, args: Any = ()) -> None:
+        n = world_size()
         raise BackwardStateError(READ_AHEAD_ERROR.format(
-            module=type(module).__name__, name=updated[p].name_of(p)))
+            module=type(module).__name__, name=updated[p].name_of(p))
+            + (READ_AHEAD_RANKS.format(n=n) if n > 1 else ""))
 
     own = _reading(model, updated)
     if own is not None:
