@@ -28,7 +28,9 @@
 #    bit-identical to torch): ~225 s by the 2026-12-04 numbers (steps 3.4 s torch, 45 s
 #    sync, 37 s overlap + prefetch and as much again for two streams, 45 s for the
 #    budget, the rest building and copying 13 GiB of weights and 25 GiB of state to and
-#    from the host);
+#    from the host); the sync mode's second step with the allocator's trace on, and what
+#    was alive at its peak by where it was allocated (benchmarks/memory_peak.py: the GiB
+#    the plan's replay does not see), in the log and offload-7b-peak.txt;
 # 5. random loop programs with the state offloaded in every mode on the GPU's real copy
 #    streams (tests/offloadfuzz.py, LAYEROPT_FUZZ_DEVICE=cuda: torch.optim and layeropt
 #    on the GPU, bit for bit, or refused; the CPU checks their order on simulated
@@ -91,7 +93,7 @@ part cuda-tests 50 python -m pytest tests/test_cuda.py -q -p no:cacheprovider
 part offload-tests 60 python -m pytest tests/test_cuda_offload.py -q -p no:cacheprovider
 part offload-bench 90 python benchmarks/offload_bench.py --layers 4 --steps 3 --accumulate 4 --unproven --trace "$PARTS/offload-trace"
 part plan-calibrate 50 python benchmarks/plan_calibrate.py
-part offload-7b 300 python benchmarks/offload_7b.py --modes torch sync overlap-prefetch two-streams budget --budget-gib 6 --micro 2 --steps 3
+part offload-7b 300 python benchmarks/offload_7b.py --modes torch sync overlap-prefetch two-streams budget --budget-gib 6 --micro 2 --steps 3 --memory-trace "$PARTS/offload-7b-peak.txt"
 part offload-fuzz 40 env LAYEROPT_FUZZ_DEVICE=cuda python tests/offloadfuzz.py --mix all --n 150
 part plan-calibrate-eager-clip 40 python benchmarks/plan_calibrate.py --models llama-3.2-1b --attention eager --max-norm 1
 part subset-ways 20 python benchmarks/subset_ways.py --device cuda

@@ -58,6 +58,7 @@ import os
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
 
 import argparse
+import contextlib
 import datetime
 import gc
 import sys
@@ -70,6 +71,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import layeropt
 from layeropt.offload import StateOffload, offload_state
 from layeropt.offload.state import _install
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (memory_peak beside it)
+import memory_peak  # noqa: E402
 
 GiB = 2**30
 MODES = {  # mode -> offload_state keywords (None: the torch.optim reference)
@@ -188,10 +192,9 @@ def run(mode: str, args: argparse.Namespace, config: LlamaConfig, initial: dict,
         else:
             handle = offload_state(opt, **options)
     times, steady_copied, losses = [], 0, []
-    for step in range(args.steps):
-        before = copied(handle)
-        sync(device)
-        start = time.perf_counter()
+    traced = args.memory_trace and mode == args.memory_trace_mode and device.type == "cuda"
+
+    def train_step(step: int) -> None:
         for k in range(args.micro):
             ids = data[step, k].to(device)
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss / args.micro
@@ -207,8 +210,32 @@ def run(mode: str, args: argparse.Namespace, config: LlamaConfig, initial: dict,
             torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad()
+
+    for step in range(args.steps):
+        before = copied(handle)
         sync(device)
-        times.append(time.perf_counter() - start)
+        trace = None
+        with contextlib.ExitStack() as stack:
+            if traced and step == min(1, args.steps - 1):  # (the second step: the state
+                # made, the last one's time left unrecorded)
+                try:
+                    trace = stack.enter_context(memory_peak.record(device))
+                except Exception as exc:  # noqa: BLE001 - a note, not the mode's failure
+                    print(f"  memory trace not taken: {exc!r}", file=sys.stderr, flush=True)
+            start = time.perf_counter()
+            train_step(step)
+            sync(device)
+            times.append(time.perf_counter() - start)
+        if trace is not None:  # (after the timing: the summary is not in the step's time)
+            try:
+                summary = memory_peak.summarize(trace.snapshot, trace.baseline,
+                                                device.index or 0)
+            except Exception as exc:  # noqa: BLE001 - a note, not the mode's failure
+                summary = f"not summarized: {exc!r}"
+            with open(args.memory_trace, "w") as f:
+                f.write(f"{mode}, step {step + 1} of {args.steps}\n{summary}\n")
+            print(f"  {mode} step {step + 1}, what the allocator held at its peak:\n{summary}",
+                  file=sys.stderr, flush=True)
         steady_copied = copied(handle) - before
         print(f"  {mode} step {step + 1}: {times[-1]:.2f} s, losses "
               f"{', '.join(f'{x.item():.4f}' for x in losses[-args.micro:])}", file=sys.stderr,
@@ -282,6 +309,12 @@ def main() -> int:
                     help="the machine's host memory: torch's state is kept for the comparison "
                          "only if the offloaded runs will still fit (default: the H200 machine)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--memory-trace", metavar="PATH", default=None,
+                    help="record the caching allocator's actions in the second step of "
+                    "--memory-trace-mode (CUDA; the last step's time stays unrecorded) and "
+                    "write what is alive at its peak, by where it was allocated "
+                    "(benchmarks/memory_peak.py), to PATH")
+    ap.add_argument("--memory-trace-mode", default="sync", choices=list(MODES))
     ap.add_argument("--tiny", action="store_true",
                     help="hidden 64, 2 layers, vocab 128, seq 32, fp32: a CPU smoke run")
     args = ap.parse_args()
