@@ -38,8 +38,8 @@ a forward under ``torch.compile`` (the hooks return at once while compiling), a
 forward inside backward (checkpointing's recomputation); under FSDP2, a module
 whose parameters are gathered already when the model's forward begins (the
 root's own group: :func:`watch_reads` finds the updated shards by identity) -
-and, by verify, any (its module hooks look when each module's forward begins;
-verify's own read check stays off in a job of several processes).
+and, by verify, any (its module hooks look when each module's forward begins; in
+a job of several processes, on each rank whose forward reads one, as above).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def read_ahead(module: Any, verifier: Any) -> str | None:
     """:data:`VERIFY_READ_AHEAD` where ``module``'s forward, outside backward, reads a
     parameter a forward settled (``verifier.settled``: the loop's next ``step()``, if
     one comes, says it); else ``None``."""
-    if not verifier.settled or _graph_task_id() >= 0 or world_size() > 1:
+    if not verifier.settled or _graph_task_id() >= 0:
         return None
     read = _reading(module, verifier.settled)
     return None if read is None else VERIFY_READ_AHEAD.format(
