@@ -153,7 +153,8 @@ def simulate(
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise PlanError(f"accumulate must be a whole number of micro-batches >= 1, got "
                         f"{accumulate!r}")
-    if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
+    if max_norm is not None and (isinstance(max_norm, bool)
+                                 or not isinstance(max_norm, (int, float))
                                  or not 0 < max_norm < float("inf")):
         raise PlanError(f"max_norm must be a positive number (or None: no clipping), got "
                         f"{max_norm!r}")
